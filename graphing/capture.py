@@ -1,0 +1,71 @@
+"""Capturing a callable into a CUDA graph, and saying in plain words why it failed."""
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional, Tuple
+
+import torch
+
+
+class CaptureError(RuntimeError):
+    """A capture failed on at least one rank; the message says why and what to change."""
+
+
+def explain_capture_failure(err: BaseException, capture_error_mode: str) -> str:
+    """Turns CUDA's capture errors into a cause a user can act on."""
+    text = f"{type(err).__name__}: {err}"
+    chain = err.__context__ or err.__cause__
+    if chain is not None:
+        text += f" (after {type(chain).__name__}: {chain})"
+    low = text.lower()
+    if "operation not permitted when stream is capturing" in low or "capture" in low and "sync" in low \
+            or "item()" in low or "cudaerrorstreamcaptureunsupported" in low:
+        cause = ("the step synchronizes with the host while it is being captured, e.g. `.item()`, "
+                 "`.cpu()`, `print(tensor)`, `bool(tensor)` in an `if`, or a tensor used as a Python number. "
+                 "Keep values on the device inside the step (accumulate metrics in device tensors)")
+    elif "invalidated" in low or "cudaerrorstreamcaptureimplicit" in low or "other thread" in low:
+        cause = ("a CUDA call from another thread (a pinned-memory DataLoader thread, the NCCL watchdog) "
+                 "or an implicit sync on the legacy stream invalidated the capture")
+        if capture_error_mode == "global":
+            cause += "; graph.capture_error_mode=thread_local tolerates calls from other threads"
+    elif "shape" in low or "size" in low and "mismatch" in low:
+        cause = "the step's shapes changed between warm-up and capture; every batch must have the same shape"
+    else:
+        cause = "an operation in the step cannot be captured"
+    return (f"CUDA graph capture failed: {cause}.\n  underlying error: {text.strip()[:600]}\n"
+            "  to try: fix the step, or set graph.on_failure=eager to fall back to eager execution, "
+            "or graph=eager")
+
+
+def capture(fn: Callable[[], None], stream: torch.cuda.Stream, pool, capture_error_mode: str
+            ) -> Tuple[Optional[torch.cuda.CUDAGraph], float, Optional[str]]:
+    """Captures ``fn`` on ``stream``: (graph or None, seconds, failure explanation or None)."""
+    graph = torch.cuda.CUDAGraph()
+    start = time.perf_counter()
+    try:
+        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode):
+            fn()
+    except Exception as err:  # a failed capture is reported and agreed on, not fatal here
+        _leave_capture(stream)
+        return None, time.perf_counter() - start, explain_capture_failure(err, capture_error_mode)
+    torch.cuda.synchronize()
+    return graph, time.perf_counter() - start, None
+
+
+def _leave_capture(stream: torch.cuda.Stream) -> None:
+    """After a failed capture (``torch.cuda.graph`` has ended it), wait for the device to idle."""
+    try:
+        stream.synchronize()
+        torch.cuda.synchronize()
+    except Exception:
+        pass
+
+
+def pool_mib(pool) -> float:
+    """MiB reserved by a graph memory pool (from the allocator's snapshot)."""
+    try:
+        segments = torch.cuda.memory_snapshot()
+    except Exception:
+        return float("nan")
+    total = sum(s["total_size"] for s in segments if tuple(s.get("segment_pool_id", ())) == tuple(pool))
+    return total / 2**20

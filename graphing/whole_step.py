@@ -1,0 +1,114 @@
+"""``graph.mode=full``: the whole training step (forward, loss, backward, DDP
+all-reduce, clipping, optimizer step, LR update, metric accumulation) as one CUDA
+graph per rank, and evaluation as a forward-only graph sharing its memory pool.
+"""
+from __future__ import annotations
+
+import gc
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+
+from graphing.capture import CaptureError, capture, pool_mib
+from graphing.executor import Executor
+from recipes.runtime import Runtime, print_once
+
+
+class WholeStepGraphExecutor(Executor):
+    mode = "full"
+
+    def __init__(self, cfg_graph, rt: Runtime):
+        super().__init__(cfg_graph, rt)
+        self.side = torch.cuda.Stream()  # warm-up, DDP construction and capture all run here
+        self.graphs: Dict[str, torch.cuda.CUDAGraph] = {}
+        self.pool = None
+        self.fallen_back = False
+        compare = cfg_graph.compare_steps if cfg_graph.compare else 0
+        # Eager calls before capture: train needs DDP's warm-up; eval needs one pass to
+        # settle cuDNN/compile for the eval batch shape.
+        self.eager_before = {"train": self.warmup_iters + compare, "eval": 1}
+        self.info.update(compile_model=bool(cfg_graph.compile_model), capture_error_mode=cfg_graph.capture_error_mode)
+
+    def wrap_model(self, model, sample_args, autocast):
+        if self.cfg.compile_model:
+            # Kernels from torch.compile(mode="default") are captured like any other:
+            # fewer, fused kernels inside the graph. Not "reduce-overhead", whose own
+            # CUDA graphs cannot nest inside this capture.
+            model = torch.compile(model, mode="default")
+        self.eval_model = model
+        self.side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.side):
+            wrapped = self._ddp(model)
+        torch.cuda.current_stream().wait_stream(self.side)
+        return wrapped
+
+    def phase(self, role: str) -> str:
+        if role in self.graphs:
+            return "graph"
+        n = self.calls[role]
+        if self.fallen_back:
+            return "eager"
+        if n < self.warmup_iters:
+            return "warmup"
+        return "eager" if n < self.eager_before[role] else "capture"
+
+    def run(self, role: str, stage: Callable[[], None], fn: Callable[[], None]) -> None:
+        graph = self.graphs.get(role)
+        if graph is not None:
+            stage()
+            graph.replay()
+            return
+        n = self.calls[role]
+        self.calls[role] += 1
+        stage()
+        if self.fallen_back or n < self.eager_before[role]:
+            self._on_side_stream(fn)
+            return
+        if self._capture(role, fn):
+            self.graphs[role].replay()  # capture records but does not run: run this step now
+        else:
+            self._on_side_stream(fn)
+
+    def _on_side_stream(self, fn: Callable[[], None]) -> None:
+        current = torch.cuda.current_stream()
+        self.side.wait_stream(current)
+        with torch.cuda.stream(self.side):
+            fn()
+        current.wait_stream(self.side)
+
+    def _capture(self, role: str, fn: Callable[[], None]) -> bool:
+        # Every rank captures its own graph, and a collective captured on one rank must
+        # be captured on all: meet first, so no rank is still warming up.
+        self.rt.barrier()
+        torch.cuda.synchronize()
+        graph, seconds, failure = capture(fn, self.side, self.pool, self.cfg.capture_error_mode)
+        ok = self.rt.all_agree(failure is None)
+        if ok:
+            self.graphs[role] = graph
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.info[f"{role}_capture_s"] = seconds
+            self.info["graph_pool_mib"] = pool_mib(self.pool)
+            return True
+        message = failure or "CUDA graph capture failed on another rank; that rank's log says why."
+        del graph
+        if self.cfg.on_failure.value == "fail":
+            raise CaptureError(message)
+        self.fallen_back = True
+        self.info["fallback"] = message
+        self.info["mode"] = "eager (fallback)"
+        print_once(f"[graphing] {message}\n[graphing] graph.on_failure=eager: every rank continues eagerly.")
+        return False
+
+    def close(self) -> None:
+        # Graphs hold a private memory pool and captured NCCL work: release them before the
+        # process group goes, or a graphed DDP job can hang at exit.
+        if not self.graphs:
+            return
+        torch.cuda.synchronize()
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.pool = None
+        gc.collect()
+        torch.cuda.empty_cache()

@@ -1,0 +1,47 @@
+"""What a recipe hands to the training loop.
+
+A recipe knows its model, data and loss; it never needs to know whether its step is
+graphed. Everything it provides must be graph-safe: device-side work on static
+shapes, no ``.item()`` or other host syncs (see graphing/__init__.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from recipes.data import Batch, Datasets
+
+
+@dataclass
+class Recipe:
+    name: str
+    model: torch.nn.Module
+    data: Datasets
+    # Device-side batch transform (normalize, augment); runs inside the step.
+    preprocess: Callable[[Batch, bool], Batch]
+    # (per-sample loss, per-sample correct) from model outputs and labels.
+    criterion: Callable[[torch.Tensor, torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]
+    units_per_sample: int = 1  # tokens per sample for language models
+    unit: str = "samples"
+    flops_per_unit: float = 0.0  # training FLOPs per sample (or token), for MFU; 0: unknown
+
+
+def classification_criterion(log_probs_given: bool, label_smoothing: float = 0.0):
+    """Per-sample loss and correctness for a classifier (logits or log-probabilities)."""
+
+    def criterion(output: torch.Tensor, target: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        output = output.float()
+        if log_probs_given:
+            per_sample = F.nll_loss(output, target, reduction="none")
+        else:
+            per_sample = F.cross_entropy(output, target, reduction="none", label_smoothing=label_smoothing)
+        correct = (output.argmax(dim=-1) == target)
+        return per_sample, correct
+
+    return criterion
+
+
+Metrics = Dict[str, torch.Tensor]

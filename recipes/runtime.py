@@ -1,0 +1,153 @@
+"""Process-level runtime: ranks, devices, the process group, the run directory.
+
+One GPU per process. ``torch.cuda.set_device(LOCAL_RANK)`` happens before any other
+CUDA work; NCCL on GPUs, gloo on CPU. The process group is destroyed on every exit
+path by ``Runtime.close`` (graphs must be released before that: see graphing/).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import random
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+class ConfigError(Exception):
+    """A bad setting. The message names the setting to change; rank 0 prints it once."""
+
+
+def env_rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def print_once(*args, file=sys.stdout) -> None:
+    if env_rank() == 0:
+        print(*args, file=file, flush=True)
+
+
+@dataclass
+class Runtime:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    distributed: bool
+    run_dir: Path
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+    def broadcast_object(self, obj):
+        """Rank 0's value of ``obj`` on every rank."""
+        if not self.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def all_agree(self, flag: bool) -> bool:
+        """True on every rank iff ``flag`` is true on every rank."""
+        if not self.distributed:
+            return flag
+        t = torch.tensor([0 if flag else 1], device=self.device)
+        dist.all_reduce(t)
+        return int(t.item()) == 0
+
+    def close(self) -> None:
+        if self.distributed and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def pick_device(requested: str) -> torch.device:
+    if requested not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"device={requested!r} is not one of auto, cpu, cuda: set device=auto")
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device=cuda but this machine has no usable CUDA GPU: set device=auto or device=cpu")
+    if requested == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if local_rank >= torch.cuda.device_count():
+        raise ConfigError(
+            f"LOCAL_RANK {local_rank} has no GPU ({torch.cuda.device_count()} visible): "
+            "set torchrun --nproc_per_node to at most the GPU count"
+        )
+    return torch.device("cuda", local_rank)
+
+
+def start(device: torch.device, output_root: str, run_dir: Optional[str], run_name: str,
+          collective_timeout_s: float = 600.0) -> Runtime:
+    """Joins the process group (when launched by torchrun) and agrees on one run directory."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, local_rank = env_rank(), int(os.environ.get("LOCAL_RANK", "0"))
+    distributed = "RANK" in os.environ and "MASTER_ADDR" in os.environ
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # before any other CUDA work on this rank
+    if distributed:
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend=backend,
+            timeout=datetime.timedelta(seconds=collective_timeout_s),
+            device_id=device if device.type == "cuda" else None,
+        )
+    rt = Runtime(rank, local_rank, world_size, device, distributed, Path("."))
+    try:
+        decided = None
+        if rank == 0:
+            chosen = _choose_run_dir(output_root, run_dir, run_name)
+            decided = (chosen, _make_writable_dir(Path(chosen)))
+        chosen, problem = rt.broadcast_object(decided)
+        if problem:  # every rank stops with rank 0's reason, none waits for it
+            raise ConfigError(problem)
+        rt.run_dir = Path(chosen)
+    except BaseException:
+        rt.close()
+        raise
+    return rt
+
+
+def _choose_run_dir(output_root: str, run_dir: Optional[str], run_name: str) -> str:
+    if run_dir:
+        return run_dir
+    # torchrun keeps TORCHELASTIC_RUN_ID across restarts of one job: a restarted job
+    # finds its own directory again and resumes from its checkpoints.
+    job_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    if job_id not in ("", "none"):
+        return str(Path(output_root) / "jobs" / f"{run_name}_{job_id}")
+    now = datetime.datetime.now()
+    return str(Path(output_root) / now.strftime("%Y-%m-%d") / f"{now.strftime('%H-%M-%S')}_{run_name}")
+
+
+def _make_writable_dir(path: Path) -> Optional[str]:
+    """Creates ``path``; returns why it cannot be written, or None."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".write_test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        return (f"cannot write to the run directory {str(path)!r} ({e.strerror}): "
+                "set output_root=... or run_dir=... to a writable place")
+    return None
+
+
+def seed_everything(seed: int, deterministic: bool) -> None:
+    """Same seed on every rank: every rank builds the same initial model."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.benchmark = False

@@ -1,0 +1,83 @@
+"""The device work of one training step and one evaluation step.
+
+Written once for every mode: run eagerly, captured whole into a CUDA graph, or around
+partially graphed / compiled models. Everything here is graph-safe (no host syncs);
+results land in device accumulators that the loop reads at its log interval.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import torch
+
+from recipes.base import Recipe
+from recipes.optim import LRSchedule
+
+# Accumulator layout: [loss sum, correct, non-finite losses, samples]
+LOSS, CORRECT, NONFINITE, COUNT = range(4)
+
+
+def accumulate(metrics: torch.Tensor, per_sample: torch.Tensor, correct: torch.Tensor, mask: torch.Tensor) -> None:
+    """Adds a batch's masked loss sum, correct count, non-finite count and size (on the device)."""
+    mask = mask.reshape(-1, *([1] * (per_sample.dim() - 1))).expand_as(per_sample)
+    losses = torch.where(mask, per_sample.double(), 0.0)
+    metrics[:COUNT] += torch.stack([losses.sum(), (correct & mask).sum().double(),
+                                    (mask & ~torch.isfinite(per_sample)).sum().double()])
+    metrics[COUNT:] += mask.sum()
+
+
+def autocast_factory(precision: str, device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
+    if precision == "bf16":
+        # No autocast weight cache: a cached cast made during capture would be stale on replay.
+        return lambda: torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=False)
+    return contextlib.nullcontext
+
+
+class TrainStep:
+    def __init__(self, recipe: Recipe, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 schedule: LRSchedule, loader, *, grad_accum: int, grad_clip: float,
+                 autocast: Callable, device: torch.device):
+        self.recipe, self.model, self.optimizer, self.schedule, self.loader = recipe, model, optimizer, schedule, loader
+        self.grad_accum, self.grad_clip, self.autocast = grad_accum, grad_clip, autocast
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.metrics = torch.zeros(4, dtype=torch.float64, device=device)
+        self.step = torch.zeros((), dtype=torch.int64, device=device)  # optimizer steps taken
+        self.grad_norm = torch.zeros((), dtype=torch.float32, device=device)
+        self._all = torch.ones(loader.batch_size, dtype=torch.bool, device=device)
+
+    def __call__(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        for micro in range(self.grad_accum):
+            batch = self.recipe.preprocess(self.loader.next_batch(), True)
+            last = micro == self.grad_accum - 1
+            # DDP all-reduces only on the last micro-batch.
+            sync = contextlib.nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync()
+            with sync:
+                with self.autocast():
+                    output = self.model(batch["x"])
+                per_sample, correct = self.recipe.criterion(output, batch["y"])
+                loss = per_sample.mean()
+                (loss / self.grad_accum).backward()
+            accumulate(self.metrics, per_sample.detach(), correct, self._all)
+        if self.grad_clip > 0:
+            norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip, foreach=True)
+            self.grad_norm.copy_(norm)
+        self.schedule.apply(self.step, self.optimizer)
+        self.optimizer.step()
+        self.step += 1
+
+
+class EvalStep:
+    def __init__(self, recipe: Recipe, model_fn: Callable[[], torch.nn.Module], loader, *,
+                 autocast: Callable, device: torch.device):
+        self.recipe, self.model_fn, self.loader, self.autocast = recipe, model_fn, loader, autocast
+        self.metrics = torch.zeros(4, dtype=torch.float64, device=device)
+
+    @torch.no_grad()
+    def __call__(self) -> None:
+        batch = self.recipe.preprocess(self.loader.next_batch(), False)
+        with self.autocast():
+            output = self.model_fn()(batch["x"])
+        per_sample, correct = self.recipe.criterion(output, batch["y"])
+        accumulate(self.metrics, per_sample, correct, batch["mask"])
