@@ -1,0 +1,77 @@
+"""Shared helpers: launch train.py the way a user does (python or torchrun) and find its outputs."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Finished:
+    returncode: int
+    stdout: str
+    stderr: str
+    output_root: Path
+
+    @property
+    def run_dirs(self) -> List[Path]:
+        return sorted(p.parent for p in self.output_root.rglob("config.yaml"))
+
+    @property
+    def run_dir(self) -> Path:
+        dirs = self.run_dirs
+        assert len(dirs) == 1, f"expected one run directory, found {dirs}\n{self.stderr[-3000:]}"
+        return dirs[0]
+
+    def results(self) -> Dict:
+        return json.loads((self.run_dir / "results.json").read_text())
+
+    def metrics(self) -> List[Dict]:
+        return [json.loads(line) for line in (self.run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def launch(args: List[str], output_root: Path, *, nproc: Optional[int] = None, timeout: float = 300,
+           env: Optional[Dict[str, str]] = None, torchrun_args: Optional[List[str]] = None) -> Finished:
+    """Runs ``python train.py args`` (nproc None) or ``torchrun --nproc_per_node=nproc train.py args``."""
+    if nproc is None:
+        cmd = [sys.executable, "train.py"]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+               *(torchrun_args or ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+                                   "--rdzv-id=test"]), "train.py"]
+    full_env = {k: v for k, v in os.environ.items() if k != "WANDB_MODE"}  # tests see the default: offline
+    full_env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true", **(env or {})})
+    proc = subprocess.run([*cmd, f"output_root={output_root}", *args], cwd=ROOT, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+    return Finished(proc.returncode, proc.stdout, proc.stderr, output_root)
+
+
+@pytest.fixture
+def out(tmp_path) -> Path:
+    return tmp_path / "outputs"
+
+
+def cuda_count() -> int:
+    import torch
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs CUDA GPUs; skipped without them (run on the GPU machine)")
