@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 import traceback
 
 
@@ -133,4 +134,11 @@ def _print_summary(summary) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except SystemExit as stop:
+        if stop.code not in (0, None) and int(os.environ.get("RANK", "0")) != 0:
+            # torchrun stops the whole job when the first rank exits: give rank 0 time to
+            # print the one message everybody would have printed.
+            time.sleep(3)
+        raise

@@ -211,7 +211,8 @@ class HostLoader:
         ds = _IndexedBatches(self.split, index, mask, per_load, self.train)
         self._it = iter(torch.utils.data.DataLoader(
             ds, batch_size=None, shuffle=False, num_workers=self.num_workers,
-            pin_memory=self.rt.device.type == "cuda", persistent_workers=False))
+            pin_memory=self.rt.device.type == "cuda", persistent_workers=False,
+            generator=torch.Generator().manual_seed(self.seed + epoch)))  # leave the global RNG (dropout) alone
 
     def stage(self) -> None:
         batch = next(self._it)

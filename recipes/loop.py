@@ -5,6 +5,7 @@ records a timing event. It reads device values only every ``train.log_every`` st
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import time
@@ -73,7 +74,7 @@ class Trainer:
         self.global_batch = data_cfg.batch_size * loop.grad_accum * rt.world_size
         self.timer = StepTimer(self.device)
         self.logger: Optional[MetricsLogger] = None
-        self.history: List[Dict[str, Any]] = []
+        self.history: List[Dict[str, Any]] = []  # every logged train/eval row, for tests and scripts
         self._logged_durations = 0
         self.comparison: Optional[Dict[str, Any]] = None
 
@@ -152,6 +153,7 @@ class Trainer:
                 bar.close()
             if loop.eval:
                 eval_result = self.evaluate()
+                self.history.append({"step": step, **eval_result, "epoch": epoch + 1})
                 logger.log({**eval_result, "epoch": epoch + 1}, step)
                 print_once(f"epoch {epoch + 1}: train loss {last_train.get('train/loss', math.nan):.4f} | "
                            f"test loss {eval_result['eval/loss']:.4f} "
@@ -168,6 +170,7 @@ class Trainer:
         return summary
 
     def _after_log(self, step: int, metrics: Dict[str, float], bar) -> None:
+        self.history.append({"step": step, **metrics})
         self.logger.log(metrics, step)
         if bar is not None:
             bar.set_postfix(loss=f"{metrics['train/loss']:.4f}", acc=f"{metrics['train/accuracy']:.3f}",
@@ -221,6 +224,12 @@ class Trainer:
         for key in ("train_capture_s", "eval_capture_s", "graph_pool_mib", "fallback"):
             if key in self.executor.info:
                 out[f"graph/{key}"] = self.executor.info[key]
+        # DDP keeps replicas identical; record every rank's parameter digest to prove it.
+        digests = [param_digest(self.executor.eval_model)]
+        if self.rt.distributed:
+            digests = [None] * self.rt.world_size
+            dist.all_gather_object(digests, param_digest(self.executor.eval_model))
+        out["param_digests"] = digests
         if self.device.type == "cuda":
             out["perf/peak_allocated_mib"] = torch.cuda.max_memory_allocated(self.device) / 2**20
             out["perf/peak_reserved_mib"] = torch.cuda.max_memory_reserved(self.device) / 2**20
@@ -232,6 +241,14 @@ class Trainer:
 
     def close(self) -> None:
         self.executor.close()
+
+
+def param_digest(model: torch.nn.Module) -> str:
+    """sha256 of every parameter's bytes, in order: equal digests mean bitwise-equal replicas."""
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().float().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
 
 
 def _progress(show: bool, total: int, desc: str):

@@ -1,0 +1,88 @@
+"""A user trains on CPU: under torchrun with gloo, and as one process; W&B runs offline."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import launch
+from wandb_offline import find_runs, read_run
+
+SMALL = ["recipe.data.source=synthetic", "recipe.data.train_size=4096", "recipe.data.test_size=1000",
+         "recipe.data.eval_batch_size=256", "train.epochs=2", "train.log_every=8"]
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory):
+    """Two gloo ranks for 2 epochs of 32 steps each: what every test below reads."""
+    out = tmp_path_factory.mktemp("ddp") / "outputs"
+    done = launch([*SMALL, "graph=auto", "logger.wandb.group=cpu-test", "logger.wandb.tags=[ci]"], out, nproc=2)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done
+
+
+def test_two_rank_gloo_run_keeps_replicas_identical(ddp_run):
+    results = ddp_run.results()
+    assert results["world_size"] == 2 and results["steps"] == 2 * (4096 // 2 // 64)
+    assert results["mode"] == "eager"  # graph=auto without CUDA
+    digests = results["param_digests"]
+    assert len(digests) == 2 and digests[0] == digests[1]
+    assert results["final/eval_samples"] == 1000  # every test sample counted once, across both ranks
+
+
+def test_one_run_directory_holds_every_rank_log_and_the_metrics(ddp_run):
+    run_dir = ddp_run.run_dir  # asserts there is exactly one
+    assert (run_dir / "rank0.log").exists() and (run_dir / "rank1.log").exists()
+    assert (run_dir / "config.yaml").exists() and (run_dir / "overrides.yaml").exists()
+    rows = ddp_run.metrics()
+    train_rows = [r for r in rows if "train/loss" in r]
+    eval_rows = [r for r in rows if "eval/accuracy" in r]
+    assert len(train_rows) >= 8 and len(eval_rows) == 2
+    assert all(r["perf/samples_per_s"] > 0 for r in train_rows)
+    assert "source_used: synthetic" in (run_dir / "config.yaml").read_text()
+    assert "mode_used: eager" in (run_dir / "config.yaml").read_text()
+
+
+def test_wandb_offline_run_holds_the_logged_keys(ddp_run):
+    runs = find_runs(ddp_run.run_dir)
+    assert len(runs) == 1, "only rank 0 logs to W&B"
+    run = read_run(runs[0])
+    assert run.group == "cpu-test" and run.job_type == "eager" and run.tags == ["ci"]
+    assert {"train/loss", "train/accuracy", "perf/samples_per_s", "eval/loss", "eval/accuracy"} <= run.keys()
+    assert run.config["recipe"]["name"] == "mnist" and run.config["world_size"] == 2
+    assert run.summary["steps"] == 64 and run.summary["perf/samples_per_s"] > 0
+    assert run.exit_code == 0
+
+
+def test_synthetic_data_is_learnable(out):
+    done = launch(["recipe.data.source=synthetic", "recipe.data.train_size=12000", "recipe.data.test_size=1000",
+                   "train.epochs=2", "logger=none"], out)
+    assert done.returncode == 0, done.stderr[-3000:]
+    accuracy = done.results()["final/eval_accuracy"]
+    assert accuracy > 0.8, f"10 classes: chance is 0.1, got {accuracy}"
+
+
+def test_host_loader_feeds_the_same_batches_as_the_device_loader(out):
+    args = [*SMALL, "train.epochs=1", "logger=none", "train.log_every=4"]
+    device = launch([*args, "recipe.data.loader=device", "output_root=" + str(out / "device")], out)
+    host = launch([*args, "recipe.data.loader=host", "output_root=" + str(out / "host")], out)
+    assert device.returncode == 0 and host.returncode == 0, host.stderr[-3000:]
+    d = json.loads(next((out / "device").rglob("results.json")).read_text())
+    h = json.loads(next((out / "host").rglob("results.json")).read_text())
+    assert d["param_digests"] == h["param_digests"]
+    assert d["final/eval_loss"] == h["final/eval_loss"]
+
+
+def test_a_broken_wandb_never_stops_training(out):
+    done = launch([*SMALL, "train.epochs=1", "logger.wandb.mode=not-a-mode"], out)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stderr.count("W&B could not start") == 1
+    assert any("train/loss" in r for r in done.metrics())  # the JSONL still has everything
+
+
+def test_log_interval_and_max_steps(out):
+    done = launch([*SMALL, "train.max_steps=10", "train.log_every=3", "train.eval=false", "logger=none"], out)
+    assert done.returncode == 0, done.stderr[-3000:]
+    steps = [r["step"] for r in done.metrics() if "train/loss" in r]
+    assert steps == [3, 6, 9, 10]
+    assert done.results()["steps"] == 10
