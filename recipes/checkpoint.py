@@ -1,0 +1,189 @@
+"""Checkpoints: atomic save, keep the newest K, find the newest readable one, resume safely.
+
+A checkpoint is ``<run_dir>/checkpoints/step_<step:08d>.pt`` holding one dict of plain
+tensors, python containers and primitives only, so it loads with
+``torch.load(weights_only=True)``: loading a checkpoint never runs pickled code.
+
+Foot-guns this module handles or names:
+- A crash (or a killed rank) in the middle of ``torch.save`` must not leave a file that
+  looks like a checkpoint: writes go to a temp file in the same directory, are fsynced,
+  then renamed over the final name (``os.replace`` is atomic within one filesystem).
+- A file can still be truncated by the disk or a copy: ``latest_checkpoint`` skips
+  unreadable files with a warning and falls back to the previous one.
+- ``Optimizer.load_state_dict`` replaces each param group's ``lr`` with the saved
+  object. Our lr is a device tensor that a captured CUDA graph reads by address, so
+  ``load_optimizer_state`` copies the saved values into the live tensors instead.
+- RNG states are per process; ``rng_state`` captures only the calling process's.
+"""
+from __future__ import annotations
+
+import os
+import random
+import re
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from recipes.runtime import ConfigError
+
+CHECKPOINT_DIR = "checkpoints"
+_NAME = re.compile(r"^step_(\d{8,})\.pt$")
+_TEMP_PREFIX = ".tmp_step_"
+
+
+def checkpoint_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / CHECKPOINT_DIR
+
+
+def list_checkpoints(run_dir: Path) -> List[Path]:
+    """Checkpoint files of ``run_dir``, oldest step first (temp files excluded)."""
+    folder = checkpoint_dir(run_dir)
+    if not folder.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := _NAME.match(p.name)) and p.is_file()]
+    return [p for _, p in sorted(found)]
+
+
+def save_checkpoint(run_dir: Path, step: int, state: Dict[str, Any], keep: int) -> Path:
+    """Writes ``state`` as ``run_dir/checkpoints/step_{step:08d}.pt`` atomically; keeps the newest ``keep``.
+
+    Call it on one rank only (rank 0): every rank holds the same DDP state. After a
+    crash at any point, the directory holds either the old or the new file, never a
+    partial one under a checkpoint name.
+    """
+    if keep < 1:
+        raise ConfigError(f"checkpoint.keep={keep} must be at least 1: set checkpoint.keep=2")
+    folder = checkpoint_dir(run_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    final = folder / f"step_{step:08d}.pt"
+    fd, temp_name = tempfile.mkstemp(prefix=f"{_TEMP_PREFIX}{step:08d}_", suffix=".pt", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temp_name, final)
+    except BaseException:
+        Path(temp_name).unlink(missing_ok=True)
+        raise
+    _fsync_dir(folder)  # the rename itself survives a power loss only once the directory is synced
+    _prune(folder, run_dir, keep)
+    return final
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # e.g. platforms that cannot open directories
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _prune(folder: Path, run_dir: Path, keep: int) -> None:
+    for old in list_checkpoints(run_dir)[:-keep]:
+        old.unlink(missing_ok=True)
+    # Temp files left by a save that was killed mid-write (only one rank saves, so none is live).
+    for stale in folder.glob(f"{_TEMP_PREFIX}*"):
+        stale.unlink(missing_ok=True)
+
+
+def load_checkpoint(path: Path) -> Dict[str, Any]:
+    """Loads one checkpoint onto the CPU with ``weights_only=True``; raises on a bad file."""
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(state, dict) or "step" not in state:
+        raise ValueError(f"{path} holds no training state (a dict with a 'step')")
+    return state
+
+
+def latest_checkpoint(run_dir: Path) -> Optional[Tuple[Path, Dict[str, Any]]]:
+    """The newest readable checkpoint of ``run_dir`` and its state, or None.
+
+    Unreadable files (truncated, corrupt, not a checkpoint) are skipped with a warning
+    that names them; the next older one is tried.
+    """
+    for path in reversed(list_checkpoints(run_dir)):
+        try:
+            return path, load_checkpoint(path)
+        except Exception as e:  # torch.load raises many types for a damaged file
+            warnings.warn(f"skipping unreadable checkpoint {path} ({type(e).__name__}: {e}); "
+                          "trying the previous one", stacklevel=2)
+    return None
+
+
+def check_compatible(state: Dict[str, Any], recipe_name: str, *, resume: str = "auto",
+                     path: Optional[Path] = None) -> None:
+    """Raises ConfigError when ``state`` was not written by a run of ``recipe_name``."""
+    saved = state.get("recipe")
+    where = f" ({path})" if path is not None else ""
+    if saved is None:
+        raise ConfigError(f"checkpoint.resume={resume} found a checkpoint{where} with no recipe name: "
+                          "set checkpoint.resume=never, or run_dir=... to a fresh directory")
+    if saved != recipe_name:
+        raise ConfigError(f"checkpoint.resume={resume} holds a checkpoint{where} of recipe {saved!r} "
+                          f"but recipe={recipe_name}: set checkpoint.resume=never or use recipe={saved}")
+
+
+def check_checkpoint_config(cfg) -> None:
+    """Checks ``cfg.checkpoint`` before the ranks meet; messages name the setting."""
+    c = cfg.checkpoint
+    if c.keep < 1:
+        raise ConfigError(f"checkpoint.keep={c.keep} must be at least 1: set checkpoint.keep=2")
+    if c.every_steps < 0:
+        raise ConfigError(f"checkpoint.every_steps={c.every_steps} must be >= 0 (0: only at the end)")
+    if c.resume not in ("auto", "never") and not Path(c.resume).is_file():
+        raise ConfigError(f"checkpoint.resume={c.resume!r} is neither auto, never nor an existing file: "
+                          "set checkpoint.resume=auto")
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: Dict[str, Any]) -> None:
+    """``optimizer.load_state_dict(saved)`` that keeps the live tensor hyper-parameters.
+
+    ``load_state_dict`` swaps each param group's entries for the saved objects, so a
+    tensor ``lr`` would become a new CPU tensor: the schedule and any captured graph
+    would then hold a stale address. Here the saved values are copied into the
+    tensors the optimizer already had (on their device). Load before capturing.
+    """
+    live = [{k: v for k, v in g.items() if k != "params" and isinstance(v, torch.Tensor)}
+            for g in optimizer.param_groups]
+    optimizer.load_state_dict(saved)
+    for group, tensors in zip(optimizer.param_groups, live):
+        for key, tensor in tensors.items():
+            with torch.no_grad():
+                tensor.copy_(torch.as_tensor(group[key]))
+            group[key] = tensor
+
+
+def rng_state() -> Dict[str, Any]:
+    """This process's RNG states (torch CPU, current CUDA device, python, numpy), weights_only-loadable."""
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached_gauss = np.random.get_state(legacy=True)
+    state: Dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": {"version": version, "internal": list(internal), "gauss": gauss},
+        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gauss)},
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()  # the current device: one GPU per process
+    return state
+
+
+def set_rng_state(state: Dict[str, Any]) -> None:
+    """Restores what ``rng_state`` captured. A CUDA state is skipped on a machine without CUDA."""
+    torch.set_rng_state(state["torch"].cpu())
+    py = state["python"]
+    random.setstate((py["version"], tuple(py["internal"]), py["gauss"]))
+    npy = state["numpy"]
+    np.random.set_state((npy["kind"], npy["keys"].numpy().astype(np.uint32), npy["pos"],
+                         npy["has_gauss"], npy["cached_gaussian"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"].cpu())

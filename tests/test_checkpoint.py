@@ -1,0 +1,187 @@
+"""Checkpoints: what a user relies on when a run is killed and started again."""
+from __future__ import annotations
+
+import random
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from recipes.checkpoint import (check_checkpoint_config, check_compatible, latest_checkpoint, list_checkpoints,
+                                load_optimizer_state, rng_state, save_checkpoint, set_rng_state)
+from recipes.optim import build_optimizer
+from recipes.runtime import ConfigError
+
+
+def _optimizer(name: str, model: torch.nn.Module) -> torch.optim.Optimizer:
+    cfg = OmegaConf.create({"name": name, "lr": 0.05, "momentum": 0.9, "nesterov": False, "weight_decay": 0.01,
+                            "betas": [0.9, 0.999], "eps": 1e-8})
+    return build_optimizer(cfg, model.parameters(), torch.device("cpu"))
+
+
+def _train(model, optimizer, steps: int) -> None:
+    for _ in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        x = torch.randn(8, 4)
+        loss = torch.nn.functional.dropout(model(x), p=0.2).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+
+
+def _state(model, optimizer, step: int, recipe: str = "mnist"):
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "epoch": 0,
+            "position_in_epoch": step, "rng": rng_state(), "wandb_run_id": "abc123",
+            "config": {"recipe": {"name": recipe}, "train": {"max_steps": None, "betas": [0.9, 0.999]}},
+            "recipe": recipe}
+
+
+def _files(run_dir):
+    return sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+
+
+def test_save_is_atomic_and_leaves_no_temp_files(tmp_path):
+    path = save_checkpoint(tmp_path, 7, {"step": 7, "recipe": "mnist"}, keep=2)
+    assert path == tmp_path / "checkpoints" / "step_00000007.pt"
+    assert _files(tmp_path) == ["step_00000007.pt"]
+
+
+def test_failed_save_leaves_no_file_behind(tmp_path):
+    with pytest.raises(Exception):
+        save_checkpoint(tmp_path, 3, {"step": 3, "bad": lambda: None}, keep=2)  # a lambda cannot be pickled
+    assert _files(tmp_path) == []
+
+
+def test_a_stale_temp_file_from_a_killed_save_is_removed(tmp_path):
+    save_checkpoint(tmp_path, 1, {"step": 1}, keep=2)
+    (tmp_path / "checkpoints" / ".tmp_step_00000002_x.pt").write_bytes(b"half a checkpoint")
+    save_checkpoint(tmp_path, 2, {"step": 2}, keep=2)
+    assert _files(tmp_path) == ["step_00000001.pt", "step_00000002.pt"]
+
+
+def test_only_the_newest_keep_checkpoints_remain(tmp_path):
+    for step in (5, 10, 15, 20):
+        save_checkpoint(tmp_path, step, {"step": step}, keep=2)
+    assert _files(tmp_path) == ["step_00000015.pt", "step_00000020.pt"]
+    save_checkpoint(tmp_path, 25, {"step": 25}, keep=1)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000025.pt"]
+
+
+def test_keep_below_one_names_the_setting(tmp_path):
+    with pytest.raises(ConfigError, match=r"checkpoint\.keep=0"):
+        save_checkpoint(tmp_path, 1, {"step": 1}, keep=0)
+    cfg = OmegaConf.create({"checkpoint": {"keep": 0, "every_steps": 0, "resume": "auto"}})
+    with pytest.raises(ConfigError, match=r"checkpoint\.keep=0"):
+        check_checkpoint_config(cfg)
+    cfg.checkpoint.keep, cfg.checkpoint.resume = 2, str(tmp_path / "missing.pt")
+    with pytest.raises(ConfigError, match=r"checkpoint\.resume="):
+        check_checkpoint_config(cfg)
+
+
+def test_no_checkpoint_means_none(tmp_path):
+    assert latest_checkpoint(tmp_path) is None
+
+
+def test_latest_is_by_step_not_by_name_length(tmp_path):
+    save_checkpoint(tmp_path, 99_999_999, {"step": 99_999_999}, keep=3)
+    save_checkpoint(tmp_path, 100_000_000, {"step": 100_000_000}, keep=3)  # nine digits
+    path, state = latest_checkpoint(tmp_path)
+    assert state["step"] == 100_000_000 and path.name == "step_100000000.pt"
+
+
+def test_truncated_newest_checkpoint_is_skipped_with_a_warning(tmp_path):
+    save_checkpoint(tmp_path, 10, {"step": 10, "w": torch.arange(1000.0)}, keep=3)
+    newest = save_checkpoint(tmp_path, 20, {"step": 20, "w": torch.arange(1000.0)}, keep=3)
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
+    with pytest.warns(UserWarning, match="step_00000020.pt"):
+        path, state = latest_checkpoint(tmp_path)
+    assert path.name == "step_00000010.pt" and state["step"] == 10
+
+
+def test_all_checkpoints_corrupt_means_none(tmp_path):
+    save_checkpoint(tmp_path, 1, {"step": 1}, keep=2).write_bytes(b"not a checkpoint")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert latest_checkpoint(tmp_path) is None
+    assert any("step_00000001.pt" in str(w.message) for w in caught)
+
+
+@pytest.mark.parametrize("optimizer_name", ["sgd", "adamw"])
+def test_full_state_loads_with_weights_only(tmp_path, optimizer_name):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    optimizer = _optimizer(optimizer_name, model)
+    _train(model, optimizer, 3)
+    save_checkpoint(tmp_path, 3, _state(model, optimizer, 3), keep=2)
+
+    path = tmp_path / "checkpoints" / "step_00000003.pt"
+    loaded = torch.load(path, weights_only=True)  # what latest_checkpoint does; spelled out here
+    _, state = latest_checkpoint(tmp_path)
+    for got in (loaded, state):
+        assert got["recipe"] == "mnist" and got["wandb_run_id"] == "abc123" and got["step"] == 3
+        assert set(got["rng"]) >= {"torch", "python", "numpy"}
+        for key, value in model.state_dict().items():
+            assert torch.equal(got["model"][key], value)
+        saved_opt = got["optimizer"]["state"]
+        buffers = ("momentum_buffer",) if optimizer_name == "sgd" else ("exp_avg", "exp_avg_sq", "step")
+        for param_state in saved_opt.values():
+            assert all(isinstance(param_state[b], torch.Tensor) for b in buffers)
+
+
+@pytest.mark.parametrize("optimizer_name", ["sgd", "adamw"])
+def test_resuming_continues_exactly_as_if_never_stopped(tmp_path, optimizer_name):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    optimizer = _optimizer(optimizer_name, model)
+    _train(model, optimizer, 3)
+    save_checkpoint(tmp_path, 3, _state(model, optimizer, 3), keep=2)
+    _train(model, optimizer, 3)
+    uninterrupted = {k: v.clone() for k, v in model.state_dict().items()}
+
+    torch.manual_seed(123)  # a fresh process: different RNG, different initial weights
+    resumed = torch.nn.Linear(4, 3)
+    resumed_opt = _optimizer(optimizer_name, resumed)
+    live_lr = resumed_opt.param_groups[0]["lr"]
+    _, state = latest_checkpoint(tmp_path)
+    resumed.load_state_dict(state["model"])
+    load_optimizer_state(resumed_opt, state["optimizer"])
+    set_rng_state(state["rng"])
+    assert resumed_opt.param_groups[0]["lr"] is live_lr  # a captured graph still sees the same lr tensor
+    _train(resumed, resumed_opt, 3)
+    for key, value in resumed.state_dict().items():
+        assert torch.equal(value, uninterrupted[key]), key
+
+
+def test_set_rng_state_replays_the_same_numbers():
+    random.seed(1)
+    np.random.seed(1)
+    torch.manual_seed(1)
+    np.random.normal()  # leaves a cached gaussian in numpy's state
+    saved = rng_state()
+    expected = (torch.rand(5), random.random(), np.random.normal(size=3))
+    torch.rand(100), random.random(), np.random.normal(size=7)
+    set_rng_state(saved)
+    got = (torch.rand(5), random.random(), np.random.normal(size=3))
+    assert torch.equal(got[0], expected[0])
+    assert got[1] == expected[1]
+    assert np.array_equal(got[2], expected[2])
+
+
+def test_rng_state_survives_a_weights_only_round_trip(tmp_path):
+    torch.manual_seed(5)
+    save_checkpoint(tmp_path, 1, {"step": 1, "rng": rng_state()}, keep=1)
+    expected = torch.rand(4)
+    _, state = latest_checkpoint(tmp_path)
+    set_rng_state(state["rng"])
+    assert torch.equal(torch.rand(4), expected)
+
+
+def test_checkpoint_of_another_recipe_names_the_settings(tmp_path):
+    state = {"step": 5, "recipe": "gpt_tiny"}
+    with pytest.raises(ConfigError) as err:
+        check_compatible(state, "mnist", resume="auto", path=tmp_path / "step_00000005.pt")
+    message = str(err.value)
+    assert "recipe 'gpt_tiny'" in message and "recipe=mnist" in message
+    assert "checkpoint.resume=never" in message and "recipe=gpt_tiny" in message
+    check_compatible(state, "gpt_tiny")  # the same recipe resumes
