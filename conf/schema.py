@@ -150,3 +150,16 @@ class TrainConfig:
 
 def register_configs() -> None:
     ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+
+
+def compose(overrides=()):
+    """The config train.py would see for these command-line overrides (for scripts and tests)."""
+    from pathlib import Path
+
+    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parent), version_base="1.3"):
+        return hydra_compose(config_name="train", overrides=list(overrides))

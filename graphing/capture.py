@@ -61,6 +61,19 @@ def _leave_capture(stream: torch.cuda.Stream) -> None:
         pass
 
 
+def reset_rng_capture_state(stream: torch.cuda.Stream) -> None:
+    """Leaves the CUDA generator out of capture mode after a failed capture.
+
+    A capture that fails ends before PyTorch closes the default generator's capture
+    bookkeeping, and every later random op (dropout) then raises "Offset increment
+    outside graph capture". One small successful capture opens and closes it again.
+    """
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        torch.empty(1, device="cuda").fill_(0)
+    del graph
+
+
 def pool_mib(pool) -> float:
     """MiB reserved by a graph memory pool (from the allocator's snapshot)."""
     try:

@@ -9,7 +9,7 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
-from graphing.capture import CaptureError, capture, pool_mib
+from graphing.capture import CaptureError, capture, pool_mib, reset_rng_capture_state
 from graphing.executor import Executor
 from recipes.runtime import Runtime, print_once
 
@@ -92,6 +92,8 @@ class WholeStepGraphExecutor(Executor):
             return True
         message = failure or "CUDA graph capture failed on another rank; that rank's log says why."
         del graph
+        if failure is not None:  # a rank whose own capture succeeded has nothing to repair
+            reset_rng_capture_state(self.side)
         if self.cfg.on_failure.value == "fail":
             raise CaptureError(message)
         self.fallen_back = True

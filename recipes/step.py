@@ -41,10 +41,13 @@ class TrainStep:
         self.recipe, self.model, self.optimizer, self.schedule, self.loader = recipe, model, optimizer, schedule, loader
         self.grad_accum, self.grad_clip, self.autocast = grad_accum, grad_clip, autocast
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.metrics = torch.zeros(4, dtype=torch.float64, device=device)
+        # Kept lean, since these kernels run every step: [sum of micro-batch mean losses, correct].
+        # Counts are static (steps × items_per_step) and known on the host; a NaN/Inf loss
+        # shows up as a non-finite sum.
+        self.metrics = torch.zeros(2, dtype=torch.float64, device=device)
+        self.items_per_step = 0  # loss terms (samples or tokens) per optimizer step, on this rank
         self.step = torch.zeros((), dtype=torch.int64, device=device)  # optimizer steps taken
         self.grad_norm = torch.zeros((), dtype=torch.float32, device=device)
-        self._all = torch.ones(loader.batch_size, dtype=torch.bool, device=device)
 
     def __call__(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -58,8 +61,10 @@ class TrainStep:
                     output = self.model(batch["x"])
                 per_sample, correct = self.recipe.criterion(output, batch["y"])
                 loss = per_sample.mean()
-                (loss / self.grad_accum).backward()
-            accumulate(self.metrics, per_sample.detach(), correct, self._all)
+                (loss / self.grad_accum if self.grad_accum > 1 else loss).backward()
+            self.metrics[0] += loss.detach()
+            self.metrics[1] += correct.sum()
+        self.items_per_step = per_sample.numel() * self.grad_accum
         if self.grad_clip > 0:
             norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip, foreach=True)
             self.grad_norm.copy_(norm)

@@ -1,0 +1,184 @@
+"""GPU behaviour of graphing/: capture, replay, parity with eager, failures, exit.
+
+Run on the GPU machine: ``pytest -m gpu``. Skipped without CUDA; the two-rank tests
+need two GPUs.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conf.schema import GraphConfig, GraphMode, OnCaptureFailure, compose
+from conftest import ROOT, cuda_count, launch
+from wandb_offline import find_runs, read_run
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+two_gpus = pytest.mark.skipif(cuda_count() < 2, reason="needs 2 GPUs")
+
+SYNTH = ["recipe.data.source=synthetic", "recipe.data.train_size=16384", "recipe.data.test_size=2000"]
+
+
+def trainer_for(overrides, tmp_path):
+    """A Trainer built in this process (one rank), exactly as train.py builds it."""
+    from recipes.loop import Trainer
+    from recipes.runtime import pick_device, seed_everything, start
+
+    cfg = compose([*SYNTH, "logger=none", f"output_root={tmp_path}", *overrides])
+    rt = start(pick_device(cfg.device), cfg.output_root, None, "test")
+    seed_everything(cfg.seed, cfg.deterministic)
+    return Trainer(cfg, rt)
+
+
+def fit(overrides, tmp_path):
+    from recipes.metrics_logger import MetricsLogger
+
+    trainer = trainer_for(overrides, tmp_path)
+    try:
+        summary = trainer.fit(MetricsLogger(trainer.cfg.logger, trainer.rt.run_dir, {}, enabled=False, job_type=""))
+        params = [p.detach().clone() for p in trainer.executor.eval_model.parameters()]
+        return trainer, summary, params
+    finally:
+        trainer.close()
+
+
+@two_gpus
+@pytest.mark.parametrize("capture_error_mode", ["global", "thread_local", "relaxed"])
+def test_each_capture_error_mode_trains_mnist_under_two_gpu_ddp(out, capture_error_mode):
+    start = time.monotonic()
+    done = launch([*SYNTH, "graph=full", f"graph.capture_error_mode={capture_error_mode}", "train.epochs=2",
+                   "logger=none"], out, nproc=2, timeout=240)
+    assert done.returncode == 0, done.stderr[-4000:]
+    results = done.results()
+    assert results["mode"] == "full" and results["timed_phase"] == "graph"
+    assert results["graph/train_capture_s"] > 0 and results["graph/eval_capture_s"] > 0
+    assert len(set(results["param_digests"])) == 1, results["param_digests"]
+    assert results["final/eval_accuracy"] > 0.9
+    assert time.monotonic() - start < 180, "a graphed 2-GPU run must exit promptly"
+
+
+def test_full_graph_matches_eager_step_for_step(tmp_path):
+    """Same seed, same data: per-step losses, the LR schedule and the parameters agree."""
+    common = ["train.max_steps=60", "train.log_every=1", "train.eval=false",
+              "recipe.schedule.name=cosine", "recipe.schedule.warmup_steps=10"]
+    eager, _, eager_params = fit([*common, "graph=eager"], tmp_path / "eager")
+    full, summary, full_params = fit([*common, "graph=full"], tmp_path / "full")
+    assert summary["mode"] == "full" and summary["timed_phase"] == "graph"
+    e_rows = [r for r in eager.history if "train/loss" in r]
+    f_rows = [r for r in full.history if "train/loss" in r]
+    assert len(e_rows) == len(f_rows) == 60
+    # The LR written inside the graph from the device step counter equals the eager one.
+    assert [r["train/lr"] for r in f_rows] == [r["train/lr"] for r in e_rows]
+    assert f_rows[0]["train/lr"] < f_rows[20]["train/lr"]  # warm-up really happened
+    loss_diff = max(abs(a["train/loss"] - b["train/loss"]) for a, b in zip(e_rows, f_rows))
+    param_diff = max((a - b).abs().max().item() for a, b in zip(eager_params, full_params))
+    print(f"parity over 60 steps: max |loss diff| {loss_diff:.3g}, max |param diff| {param_diff:.3g}")
+    assert loss_diff < 1e-4 and param_diff < 1e-4
+
+
+def test_dropout_masks_differ_across_replays():
+    x = torch.ones(4096, device="cuda")
+    out = torch.empty_like(x)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        out.copy_(F.dropout(x, 0.5))  # warm-up
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(F.dropout(x, 0.5))
+    masks = []
+    for _ in range(3):
+        graph.replay()
+        masks.append(out != 0)
+    assert not torch.equal(masks[0], masks[1]) and not torch.equal(masks[1], masks[2])
+    assert 0.45 < masks[0].float().mean().item() < 0.55
+
+
+def test_eval_graph_equals_eager_evaluation(tmp_path):
+    from recipes.metrics_logger import MetricsLogger
+
+    trainer = trainer_for(["graph=full", "train.max_steps=30", "train.eval=false"], tmp_path)
+    try:
+        trainer.fit(MetricsLogger(trainer.cfg.logger, trainer.rt.run_dir, {}, enabled=False, job_type=""))
+        graphed = trainer.evaluate()
+        assert "eval" in trainer.executor.graphs
+        graphed_again = trainer.evaluate()  # all batches replayed from the graph this time
+        trainer.executor.eval_model.eval()
+        trainer.eval_loader.start_epoch(0)
+        trainer.eval_step.metrics.zero_()
+        for _ in range(trainer.eval_loader.steps):
+            trainer.eval_loader.stage()
+            trainer.eval_step()  # plain eager
+        loss_sum, correct, _, count = trainer.eval_step.metrics.tolist()
+        assert count == 2000 and graphed["eval/samples"] == 2000
+        assert graphed == graphed_again
+        assert abs(graphed["eval/loss"] - loss_sum / count) < 1e-6
+        assert graphed["eval/accuracy"] == correct / count
+    finally:
+        trainer.close()
+
+
+@pytest.mark.parametrize("graph", ["partial", "compile", "full_compiled"])
+def test_other_modes_train_and_agree_with_eager(out, graph):
+    args = [*SYNTH, "train.epochs=2", "logger=none"]
+    eager = launch([*args, "graph=eager", f"output_root={out}/eager"], out, timeout=300)
+    other = launch([*args, f"graph={graph}", f"output_root={out}/{graph}"], out, timeout=300)
+    assert eager.returncode == 0, eager.stderr[-3000:]
+    assert other.returncode == 0, other.stderr[-3000:]
+    import json
+    e = json.loads(next((out / "eager").rglob("results.json")).read_text())
+    o = json.loads(next((out / graph).rglob("results.json")).read_text())
+    # Dropout draws differ between modes (warm-up passes consume RNG), so agreement is statistical.
+    assert abs(e["final/eval_accuracy"] - o["final/eval_accuracy"]) < 0.02, (e, o)
+    assert o["final/eval_accuracy"] > 0.9
+
+
+def _executor(on_failure: str):
+    from graphing.whole_step import WholeStepGraphExecutor
+    from recipes.runtime import Runtime
+
+    rt = Runtime(0, 0, 1, torch.device("cuda", 0), False, ROOT)
+    cfg = GraphConfig(mode=GraphMode.full, warmup_iters=2, on_failure=OnCaptureFailure(on_failure))
+    return WholeStepGraphExecutor(cfg, rt)
+
+
+def test_a_host_sync_in_the_step_fails_capture_with_an_explanation():
+    from graphing import CaptureError
+
+    x = torch.randn(256, device="cuda")
+    seen = []
+    executor = _executor("fail")
+    step = lambda: seen.append(x.sum().item())  # noqa: E731  the planted host sync
+    for _ in range(2):
+        executor.run("train", lambda: None, step)  # warm-up runs eagerly
+    with pytest.raises(CaptureError) as err:
+        executor.run("train", lambda: None, step)
+    message = str(err.value)
+    assert "synchronizes with the host" in message and ".item()" in message
+    assert "graph.on_failure=eager" in message
+    executor.close()
+
+
+def test_capture_failure_can_fall_back_to_eager():
+    x = torch.randn(256, device="cuda")
+    seen = []
+    executor = _executor("eager")
+    for _ in range(5):  # dropout draws random numbers after the failed capture too
+        executor.run("train", lambda: None, lambda: seen.append(F.dropout(x, 0.5).sum().item()))
+    assert "fallback" in executor.info and executor.phase("train") == "eager"
+    assert len(seen) == 5  # 2 warm-up, the failed capture's eager rerun, 2 more eager steps
+    executor.close()
+
+
+def test_in_run_comparison_logs_both_sides_and_a_speedup(out):
+    done = launch([*SYNTH, "experiment=compare", "graph.compare_steps=200", "train.epochs=2"], out, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = done.results()
+    assert results["speedup"] > 1.0
+    assert results["eager/steps_timed"] >= 200 and results["graph/steps_timed"] >= 200
+    run = read_run(find_runs(done.run_dir)[0])
+    assert run.summary["speedup"] == pytest.approx(results["speedup"])
+    assert {"eager/samples_per_s", "graph/samples_per_s"} <= set(run.summary)
+    assert "| eager |" in done.stdout and "| graph |" in done.stdout

@@ -1,0 +1,187 @@
+"""A user compares graph modes (scripts/compare.py) and sweeps batch sizes (scripts/sweep.py).
+
+On CPU only eager runs; the graph modes show up as not available. The scripts run as
+real subprocesses, and so do the train.py runs they launch; W&B is offline and read
+back from disk.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, cuda_count
+from scripts.compare import NOT_AVAILABLE, comparison_rows, markdown_table, plot_comparison
+from scripts.sweep import plot_sweep, sweep_table
+from wandb_offline import find_runs, read_run
+
+GRAPH_MODES = ["full", "partial", "compile", "full_compiled"]
+
+cpu_only = pytest.mark.skipif(cuda_count() > 0, reason="checks the CPU behaviour (graph modes unavailable)")
+
+
+def script(name: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Runs scripts/<name>; on timeout SIGTERM lets it stop the train.py run in flight."""
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_MODE"}  # the default: offline
+    env.update({"OMP_NUM_THREADS": "1", "WANDB_SILENT": "true", "PYTHONUNBUFFERED": "1"})
+    cmd = [sys.executable, str(ROOT / "scripts" / name), *args]
+    with subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+            stdout, stderr = proc.communicate(timeout=30)
+            pytest.fail(f"{name} ran past {timeout} s:\n{stdout}\n{stderr}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+def table_rows(markdown: str) -> dict:
+    """{mode: [cells]} from the comparison table in compare.md."""
+    lines = [line for line in markdown.splitlines() if line.startswith("| ")]
+    return {cells[0]: cells for cells in ([c.strip() for c in line.strip("|").split("|")] for line in lines[1:])}
+
+
+@pytest.fixture(scope="module")
+def comparison(tmp_path_factory):
+    output = tmp_path_factory.mktemp("compare") / "cmp-test"
+    proc = script("compare.py", "--nproc", "1", "--timeout", "90", "--output", str(output), "--", "experiment=debug")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return output, proc
+
+
+@cpu_only
+def test_compare_prints_and_saves_the_table_json_and_chart(comparison):
+    output, proc = comparison
+    for name in ("compare.md", "compare.json", "compare.png"):
+        assert (output / name).stat().st_size > 0, name
+    rows = table_rows((output / "compare.md").read_text())
+    assert list(rows) == ["eager", *GRAPH_MODES]
+    eager = rows["eager"]
+    assert float(eager[1].replace(",", "")) > 0  # samples/s
+    assert eager[4] == "1.00x" and eager[-1] == "ok"
+    for mode in GRAPH_MODES:
+        assert rows[mode][-1] == NOT_AVAILABLE
+    assert "| eager |" in proc.stdout and NOT_AVAILABLE in proc.stdout
+
+    saved = json.loads((output / "compare.json").read_text())
+    by_mode = {row["mode"]: row for row in saved["rows"]}
+    assert by_mode["eager"]["throughput"] > 0 and by_mode["eager"]["speedup"] == 1.0
+    assert by_mode["eager"]["unit"] == "samples/s" and 0 <= by_mode["eager"]["eval_accuracy"] <= 1
+    assert by_mode["full"]["throughput"] is None and by_mode["full"]["status"] == NOT_AVAILABLE
+    eager_run = Path(by_mode["eager"]["run_dir"])
+    assert eager_run.parent.parent == output / "runs" / "eager"  # output_root=<output>/runs/<mode>
+    assert json.loads((eager_run / "results.json").read_text())["mode"] == "eager"
+
+
+@cpu_only
+def test_compare_groups_its_runs_in_wandb(comparison):
+    output, _ = comparison
+    eager_run = Path(json.loads((output / "compare.json").read_text())["rows"][0]["run_dir"])
+    [train_file] = find_runs(eager_run)
+    train = read_run(train_file)
+    assert (train.group, train.job_type) == ("cmp-test", "eager")
+    assert "perf/samples_per_s" in train.keys()
+
+    [compare_file] = find_runs(output)
+    summary_run = read_run(compare_file)
+    assert (summary_run.group, summary_run.job_type) == ("cmp-test", "compare")
+    assert {"comparison/_type", "comparison_chart/_type"} <= summary_run.keys()
+    assert summary_run.summary["speedup/eager"] == 1.0 and summary_run.exit_code == 0
+
+
+@cpu_only
+def test_compare_with_two_processes_launches_torchrun(tmp_path):
+    proc = script("compare.py", "--modes", "eager", "--nproc", "2", "--timeout", "90", "--output", str(tmp_path),
+                  "--", "experiment=debug", "logger=none")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    [row] = json.loads((tmp_path / "compare.json").read_text())["rows"]
+    assert row["status"] == "ok" and row["world_size"] == 2 and row["throughput"] > 0
+    assert "torch.distributed.run --standalone --nproc_per_node=2" in (tmp_path / "runs/eager/command.txt").read_text()
+
+
+@cpu_only
+def test_a_failed_run_records_its_exit_code_and_message(tmp_path):
+    proc = script("compare.py", "--modes", "eager", "--nproc", "1", "--output", str(tmp_path),
+                  "--", "experiment=debug", "train.epochs=0")
+    assert proc.returncode == 1
+    status = json.loads((tmp_path / "compare.json").read_text())["rows"][0]["status"]
+    assert status.startswith("failed (exit 2): Error: train.epochs=0 must be at least 1"), status
+    assert "failed (exit 2)" in (tmp_path / "compare.md").read_text()
+
+
+def test_overrides_the_script_sets_itself_are_refused(tmp_path):
+    proc = script("compare.py", "--output", str(tmp_path), "--", "graph=full")
+    assert proc.returncode != 0 and "'graph=full' is set by this script" in proc.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def outcome(mode, samples_per_s=None, **results):
+    if samples_per_s is None:
+        return {"mode": mode, "status": NOT_AVAILABLE, "results": {}}
+    return {"mode": mode, "status": "ok",
+            "results": {"perf/samples_per_s": samples_per_s, "perf/step_ms_median": 2.0, "perf/step_ms_p90": 2.5,
+                        "final/loss": 0.12345, "final/eval_accuracy": 0.9876, **results}}
+
+
+def test_speedup_is_each_modes_throughput_over_eagers():
+    full = outcome("full", 2500.0, **{"graph/train_capture_s": 0.5, "graph/graph_pool_mib": 12.34})
+    rows = comparison_rows([outcome("eager", 1000.0), full, outcome("partial")])
+    assert [row["speedup"] for row in rows] == [1.0, 2.5, None]
+    table = table_rows(markdown_table(rows))
+    assert table["eager"][:5] == ["eager", "1,000", "2.00", "2.50", "1.00x"]
+    assert table["full"][1:6] == ["2,500", "2.00", "2.50", "2.50x", "0.50"]
+    assert table["full"][6] == "12.3" and table["full"][8:] == ["0.1235", "98.76%", "ok"]
+    assert table["partial"][1:-1] == ["—"] * 9 and table["partial"][-1] == NOT_AVAILABLE
+    assert markdown_table(rows).splitlines()[0].startswith("| mode | samples/s | step ms median |")
+
+
+def test_without_an_eager_run_there_is_no_speedup():
+    rows = comparison_rows([{"mode": "eager", "status": "failed (exit 1): boom | bang", "results": {}},
+                            outcome("full", 2500.0)])
+    assert [row["speedup"] for row in rows] == [None, None]
+    table = markdown_table(rows)
+    assert "boom \\| bang" in table  # a '|' in a message does not split the cell
+    assert table_rows(table)["full"][4] == "—"
+    assert comparison_rows([outcome("full", 2500.0)])[0]["speedup"] is None
+
+
+def test_language_model_results_are_reported_in_tokens(tmp_path):
+    rows = comparison_rows([{"mode": "eager", "status": "ok", "results": {"perf/tokens_per_s": 4e5}}])
+    assert rows[0]["unit"] == "tokens/s" and rows[0]["throughput"] == 4e5
+    assert "| mode | tokens/s |" in markdown_table(rows)
+    assert plot_comparison(rows, tmp_path / "chart.png").stat().st_size > 0
+
+
+@cpu_only
+def test_sweep_on_cpu_writes_json_and_plot_with_graph_points_unavailable(tmp_path):
+    proc = script("sweep.py", "--recipes", "mnist", "--batch-sizes", "16,32", "--nprocs", "1", "--timeout", "90",
+                  "--output", str(tmp_path / "sw"), "--", "experiment=debug", "logger=none")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    sweep = json.loads((tmp_path / "sw" / "sweep.json").read_text())
+    points = {(p["batch_size"], p["mode"]): p for p in sweep["points"]}
+    assert set(points) == {(16, "eager"), (32, "eager"), (16, "full"), (32, "full")}
+    for batch_size in (16, 32):
+        eager, full = points[batch_size, "eager"], points[batch_size, "full"]
+        assert eager["status"] == "ok" and eager["throughput"] > 0 and eager["nproc"] == 1
+        assert full["status"] == NOT_AVAILABLE and full["speedup"] is None
+        results = json.loads((Path(eager["run_dir"]) / "results.json").read_text())
+        assert results["global_batch"] == batch_size
+    assert (tmp_path / "sw" / "sweep_mnist.png").stat().st_size > 0
+    assert (tmp_path / "sw" / "mnist_n1_bs16" / "compare.md").exists()
+
+
+def test_sweep_table_and_plot_from_gpu_like_points(tmp_path):
+    points = []
+    for nproc in (1, 2):
+        for batch_size in (16, 64):
+            rows = comparison_rows([outcome("eager", 1000.0 * nproc), outcome("full", 2500.0 * nproc)])
+            points += [{"recipe": "mnist", "nproc": nproc, "batch_size": batch_size, **row} for row in rows]
+    table = sweep_table(points, ["eager", "full"])
+    header = "| recipe | nproc | batch size/rank | eager samples/s | full samples/s | speedup full |"
+    assert table.splitlines()[0] == header
+    assert "| mnist | 2 | 64 | 2,000 | 5,000 | 2.50x |" in table
+    assert plot_sweep(points, tmp_path / "sweep.png", title="mnist").stat().st_size > 0
