@@ -196,7 +196,7 @@ class HostLoader:
         rows = batch_size * batches_per_step if train else batch_size
         self.static: Batch = {
             "x": torch.empty((rows, *split.x.shape[1:]), dtype=split.x.dtype, device=rt.device),
-            "y": torch.empty((rows,), dtype=split.y.dtype, device=rt.device),
+            "y": torch.empty((rows, *split.y.shape[1:]), dtype=split.y.dtype, device=rt.device),
         }
         if not train:
             self.static["mask"] = torch.empty((rows,), dtype=torch.bool, device=rt.device)

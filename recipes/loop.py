@@ -21,7 +21,7 @@ from recipes.data import make_loader
 from recipes.metrics_logger import MetricsLogger
 from recipes.optim import LRSchedule, build_optimizer
 from recipes.runtime import ConfigError, Runtime, print_once
-from recipes.step import COUNT, CORRECT, LOSS, NONFINITE, EvalStep, TrainStep, autocast_factory
+from recipes.step import EvalStep, TrainStep, autocast_factory
 
 
 class NonFiniteLossError(RuntimeError):
@@ -94,17 +94,19 @@ class Trainer:
             dist.all_reduce(vec)
         return vec.tolist()
 
-    def _read_train_metrics(self, step: int) -> Dict[str, float]:
+    def _read_train_metrics(self, step: int, steps_in_window: int) -> Dict[str, float]:
         self.timer.collect()
-        loss_sum, correct, nonfinite, count = self._global(self.train_step.metrics)
+        loss_sum, correct = self._global(self.train_step.metrics)
         self.train_step.metrics.zero_()
-        if nonfinite > 0:
+        micro_batches = steps_in_window * self.cfg.train.grad_accum * self.rt.world_size
+        count = steps_in_window * self.train_step.items_per_step * self.rt.world_size
+        if not math.isfinite(loss_sum):
             raise NonFiniteLossError(
                 f"the training loss became non-finite (NaN/Inf) by step {step}: lower recipe.optim.lr, "
                 "set train.grad_clip, or check the data")
         new = self.timer.sequence_ms[self._logged_durations:]
         self._logged_durations = len(self.timer.sequence_ms)
-        out = {"train/loss": loss_sum / max(count, 1), "train/accuracy": correct / max(count, 1),
+        out = {"train/loss": loss_sum / micro_batches, "train/accuracy": correct / count,
                "train/lr": float(self.optimizer.param_groups[0]["lr"]), "epoch": step / self.steps_per_epoch}
         if new:
             ms = sum(new) / len(new)
@@ -127,7 +129,7 @@ class Trainer:
         self.logger = logger
         loop = self.cfg.train
         show = self.rt.is_main and loop.progress
-        step, done = 0, False
+        step, done, last_read = 0, False, 0
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         start = time.perf_counter()
@@ -144,7 +146,8 @@ class Trainer:
                 step += 1
                 done = step >= self.total_steps
                 if step % loop.log_every == 0 or done or i == self.steps_per_epoch - 1:
-                    last_train = self._read_train_metrics(step)
+                    last_train = self._read_train_metrics(step, step - last_read)
+                    last_read = step
                     self._after_log(step, last_train, bar)
                     self.timer.restart()
                 if done:
@@ -188,7 +191,16 @@ class Trainer:
         units = self.global_batch * self.recipe.units_per_sample
         s[f"{self.recipe.unit}_per_s"] = units * 1e3 / s["step_ms_mean"]
         s[f"{self.recipe.unit}_per_s_per_gpu"] = s[f"{self.recipe.unit}_per_s"] / self.rt.world_size
+        peak = self._peak_flops()
+        if peak is not None and self.recipe.flops_per_unit > 0:
+            s["mfu_pct"] = 100 * s[f"{self.recipe.unit}_per_s_per_gpu"] * self.recipe.flops_per_unit / (peak[1] * 1e12)
         return s
+
+    def _peak_flops(self):
+        """(name, dense TFLOP/s) of this GPU at the run's precision, or None off CUDA or for an unlisted GPU."""
+        if self.device.type != "cuda":
+            return None
+        return peak_tflops(torch.cuda.get_device_name(self.device), self.cfg.train.precision.value)
 
     def _compare(self) -> Dict[str, Any]:
         eager, graph = self._perf("eager"), self._perf("graph")
@@ -230,6 +242,10 @@ class Trainer:
             digests = [None] * self.rt.world_size
             dist.all_gather_object(digests, param_digest(self.executor.eval_model))
         out["param_digests"] = digests
+        peak = self._peak_flops()
+        if peak is not None and self.recipe.flops_per_unit > 0:
+            out["perf/mfu_peak"], out["perf/mfu_peak_tflops"] = peak
+            out["perf/flops_per_unit"] = self.recipe.flops_per_unit
         if self.device.type == "cuda":
             out["perf/peak_allocated_mib"] = torch.cuda.max_memory_allocated(self.device) / 2**20
             out["perf/peak_reserved_mib"] = torch.cuda.max_memory_reserved(self.device) / 2**20
@@ -241,6 +257,28 @@ class Trainer:
 
     def close(self) -> None:
         self.executor.close()
+
+
+# Dense tensor-core peaks, TFLOP/s (NVIDIA datasheets; "dense" = half the with-sparsity figure).
+# Matched in order against torch.cuda.get_device_name(); the first name contained wins.
+# fp32 runs are measured against the TF32 peak, the most an fp32 model can get from the
+# tensor cores (cuDNN convolutions use TF32 by default; matmuls only where it is allowed).
+PEAK_TFLOPS = (  # (name part, label, bf16 dense, tf32 dense)
+    ("H100 PCIe", "H100 PCIe", 756.0, 378.0),
+    ("H100 NVL", "H100 NVL", 835.0, 417.5),
+    ("H200 NVL", "H200 NVL", 835.0, 417.5),
+    ("H100", "H100 SXM", 989.0, 494.5),
+    ("H200", "H200 SXM", 989.0, 494.5),
+    ("A100", "A100", 312.0, 156.0),
+)
+
+
+def peak_tflops(device_name: str, precision: str):
+    """("<GPU> <bf16|tf32> dense", TFLOP/s) for a known GPU, else None."""
+    for part, label, bf16, tf32 in PEAK_TFLOPS:
+        if part.lower() in device_name.lower():
+            return (f"{label} bf16 dense", bf16) if precision == "bf16" else (f"{label} tf32 dense", tf32)
+    return None
 
 
 def param_digest(model: torch.nn.Module) -> str:
