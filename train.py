@@ -53,7 +53,8 @@ def run(cfg: DictConfig) -> int:
     import torch  # after Hydra: `--help` and config errors stay fast
 
     from graphing import CaptureError, resolve_mode
-    from recipes.loop import NonFiniteLossError, Trainer, check_loop_config, resolved_config, write_json
+    from recipes.loop import NonFiniteLossError, Trainer, check_loop_config, write_json
+    from recipes.checkpoint import check_checkpoint_config
     from recipes.metrics_logger import MetricsLogger
     from recipes.runtime import ConfigError, env_rank, pick_device, print_once, seed_everything, start
 
@@ -62,6 +63,7 @@ def run(cfg: DictConfig) -> int:
     try:
         # Everything that can be checked without data is checked before the ranks meet.
         check_loop_config(cfg)
+        check_checkpoint_config(cfg)
         device = pick_device(cfg.device)
         mode = resolve_mode(cfg.graph, device, int(os.environ.get("WORLD_SIZE", "1")))
         if mode == "full" and torch.__version__ < "2.2":
@@ -70,7 +72,7 @@ def run(cfg: DictConfig) -> int:
         _log_to_files(rt)
         seed_everything(cfg.seed, cfg.deterministic)
         trainer = Trainer(cfg, rt)
-        config = resolved_config(cfg)
+        config = trainer.config
         config["recipe"]["data"]["source_used"] = trainer.recipe.data.source
         config["graph"]["mode_used"] = mode
         config["world_size"] = rt.world_size
@@ -81,7 +83,8 @@ def run(cfg: DictConfig) -> int:
                    f"mode {mode} | {rt.world_size} x {device.type} | "
                    f"{trainer.steps_per_epoch} steps/epoch of {trainer.global_batch} samples")
         log.info("config:\n%s", OmegaConf.to_yaml(config))
-        logger = MetricsLogger(cfg.logger, rt.run_dir, config, enabled=rt.is_main, job_type=mode)
+        logger = MetricsLogger(cfg.logger, rt.run_dir, config, enabled=rt.is_main, job_type=mode,
+                               run_id=trainer.wandb_run_id)
         summary = trainer.fit(logger)
         log.info("summary: %s", summary)
         if rt.is_main:
@@ -99,8 +102,9 @@ def run(cfg: DictConfig) -> int:
     except Exception:
         code = EXIT_CRASH
         text = traceback.format_exc()
-        log.error("crashed:\n%s", text)
-        print(f"[rank {env_rank()}] {text}", file=sys.stderr, flush=True)
+        log.error("crashed:\n%s", text)  # the rank's log file; rank 0's console too
+        if rt is None or not rt.is_main:
+            print(f"[rank {env_rank()}] {text}", file=sys.stderr, flush=True)
     finally:
         if trainer is not None:
             trainer.close()  # graphs before the process group, or exit can hang

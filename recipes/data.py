@@ -141,6 +141,7 @@ class DeviceLoader:
     def __init__(self, split: Split, batch_size: int, rt: Runtime, *, train: bool, seed: int,
                  batches_per_step: int = 1):
         self.train, self.seed, self.rt, self.batch_size = train, seed, rt, batch_size
+        self.batches_per_step = batches_per_step
         self.x = split.x.to(rt.device)
         self.y = split.y.to(rt.device)
         self.steps, self.length = plan_epoch(len(split), rt.world_size, batch_size, batches_per_step, train)
@@ -155,6 +156,10 @@ class DeviceLoader:
         self.index.copy_(index)
         self.mask.copy_(mask)
         self.cursor.zero_()
+
+    def skip(self, steps: int) -> None:
+        """Moves past the first ``steps`` steps of the epoch (resuming mid-epoch)."""
+        self.cursor.fill_(steps * self.batch_size * self.batches_per_step)
 
     def stage(self) -> None:
         """Nothing to do on the host: the batch is picked inside ``next_batch``."""
@@ -213,6 +218,11 @@ class HostLoader:
             ds, batch_size=None, shuffle=False, num_workers=self.num_workers,
             pin_memory=self.rt.device.type == "cuda", persistent_workers=False,
             generator=torch.Generator().manual_seed(self.seed + epoch)))  # leave the global RNG (dropout) alone
+
+    def skip(self, steps: int) -> None:
+        """Moves past the first ``steps`` steps of the epoch (resuming mid-epoch)."""
+        for _ in range(steps if self.train else 0):
+            next(self._it)
 
     def stage(self) -> None:
         batch = next(self._it)

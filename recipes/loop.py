@@ -8,7 +8,9 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import time
+from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -17,6 +19,8 @@ from omegaconf import OmegaConf
 
 from graphing import StepTimer, build_executor, resolve_mode
 from recipes import RECIPES
+from recipes.checkpoint import (check_compatible, latest_checkpoint, load_checkpoint, load_optimizer_state,
+                                rng_state, save_checkpoint, set_rng_state)
 from recipes.data import make_loader
 from recipes.metrics_logger import MetricsLogger
 from recipes.optim import LRSchedule, build_optimizer
@@ -53,6 +57,7 @@ class Trainer:
         self.recipe = recipe
         data_cfg, loop = cfg.recipe.data, cfg.train
         model = recipe.model.to(self.device)
+        self.raw_model = model  # what checkpoints hold, whatever wraps it (DDP, compile, graphs)
         self.train_loader = make_loader(recipe.data.train, data_cfg.batch_size, rt, kind=data_cfg.loader.value,
                                         train=True, seed=cfg.seed, batches_per_step=loop.grad_accum,
                                         num_workers=data_cfg.num_workers)
@@ -77,6 +82,50 @@ class Trainer:
         self.history: List[Dict[str, Any]] = []  # every logged train/eval row, for tests and scripts
         self._logged_durations = 0
         self.comparison: Optional[Dict[str, Any]] = None
+        self.config: Dict[str, Any] = resolved_config(cfg)
+        self.start_step, self.wandb_run_id = 0, None
+        self._restore()  # before any warm-up or capture: graphs must see the restored tensors
+
+    # ---- checkpoints -----------------------------------------------------------------
+    def _restore(self) -> None:
+        resume = self.cfg.checkpoint.resume
+        if resume == "never":
+            return
+        if resume == "auto":
+            found = latest_checkpoint(self.rt.run_dir)
+            if found is None:
+                return
+            path, state = found
+        else:
+            path = Path(resume)
+            state = load_checkpoint(path)
+        check_compatible(state, self.recipe.name, resume=resume, path=path)
+        self.raw_model.load_state_dict(state["model"])  # in place: DDP and graphed callables see it
+        load_optimizer_state(self.optimizer, state["optimizer"])
+        self.train_step.step.fill_(state["step"])
+        set_rng_state(state["rng"])  # every rank had the same RNG stream: rank 0's is everyone's
+        self.start_step, self.wandb_run_id = int(state["step"]), state.get("wandb_run_id")
+        print_once(f"resumed from {path} at step {self.start_step}")
+
+    def save_checkpoint(self, step: int) -> None:
+        """Rank 0 writes the full training state atomically; every rank waits for it."""
+        if self.rt.is_main:
+            state = {
+                "model": self.raw_model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "step": step, "epoch": step // self.steps_per_epoch, "rng": rng_state(),
+                "wandb_run_id": self.logger.run_id if self.logger else None,
+                "recipe": self.recipe.name, "config": self.config,
+            }
+            save_checkpoint(self.rt.run_dir, step, state, self.cfg.checkpoint.keep)
+        self.rt.barrier()
+
+    def _maybe_fail(self, step: int) -> None:
+        """Fault injection for the restart tests: one rank dies hard, on the first attempt only."""
+        ck = self.cfg.checkpoint
+        if ck.fail_at_step == step and self.rt.rank == ck.fail_rank \
+                and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+            print(f"[rank {self.rt.rank}] checkpoint.fail_at_step={step}: killing this rank", flush=True)
+            os._exit(13)
 
     def _sample_args(self):
         """One preprocessed training input, for modes that trace the model ahead of time."""
@@ -129,27 +178,39 @@ class Trainer:
         self.logger = logger
         loop = self.cfg.train
         show = self.rt.is_main and loop.progress
-        step, done, last_read = 0, False, 0
+        step = last_read = self.start_step
+        done = step >= self.total_steps
+        first_epoch, position = divmod(step, self.steps_per_epoch)
+        every = self.cfg.checkpoint.every_steps
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         start = time.perf_counter()
         eval_result: Dict[str, float] = {}
         last_train: Dict[str, float] = {}
-        for epoch in range(loop.epochs):
+        for epoch in range(first_epoch, loop.epochs):
+            if done:
+                break
             self.train_loader.start_epoch(epoch)
+            begin = position if epoch == first_epoch else 0
+            self.train_loader.skip(begin)  # resumed mid-epoch: continue where the checkpoint was
             bar = _progress(show, self.steps_per_epoch, f"epoch {epoch + 1}/{loop.epochs}")
             self.timer.restart()
-            for i in range(self.steps_per_epoch):
+            for i in range(begin, self.steps_per_epoch):
                 phase = self.executor.phase("train")
                 self.executor.run("train", self.train_loader.stage, self.train_step)
                 self.timer.step(phase)
                 step += 1
                 done = step >= self.total_steps
-                if step % loop.log_every == 0 or done or i == self.steps_per_epoch - 1:
+                checkpoint_now = (every > 0 and step % every == 0) or done
+                if step % loop.log_every == 0 or done or i == self.steps_per_epoch - 1 or checkpoint_now:
+                    # Read (and check for NaN) before saving: a checkpoint is always a good one.
                     last_train = self._read_train_metrics(step, step - last_read)
                     last_read = step
                     self._after_log(step, last_train, bar)
+                    if checkpoint_now:
+                        self.save_checkpoint(step)
                     self.timer.restart()
+                self._maybe_fail(step)
                 if done:
                     break
             if bar is not None:

@@ -96,10 +96,10 @@ def start(device: torch.device, output_root: str, run_dir: Optional[str], run_na
         torch.cuda.set_device(device)  # before any other CUDA work on this rank
     if distributed:
         backend = "nccl" if device.type == "cuda" else "gloo"
+        timeout = datetime.timedelta(seconds=collective_timeout_s)
         dist.init_process_group(
-            backend=backend,
-            timeout=datetime.timedelta(seconds=collective_timeout_s),
-            device_id=device if device.type == "cuda" else None,
+            backend=backend, timeout=timeout, store=_attempt_store(rank, world_size, timeout),
+            rank=rank, world_size=world_size, device_id=device if device.type == "cuda" else None,
         )
     rt = Runtime(rank, local_rank, world_size, device, distributed, Path("."))
     try:
@@ -115,6 +115,19 @@ def start(device: torch.device, output_root: str, run_dir: Optional[str], run_na
         rt.close()
         raise
     return rt
+
+
+def _attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dist.Store:
+    """The rendezvous store, with this attempt's keys kept apart from earlier attempts'.
+
+    After a restart (``torchrun --max-restarts``) the agent's store still holds the keys
+    the failed attempt's process group wrote; a new rank can read a dead peer's address
+    from them and fail to connect. A prefix per restart count avoids that.
+    """
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=not agent_hosts_store and rank == 0, timeout=timeout)
+    return dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
 
 
 def _choose_run_dir(output_root: str, run_dir: Optional[str], run_name: str) -> str:

@@ -1,0 +1,63 @@
+"""A job dies and restarts: it resumes from its newest checkpoint and ends where an
+uninterrupted job ends, bit for bit."""
+from __future__ import annotations
+
+import json
+
+from conftest import free_port, launch
+from recipes.checkpoint import list_checkpoints
+
+ARGS = ["recipe.data.source=synthetic", "recipe.data.train_size=4096", "recipe.data.test_size=512",
+        "recipe.data.eval_batch_size=256", "train.epochs=2", "train.log_every=8", "checkpoint.every_steps=10",
+        "logger=none"]
+
+
+def _torchrun(max_restarts: int):
+    return ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=resume",
+            f"--max-restarts={max_restarts}"]
+
+
+def test_a_killed_rank_restarts_resumes_and_matches_an_uninterrupted_run(tmp_path):
+    clean = launch(ARGS, tmp_path / "clean", nproc=2, torchrun_args=_torchrun(0), timeout=240)
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    # Rank 1 dies hard at step 25 (mid-epoch, 5 steps after the step-20 checkpoint).
+    crashed = launch([*ARGS, "checkpoint.fail_at_step=25", "checkpoint.fail_rank=1"], tmp_path / "crashed",
+                     nproc=2, torchrun_args=_torchrun(1), timeout=240)
+    assert crashed.returncode == 0, crashed.stderr[-3000:]
+    text = crashed.stdout + crashed.stderr
+    assert "killing this rank" in text and "resumed from" in text and "step_00000020.pt" in text
+    a, b = clean.results(), crashed.results()
+    assert b["steps"] == a["steps"] == 64
+    assert len(set(a["param_digests"])) == 1
+    assert a["param_digests"] == b["param_digests"], "resumed run must equal the uninterrupted one bit for bit"
+    assert a["final/eval_loss"] == b["final/eval_loss"]
+    kept = list_checkpoints(crashed.run_dir)
+    assert [p.name for p in kept] == ["step_00000060.pt", "step_00000064.pt"]  # checkpoint.keep=2
+
+
+def test_resume_auto_skips_a_corrupt_newest_checkpoint(tmp_path):
+    first = launch([*ARGS, "train.max_steps=30"], tmp_path, timeout=120)
+    assert first.returncode == 0, first.stderr[-3000:]
+    run_dir = first.run_dir
+    newest = list_checkpoints(run_dir)[-1]
+    newest.write_bytes(newest.read_bytes()[:100])  # truncated, as by a full disk
+    again = launch([*ARGS, f"run_dir={run_dir}", "train.max_steps=40"], tmp_path, timeout=120)
+    assert again.returncode == 0, again.stderr[-3000:]
+    text = again.stdout + again.stderr
+    assert newest.name in text  # named in the warning
+    assert "resumed from" in text and "step_00000020.pt" in text
+    assert json.loads((run_dir / "results.json").read_text())["steps"] == 40
+
+
+def test_a_checkpoint_of_another_recipe_is_refused(tmp_path):
+    first = launch([*ARGS, "train.max_steps=10"], tmp_path, timeout=120)
+    assert first.returncode == 0
+    ckpt = list_checkpoints(first.run_dir)[-1]
+    import torch
+    state = torch.load(ckpt, weights_only=True)
+    state["recipe"] = "gpt_tiny"
+    torch.save(state, ckpt)
+    again = launch([*ARGS, f"checkpoint.resume={ckpt}"], tmp_path / "other", nproc=2, timeout=120)
+    text = again.stdout + again.stderr
+    assert again.returncode != 0
+    assert text.count("of recipe 'gpt_tiny' but recipe=mnist") == 1, text[-3000:]
