@@ -111,7 +111,7 @@ def run(cfg: DictConfig) -> int:
         if logger is not None:
             logger.finish(exit_code=code)
         if rt is not None:
-            rt.close()
+            rt.close(clean=code == 0)
     return code
 
 

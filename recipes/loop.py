@@ -84,6 +84,7 @@ class Trainer:
         self.comparison: Optional[Dict[str, Any]] = None
         self.config: Dict[str, Any] = resolved_config(cfg)
         self.start_step, self.wandb_run_id = 0, None
+        self.clock: Dict[str, float] = {"eval_s": 0.0}  # where the loop's wall time went
         self._restore()  # before any warm-up or capture: graphs must see the restored tensors
 
     # ---- checkpoints -----------------------------------------------------------------
@@ -199,6 +200,8 @@ class Trainer:
                 phase = self.executor.phase("train")
                 self.executor.run("train", self.train_loader.stage, self.train_step)
                 self.timer.step(phase)
+                if phase == "capture":  # capture synchronizes: the host clock is exact here
+                    self.clock["until_first_graph_step_s"] = time.perf_counter() - start
                 step += 1
                 done = step >= self.total_steps
                 checkpoint_now = (every > 0 and step % every == 0) or done
@@ -216,7 +219,9 @@ class Trainer:
             if bar is not None:
                 bar.close()
             if loop.eval:
+                eval_began = time.perf_counter()
                 eval_result = self.evaluate()
+                self.clock["eval_s"] += time.perf_counter() - eval_began
                 self.history.append({"step": step, **eval_result, "epoch": epoch + 1})
                 logger.log({**eval_result, "epoch": epoch + 1}, step)
                 print_once(f"epoch {epoch + 1}: train loss {last_train.get('train/loss', math.nan):.4f} | "
@@ -289,7 +294,8 @@ class Trainer:
         out: Dict[str, Any] = {
             "mode": self.executor.info["mode"], "recipe": self.recipe.name, "data_source": self.recipe.data.source,
             "world_size": self.rt.world_size, "global_batch": self.global_batch, "steps": steps,
-            "train_loop_s": wall, "timed_phase": headline_phase,
+            "train_loop_s": wall, **{f"time/{k}": v for k, v in self.clock.items()},
+            "timed_phase": headline_phase,
             **{f"perf/{k}": v for k, v in perf.items()},
             **{f"final/{k.split('/')[-1]}": v for k, v in train.items() if k.startswith("train/")},
             **{f"final/eval_{k.split('/')[-1]}": v for k, v in evaluation.items()},

@@ -65,8 +65,15 @@ class Runtime:
         dist.all_reduce(t)
         return int(t.item()) == 0
 
-    def close(self) -> None:
+    def close(self, clean: bool = True) -> None:
+        """Leaves the process group. After a clean run, ranks first meet, so that no rank
+        tears its connections down while a peer still uses them (gloo can abort then)."""
         if self.distributed and dist.is_initialized():
+            if clean:
+                try:
+                    dist.barrier()
+                except Exception:
+                    pass
             dist.destroy_process_group()
 
 
@@ -112,7 +119,7 @@ def start(device: torch.device, output_root: str, run_dir: Optional[str], run_na
             raise ConfigError(problem)
         rt.run_dir = Path(chosen)
     except BaseException:
-        rt.close()
+        rt.close(clean=False)
         raise
     return rt
 
