@@ -1,0 +1,139 @@
+"""CIFAR-10: torchvision's ResNet-18 adapted to 32×32 images, with crop and flip on the GPU.
+
+The ImageNet stem (7×7 stride-2 conv, max-pool) would shrink a 32×32 image to 8×8
+before the first block; the usual CIFAR variant uses a 3×3 stride-1 conv and no pool.
+Augmentation runs inside the step, on the device, from the default generator, so it
+is captured into the CUDA graph and draws new crops and flips on every replay.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from recipes.base import Recipe, classification_criterion
+from recipes.data import Batch, Split, resolve_source
+from recipes.runtime import ConfigError, Runtime
+
+MEAN = (0.4914, 0.4822, 0.4465)  # per channel, of the CIFAR-10 training set
+STD = (0.2470, 0.2435, 0.2616)
+TRAIN_SIZE, TEST_SIZE = 50_000, 10_000
+SIZE, PAD = 32, 4  # random crops of 32×32 from the image padded by 4 pixels
+
+
+def resnet18_cifar() -> nn.Module:
+    from torchvision.models import resnet18
+
+    model = resnet18(num_classes=10)
+    model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
+    model.maxpool = nn.Identity()
+    return model
+
+
+def training_flops_per_sample(make_model) -> float:
+    """3 × the forward FLOPs of one 32×32 image (backward ≈ 2 × forward), counted on the meta device."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with torch.device("meta"):
+        model = make_model()
+        x = torch.empty(1, 3, SIZE, SIZE)
+    with FlopCounterMode(display=False) as counter:
+        model(x)
+    return 3.0 * counter.get_total_flops()
+
+
+def synthetic_cifar10(seed: int, train_size: int, test_size: int) -> Tuple[Split, Split]:
+    """A learnable CIFAR-10 stand-in: 3×32×32 uint8 images, 10 classes.
+
+    Each class is a smooth random colour pattern; a sample is its class pattern,
+    shifted by up to 3 pixels, mirrored half of the time, rescaled in intensity,
+    tinted and noised. Deterministic in ``seed``; train and test are drawn
+    independently from the same classes.
+    """
+    g = torch.Generator().manual_seed(seed)
+    coarse = torch.rand(10, 3, 6, 6, generator=g)
+    templates = F.interpolate(coarse, size=(SIZE, SIZE), mode="bicubic", align_corners=False).clamp(0, 1)
+    shifts = [(dy, dx) for dy in range(-3, 4) for dx in range(-3, 4)]
+    variants = torch.stack([torch.roll(templates, s, dims=(2, 3)) for s in shifts], dim=1)  # [10, 49, 3, 32, 32]
+    variants = torch.stack([variants, variants.flip(-1)], dim=2).reshape(-1, 3, SIZE, SIZE)  # class, shift, mirror
+
+    def draw(n: int, stream: int) -> Split:
+        gs = torch.Generator().manual_seed(seed * 7919 + stream)
+        y = torch.randint(0, 10, (n,), generator=gs)
+        variant = y * (2 * len(shifts)) + torch.randint(0, 2 * len(shifts), (n,), generator=gs)
+        x = torch.empty(n, 3, SIZE, SIZE, dtype=torch.uint8)
+        for lo in range(0, n, 4096):  # in chunks: the float images of 50k samples would need 600 MB
+            hi = min(lo + 4096, n)
+            img = variants.index_select(0, variant[lo:hi])
+            img.mul_(0.5 + 0.5 * torch.rand(hi - lo, 1, 1, 1, generator=gs))  # brightness
+            img.add_(0.15 * torch.randn(hi - lo, 3, 1, 1, generator=gs))  # colour tint
+            img.add_(torch.rand(img.shape, generator=gs).sub_(0.5).mul_(0.6))  # uniform noise: faster than randn
+            x[lo:hi] = img.clamp_(0, 1).mul_(255).round_()
+        return Split(x, y)
+
+    return draw(train_size, 1), draw(test_size, 2)
+
+
+def load_torchvision_cifar10(root: str, download: bool) -> Tuple[Split, Split]:
+    from torchvision.datasets import CIFAR10
+
+    def split(train: bool) -> Split:
+        ds = CIFAR10(root=str(Path(root)), train=train, download=download)
+        x = torch.from_numpy(ds.data).permute(0, 3, 1, 2).contiguous()  # stored as [N, 32, 32, 3]
+        return Split(x, torch.tensor(ds.targets, dtype=torch.long))
+
+    return split(True), split(False)
+
+
+def random_crop_flip(x: torch.Tensor, pad: int = PAD) -> torch.Tensor:
+    """A random ``pad``-pixel-padded crop of each image, mirrored with probability 1/2.
+
+    Graph-safe: static shapes, device-side randomness from the default generator, no
+    host sync. One gather per axis picks each sample's rows and (possibly reversed) columns.
+    """
+    n, c, h, w = x.shape
+    padded = F.pad(x, (pad, pad, pad, pad))
+    dy = torch.randint(0, 2 * pad + 1, (n, 1), device=x.device)
+    dx = torch.randint(0, 2 * pad + 1, (n, 1), device=x.device)
+    flip = torch.randint(0, 2, (n, 1), device=x.device) == 1
+    rows = dy + torch.arange(h, device=x.device)
+    ramp = torch.arange(w, device=x.device)
+    cols = dx + torch.where(flip, w - 1 - ramp, ramp)
+    out = padded.gather(2, rows[:, None, :, None].expand(n, c, h, w + 2 * pad))
+    return out.gather(3, cols[:, None, None, :].expand(n, c, h, w))
+
+
+def make_preprocess(device: torch.device):
+    # Normalization constants live on the device: building them inside the step would
+    # copy from host memory on every call (and from a freed buffer on graph replay).
+    scale = (1.0 / (255.0 * torch.tensor(STD))).view(1, 3, 1, 1).to(device)
+    shift = (-torch.tensor(MEAN) / torch.tensor(STD)).view(1, 3, 1, 1).to(device)
+
+    def preprocess(batch: Batch, train: bool) -> Batch:
+        x = batch["x"].to(torch.float32)
+        if train:
+            x = random_crop_flip(x)  # pads with black, as torchvision's RandomCrop does
+        return {**batch, "x": x * scale + shift}
+
+    return preprocess
+
+
+def build(cfg, rt: Runtime) -> Recipe:
+    data_cfg = cfg.recipe.data
+    if cfg.recipe.model:
+        raise ConfigError(f"recipe.model has keys {sorted(cfg.recipe.model)} but the cifar10_resnet18 model "
+                          "takes none: remove them")
+    train_size = data_cfg.train_size or TRAIN_SIZE
+    test_size = data_cfg.test_size or TEST_SIZE
+    data = resolve_source(
+        rt, data_cfg.source, "cifar10", "recipe.data",
+        load_real=lambda download: load_torchvision_cifar10(data_cfg.root, download),
+        make_synthetic=lambda: synthetic_cifar10(cfg.seed, train_size, test_size),
+    )
+    return Recipe(name="cifar10_resnet18", model=resnet18_cifar(), data=data, preprocess=make_preprocess(rt.device),
+                  criterion=classification_criterion(log_probs_given=False,
+                                                     label_smoothing=cfg.recipe.label_smoothing),
+                  flops_per_unit=training_flops_per_sample(resnet18_cifar))

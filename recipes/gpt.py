@@ -1,0 +1,252 @@
+"""A small decoder-only transformer over bytes (vocabulary 256), trained on next-byte prediction.
+
+The model is the GPT-2 layout at a small size: pre-norm blocks of causal self-attention
+(``F.scaled_dot_product_attention(is_causal=True)``) and a 4× MLP, learned positions,
+output head tied to the token embedding. Its settings come from ``recipe.model`` and
+are checked against ``GPTConfig``.
+
+Data: the bytes of the text file ``recipe.data.path`` (first 90% train, last 10% test),
+or, without a path, a synthetic language generated from the seed. A sample is a window
+of ``context + 1`` bytes, stored as ``x = window[:-1]`` and ``y = window[1:]``, so the
+loaders gather whole windows by row like any other dataset.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Tuple
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from recipes.base import Recipe
+from recipes.data import Batch, Split, resolve_source
+from recipes.runtime import ConfigError, Runtime
+
+VOCAB = 256  # bytes
+SYNTHETIC_TRAIN_TOKENS, SYNTHETIC_TEST_TOKENS = 1_600_000, 160_000
+TEST_FRACTION = 0.1  # of a text file, taken from its end
+
+
+@dataclass
+class GPTConfig:
+    n_layer: int = 6
+    n_head: int = 6
+    d_model: int = 384
+    context: int = 256  # tokens per sample
+    dropout: float = 0.0  # attention and residual dropout while training
+
+
+def model_config(settings) -> GPTConfig:
+    """``recipe.model`` as a GPTConfig; unknown keys and bad values name the setting to change."""
+    known = {f.name: f for f in fields(GPTConfig)}
+    values = {}
+    for key, value in dict(settings or {}).items():
+        if key not in known:
+            raise ConfigError(f"recipe.model.{key} is not a setting of the GPT model: remove it, or use one of "
+                              f"{', '.join('recipe.model.' + k for k in known)}")
+        kind = int if known[key].type in (int, "int") else float
+        accepted = int if kind is int else (int, float)
+        if isinstance(value, bool) or not isinstance(value, accepted):
+            raise ConfigError(f"recipe.model.{key}={value!r} must be {'an integer' if kind is int else 'a number'}")
+        values[key] = kind(value)
+    c = GPTConfig(**values)
+    for key in ("n_layer", "n_head", "d_model", "context"):
+        if getattr(c, key) < 1:
+            raise ConfigError(f"recipe.model.{key}={getattr(c, key)} must be at least 1")
+    if c.d_model % c.n_head:
+        raise ConfigError(f"recipe.model.d_model={c.d_model} is not divisible by recipe.model.n_head={c.n_head}: "
+                          "change one of them")
+    if not 0.0 <= c.dropout < 1.0:
+        raise ConfigError(f"recipe.model.dropout={c.dropout} must be in [0, 1)")
+    return c
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, c: GPTConfig):
+        super().__init__()
+        self.n_head, self.dropout = c.n_head, c.dropout
+        self.qkv = nn.Linear(c.d_model, 3 * c.d_model, bias=False)
+        self.proj = nn.Linear(c.d_model, c.d_model, bias=False)
+        self.resid_dropout = nn.Dropout(c.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = (z.view(b, t, self.n_head, d // self.n_head).transpose(1, 2)
+                   for z in self.qkv(x).split(d, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        return self.resid_dropout(self.proj(y.transpose(1, 2).reshape(b, t, d)))
+
+
+class Block(nn.Module):
+    def __init__(self, c: GPTConfig):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(c.d_model)
+        self.attn = CausalSelfAttention(c)
+        self.ln2 = nn.LayerNorm(c.d_model)
+        self.mlp = nn.Sequential(nn.Linear(c.d_model, 4 * c.d_model, bias=False), nn.GELU(),
+                                 nn.Linear(4 * c.d_model, c.d_model, bias=False), nn.Dropout(c.dropout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, c: GPTConfig):
+        super().__init__()
+        self.config = c
+        self.tok_emb = nn.Embedding(VOCAB, c.d_model)
+        self.pos_emb = nn.Embedding(c.context, c.d_model)
+        self.drop = nn.Dropout(c.dropout)
+        self.blocks = nn.ModuleList(Block(c) for _ in range(c.n_layer))
+        self.ln_f = nn.LayerNorm(c.d_model)
+        self.head = nn.Linear(c.d_model, VOCAB, bias=False)
+        self.head.weight = self.tok_emb.weight  # tied: one matrix embeds and un-embeds
+        self.apply(self._init)
+        for block in self.blocks:  # residual branches scaled down so the stream's variance stays put
+            for w in (block.attn.proj.weight, block.mlp[2].weight):
+                nn.init.normal_(w, std=0.02 / math.sqrt(2 * c.n_layer))
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Logits [B, T, 256] for token ids [B, T]."""
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+    def training_flops_per_token(self) -> float:
+        """6 FLOPs per parameter per token (forward + backward), plus attention's 12·L·d·T.
+
+        Position embeddings are left out (a lookup, not a matmul); the tied embedding is
+        counted once, as the output head it also is.
+        """
+        c = self.config
+        n_params = sum(p.numel() for p in self.parameters()) - self.pos_emb.weight.numel()
+        return 6.0 * n_params + 12.0 * c.n_layer * c.d_model * c.context
+
+
+def synthetic_text(seed: int, n_bytes: int) -> bytes:
+    """``n_bytes`` of a made-up language with structure a small model can learn.
+
+    A vocabulary of 400 words (2 to 8 letters, letters drawn with skewed frequencies);
+    sentences follow a first-order Markov chain in which each word has six possible
+    successors with fixed, decreasing probabilities, and ends with probability 1/8.
+    Spelling is deterministic given the word, so most bytes are predictable from the
+    bytes before them; the word choices carry the remaining uncertainty.
+    """
+    rng = np.random.default_rng(seed)
+    n_words, n_next = 400, 6
+    letters = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz", dtype=np.uint8)
+    letter_p = rng.dirichlet(np.full(26, 1.5))
+    words = [b" " + rng.choice(letters, size=int(n), p=letter_p).tobytes()
+             for n in rng.integers(2, 9, n_words)]
+    end = n_words
+    words.append(b".\n")
+    popularity = np.arange(1, n_words + 1) ** -0.7  # Zipf-like: some words follow many others
+    successors = [rng.choice(n_words, size=n_next, replace=False, p=popularity / popularity.sum()).tolist()
+                  for _ in range(n_words + 1)]
+    slot_p = 1.0 / np.arange(1, n_next + 1)
+    slot_cdf = np.cumsum(slot_p / slot_p.sum())
+
+    out, total = [], 0
+    while total < n_bytes:  # chunks of words until enough bytes (6 bytes per word on average)
+        n = n_bytes // 5 + 1024
+        slots = np.minimum(np.searchsorted(slot_cdf, rng.random(n)), n_next - 1).tolist()
+        ends = (rng.random(n) < 1 / 8).tolist()
+        word = end
+        for slot, stop in zip(slots, ends):
+            word = end if stop and word != end else successors[word][slot]
+            out.append(words[word])
+            total += len(words[word])
+    return b"".join(out)[:n_bytes]
+
+
+def windows(tokens: torch.Tensor, context: int) -> Split:
+    """Consecutive windows of ``context + 1`` tokens (sharing their boundary token) as (x, y)."""
+    n = (len(tokens) - 1) // context
+    x = tokens[: n * context].view(n, context).clone()
+    y = tokens[1: n * context + 1].view(n, context).long()
+    return Split(x, y)
+
+
+def as_tokens(text: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(text), dtype=torch.uint8)  # byte-level: one token per byte
+
+
+def synthetic_splits(seed: int, context: int, train_size: int, test_size: int) -> Tuple[Split, Split]:
+    text = synthetic_text(seed, train_size * context + 1 + test_size * context + 1)
+    cut = train_size * context + 1
+    return windows(as_tokens(text[:cut]), context), windows(as_tokens(text[cut:]), context)
+
+
+def check_text_file(path: str, context: int) -> None:
+    """A given file must exist and hold one test window: say so before any rank reads it."""
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise ConfigError(f"recipe.data.path={path!r} is not a file: set recipe.data.path to a text file, "
+                          "or recipe.data.path=null for the synthetic language")
+    size = file.stat().st_size
+    if int(size * TEST_FRACTION) < context + 1:
+        raise ConfigError(f"recipe.data.path={path!r} has {size} bytes: its last {TEST_FRACTION:.0%} (the test "
+                          f"split) holds no window of recipe.model.context={context} + 1 bytes; use a longer "
+                          "file or a smaller recipe.model.context")
+
+
+def text_file_splits(path: str, context: int) -> Tuple[Split, Split]:
+    """The file's bytes as tokens: the first 90% for training, the rest for testing."""
+    tokens = as_tokens(Path(path).expanduser().read_bytes())
+    cut = int(len(tokens) * (1 - TEST_FRACTION))
+    return windows(tokens[:cut], context), windows(tokens[cut:], context)
+
+
+def preprocess(batch: Batch, train: bool) -> Batch:
+    return {**batch, "x": batch["x"].long()}  # stored as uint8 bytes: 8x less device memory
+
+
+def next_token_criterion(label_smoothing: float = 0.0):
+    def criterion(logits: torch.Tensor, target: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Per-token loss and correctness, both [B, T]."""
+        logits = logits.float()
+        loss = F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="none",
+                               label_smoothing=label_smoothing).view_as(target)
+        return loss, logits.argmax(dim=-1) == target
+
+    return criterion
+
+
+def build(cfg, rt: Runtime) -> Recipe:
+    config = model_config(cfg.recipe.model)
+    data_cfg = cfg.recipe.data
+    source = data_cfg.source
+    context = config.context
+    if data_cfg.path is None:
+        if source == "text":
+            raise ConfigError("recipe.data.source=text needs a file to read: set recipe.data.path=<text file> "
+                              "(or recipe.data.source=synthetic)")
+        source = "synthetic" if source == "auto" else source  # no file given: the synthetic language, quietly
+    elif source != "synthetic":
+        check_text_file(data_cfg.path, context)
+    train_size = data_cfg.train_size or SYNTHETIC_TRAIN_TOKENS // context
+    test_size = data_cfg.test_size or SYNTHETIC_TEST_TOKENS // context
+    data = resolve_source(
+        rt, source, "text", "recipe.data",
+        load_real=lambda download: text_file_splits(data_cfg.path, context),
+        make_synthetic=lambda: synthetic_splits(cfg.seed, context, train_size, test_size),
+    )
+    model = GPT(config)
+    return Recipe(name="gpt_tiny", model=model, data=data, preprocess=preprocess,
+                  criterion=next_token_criterion(cfg.recipe.label_smoothing),
+                  units_per_sample=context, unit="tokens", flops_per_unit=model.training_flops_per_token())
