@@ -28,6 +28,9 @@ def explain_capture_failure(err: BaseException, capture_error_mode: str) -> str:
                  "or an implicit sync on the legacy stream invalidated the capture")
         if capture_error_mode == "global":
             cause += "; graph.capture_error_mode=thread_local tolerates calls from other threads"
+    elif "capturable" in low:
+        cause = ("the optimizer is not capture-safe: Adam/AdamW need capturable=True (recipes/optim.py "
+                 "builds them so; a custom optimizer must do the same)")
     elif "shape" in low or "size" in low and "mismatch" in low:
         cause = "the step's shapes changed between warm-up and capture; every batch must have the same shape"
     else:

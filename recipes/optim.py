@@ -4,7 +4,7 @@ The learning rate is a device tensor held by the optimizer's param groups; the
 schedule writes it in place from a device step counter, so a schedule advances across
 graph replays with no re-capture and no host sync. On CUDA the optimizers use their
 fused kernels, which accept a tensor learning rate and keep their step counts on the
-device (Adam/AdamW fused is capture-safe, like ``capturable=True``).
+device (Adam/AdamW are also built ``capturable=True``, which capture requires).
 """
 from __future__ import annotations
 
@@ -29,8 +29,9 @@ def build_optimizer(cfg, params: Iterable[torch.nn.Parameter], device: torch.dev
                                weight_decay=cfg.weight_decay, fused=on_cuda or None)
     if cfg.name in ("adam", "adamw"):
         cls = torch.optim.AdamW if cfg.name == "adamw" else torch.optim.Adam
-        # foreach=False on CPU: foreach Adam refuses a tensor lr unless capturable.
-        kwargs = {"fused": True} if on_cuda else {"foreach": False}
+        # CUDA: fused kernels, capturable (torch refuses to capture Adam's step otherwise).
+        # CPU: foreach=False, since foreach Adam refuses a tensor lr unless capturable.
+        kwargs = {"fused": True, "capturable": True} if on_cuda else {"foreach": False}
         return cls(params, lr=lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay, **kwargs)
     raise ConfigError(f"recipe.optim.name={cfg.name!r} is not one of {', '.join(OPTIMIZERS)}: "
                       "set recipe.optim.name=sgd")
