@@ -63,7 +63,7 @@ def main() -> None:
     gpu_events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
     busy_ms = sum(e.device_time for e in gpu_events) / 1e3 / args.steps
     result = {
-        "device": torch.cuda.get_device_name(), "mode": ex.info["mode"], "recipe": cfg.recipe.name,
+        "device": torch.cuda.get_device_name(), "mode": ex.info["mode"] + ("+compile_model" if cfg.graph.compile_model else ""), "recipe": cfg.recipe.name,
         "batch_size": cfg.recipe.data.batch_size, "step_ms": wall_ms, "gpu_busy_ms": busy_ms,
         "gpu_busy_fraction": busy_ms / wall_ms, "gpu_ops_per_step": len(gpu_events) / args.steps,
     }
