@@ -129,7 +129,7 @@ def _log_to_files(rt) -> None:
 
 
 def _print_summary(summary) -> None:
-    keys = [k for k in summary if k.startswith(("perf/", "graph/", "final/", "speedup"))]
+    keys = [k for k in summary if k.startswith(("perf/", "graph/", "final/", "time/", "speedup"))]
     width = max(len(k) for k in keys) if keys else 0
     lines = [f"  {k:<{width}}  {summary[k]:.4g}" if isinstance(summary[k], float) else f"  {k:<{width}}  {summary[k]}"
              for k in keys]
