@@ -61,3 +61,20 @@ def test_a_checkpoint_of_another_recipe_is_refused(tmp_path):
     text = again.stdout + again.stderr
     assert again.returncode != 0
     assert text.count("of recipe 'gpt_tiny' but recipe=mnist") == 1, text[-3000:]
+
+
+def test_a_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
+    good = launch([*ARGS, "train.max_steps=10"], tmp_path, timeout=120)
+    assert good.returncode == 0, good.stderr[-3000:]
+    run_dir = good.run_dir
+    # The same run continues with an absurd learning rate (a warm-up schedule rewrites
+    # the restored lr every step), so the loss overflows a few steps later.
+    done = launch([*ARGS, f"run_dir={run_dir}", "recipe.optim.lr=1e30", "recipe.schedule.warmup_steps=1",
+                   "train.log_every=5", "checkpoint.every_steps=5", "train.max_steps=40"], tmp_path, timeout=120)
+    text = done.stdout + done.stderr
+    assert done.returncode == 4, text[-3000:]
+    assert "resumed from" in text
+    assert text.count("the training loss became non-finite") == 1
+    failed_at = int(text.split("non-finite (NaN/Inf) by step ")[1].split(":")[0])
+    steps_kept = [int(p.stem.split("_")[1]) for p in list_checkpoints(run_dir)]
+    assert 10 in steps_kept and max(steps_kept) < failed_at, (steps_kept, failed_at)
