@@ -5,7 +5,7 @@ graph per rank, and evaluation as a forward-only graph sharing its memory pool.
 from __future__ import annotations
 
 import gc
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict
 
 import torch
 

@@ -12,7 +12,8 @@ from typing import Callable, Dict, Tuple
 import torch
 import torch.nn.functional as F
 
-from recipes.data import Batch, Datasets
+from recipes.data import Batch, Datasets, Split, resolve_source
+from recipes.runtime import ConfigError, Runtime
 
 
 @dataclass
@@ -45,3 +46,25 @@ def classification_criterion(log_probs_given: bool, label_smoothing: float = 0.0
 
 
 Metrics = Dict[str, torch.Tensor]
+
+
+def image_datasets(cfg, rt: Runtime, *, recipe: str, real_name: str, sizes: Tuple[int, int],
+                   load_real: Callable[[str, bool], Tuple[Split, Split]],
+                   make_synthetic: Callable[[int, int, int], Tuple[Split, Split]]) -> Datasets:
+    """The data of a torchvision image recipe whose model takes no options.
+
+    ``load_real(root, download)`` reads the real set; ``make_synthetic(seed, train_size,
+    test_size)`` draws the stand-in, at the real set's ``sizes`` unless
+    ``recipe.data.train_size``/``test_size`` say otherwise.
+    """
+    data_cfg = cfg.recipe.data
+    if cfg.recipe.model:
+        raise ConfigError(f"recipe.model has keys {sorted(cfg.recipe.model)} but the {recipe} model takes "
+                          "none: remove them")
+    train_size = data_cfg.train_size or sizes[0]
+    test_size = data_cfg.test_size or sizes[1]
+    return resolve_source(
+        rt, data_cfg.source, real_name, "recipe.data",
+        load_real=lambda download: load_real(data_cfg.root, download),
+        make_synthetic=lambda: make_synthetic(cfg.seed, train_size, test_size),
+    )

@@ -14,9 +14,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from recipes.base import Recipe, classification_criterion
-from recipes.data import Batch, Split, resolve_source
-from recipes.runtime import ConfigError, Runtime
+from recipes.base import Recipe, classification_criterion, image_datasets
+from recipes.data import Batch, Split
+from recipes.runtime import Runtime
 
 MEAN = (0.4914, 0.4822, 0.4465)  # per channel, of the CIFAR-10 training set
 STD = (0.2470, 0.2435, 0.2616)
@@ -122,17 +122,8 @@ def make_preprocess(device: torch.device):
 
 
 def build(cfg, rt: Runtime) -> Recipe:
-    data_cfg = cfg.recipe.data
-    if cfg.recipe.model:
-        raise ConfigError(f"recipe.model has keys {sorted(cfg.recipe.model)} but the cifar10_resnet18 model "
-                          "takes none: remove them")
-    train_size = data_cfg.train_size or TRAIN_SIZE
-    test_size = data_cfg.test_size or TEST_SIZE
-    data = resolve_source(
-        rt, data_cfg.source, "cifar10", "recipe.data",
-        load_real=lambda download: load_torchvision_cifar10(data_cfg.root, download),
-        make_synthetic=lambda: synthetic_cifar10(cfg.seed, train_size, test_size),
-    )
+    data = image_datasets(cfg, rt, recipe="cifar10_resnet18", real_name="cifar10", sizes=(TRAIN_SIZE, TEST_SIZE),
+                          load_real=load_torchvision_cifar10, make_synthetic=synthetic_cifar10)
     return Recipe(name="cifar10_resnet18", model=resnet18_cifar(), data=data, preprocess=make_preprocess(rt.device),
                   criterion=classification_criterion(log_probs_given=False,
                                                      label_smoothing=cfg.recipe.label_smoothing),

@@ -8,9 +8,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from recipes.base import Recipe, classification_criterion
-from recipes.data import Batch, Split, resolve_source
-from recipes.runtime import ConfigError, Runtime
+from recipes.base import Recipe, classification_criterion, image_datasets
+from recipes.data import Batch, Split
+from recipes.runtime import Runtime
 
 MEAN, STD = 0.1307, 0.3081  # of the MNIST training set
 TRAIN_SIZE, TEST_SIZE = 60_000, 10_000
@@ -77,16 +77,7 @@ def preprocess(batch: Batch, train: bool) -> Batch:
 
 
 def build(cfg, rt: Runtime) -> Recipe:
-    data_cfg = cfg.recipe.data
-    if cfg.recipe.model:
-        raise ConfigError(f"recipe.model has keys {sorted(cfg.recipe.model)} but the mnist model takes "
-                          "none: remove them")
-    train_size = data_cfg.train_size or TRAIN_SIZE
-    test_size = data_cfg.test_size or TEST_SIZE
-    data = resolve_source(
-        rt, data_cfg.source, "mnist", "recipe.data",
-        load_real=lambda download: load_torchvision_mnist(data_cfg.root, download),
-        make_synthetic=lambda: synthetic_mnist(cfg.seed, train_size, test_size),
-    )
+    data = image_datasets(cfg, rt, recipe="mnist", real_name="mnist", sizes=(TRAIN_SIZE, TEST_SIZE),
+                          load_real=load_torchvision_mnist, make_synthetic=synthetic_mnist)
     return Recipe(name="mnist", model=Net(), data=data, preprocess=preprocess,
                   criterion=classification_criterion(log_probs_given=True))
