@@ -185,3 +185,14 @@ def test_sweep_table_and_plot_from_gpu_like_points(tmp_path):
     assert table.splitlines()[0] == header
     assert "| mnist | 2 | 64 | 2,000 | 5,000 | 2.50x |" in table
     assert plot_sweep(points, tmp_path / "sweep.png", title="mnist").stat().st_size > 0
+
+
+def test_scaling_rows_give_speedup_over_eager_and_efficiency_per_gpu_count():
+    from scripts.plot_scaling import scaling_rows
+
+    rows = scaling_rows({"eager": {1: 100.0, 2: 150.0}, "full": {1: 1000.0, 2: 1800.0}})
+    full2 = next(r for r in rows if r["mode"] == "full" and r["gpus"] == 2)
+    assert full2["speedup_vs_eager"] == pytest.approx(12.0)
+    assert full2["efficiency"] == pytest.approx(0.9)
+    eager2 = next(r for r in rows if r["mode"] == "eager" and r["gpus"] == 2)
+    assert eager2["efficiency"] == pytest.approx(0.75)
