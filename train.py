@@ -137,12 +137,31 @@ def _print_summary(summary) -> None:
           flush=True)
 
 
+def _exit_now(code: int) -> None:
+    """Ends a torchrun worker without interpreter finalization.
+
+    Graphs, W&B and the process group are already closed explicitly (see ``run``); what
+    remains are C++ destructors of communication threads, which have been seen to abort
+    ("terminate called without an active exception") when a peer is already gone.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
+    under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
     try:
         main()
     except SystemExit as stop:
-        if stop.code not in (0, None) and int(os.environ.get("RANK", "0")) != 0:
+        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+        if code and int(os.environ.get("RANK", "0")) != 0:
             # torchrun stops the whole job when the first rank exits: give rank 0 time to
             # print the one message everybody would have printed.
             time.sleep(3)
+        if under_torchrun:
+            _exit_now(code)
         raise
+    if under_torchrun:
+        _exit_now(0)
