@@ -12,9 +12,9 @@ returns a ``mask`` so that every sample counts exactly once.
 """
 from __future__ import annotations
 
+import logging
 import math
 import socket
-import warnings
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Tuple
 
@@ -68,8 +68,9 @@ def resolve_source(rt: Runtime, requested: str, real_name: str, data_key: str,
                                   f"{data_key}.root and could not be downloaded ({why}): put the files "
                                   f"there, set {data_key}.root=..., or set {data_key}.source=synthetic")
             else:
-                warnings.warn(f"{real_name} is not available ({why}); training on SYNTHETIC data "
-                              f"instead. Set {data_key}.root=... to use the real files.", stacklevel=2)
+                logging.getLogger(__name__).warning(
+                    f"WARNING: {real_name} is not available ({why}); training on SYNTHETIC data instead. "
+                    f"Set {data_key}.root=... to use the real files.")
     source, problem = rt.broadcast_object(decision)
     if problem:
         raise ConfigError(problem)
@@ -89,7 +90,7 @@ def _try_real(load_real: Callable[[bool], Tuple[Split, Split]]) -> Optional[str]
         load_real(True)
         return None
     except Exception as e:  # no network, no files: say which
-        return f"{type(e).__name__}: {e}"[:200]
+        return " ".join(f"{type(e).__name__}: {e}".split())[:200]
     finally:
         socket.setdefaulttimeout(previous)
 
