@@ -83,7 +83,7 @@ def run(cfg: DictConfig) -> int:
                    f"mode {mode} | {rt.world_size} x {device.type} | "
                    f"{trainer.steps_per_epoch} steps/epoch of {trainer.global_batch} samples")
         log.info("config:\n%s", OmegaConf.to_yaml(config))
-        logger = MetricsLogger(cfg.logger, rt.run_dir, config, enabled=rt.is_main, job_type=mode,
+        logger = MetricsLogger(cfg.logger, rt.run_dir, config, rank=rt.rank, job_type=mode,
                                run_id=trainer.wandb_run_id)
         summary = trainer.fit(logger)
         log.info("summary: %s", summary)

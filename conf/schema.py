@@ -116,6 +116,7 @@ class WandbConfig:
     tags: List[str] = field(default_factory=list)
     job_type: Optional[str] = None  # default: the graph mode
     mode: Optional[str] = None  # offline | online | disabled; default WANDB_MODE, else offline
+    all_ranks: bool = False  # one run per rank (grouped) instead of rank 0 only
     init_timeout_s: float = 60.0
 
 

@@ -1,6 +1,7 @@
 """Where metrics go: metrics.jsonl in the run directory, and Weights & Biases.
 
-Only rank 0 logs. W&B runs offline unless ``logger.wandb.mode`` or ``WANDB_MODE`` says
+Rank 0 logs (``logger.wandb.all_ranks=true``: every rank logs a W&B run of its own,
+grouped, so a slow or diverging rank can be seen). W&B runs offline unless ``logger.wandb.mode`` or ``WANDB_MODE`` says
 otherwise, so nothing waits for a network or a key; ``wandb sync <run_dir>/wandb/...``
 uploads later. A W&B failure at any point is reported once and logging carries on to
 the JSONL file: it never stops training.
@@ -16,23 +17,28 @@ from typing import Any, Dict, List, Optional
 
 
 class MetricsLogger:
-    def __init__(self, cfg_logger, run_dir: Path, config: Dict[str, Any], *, enabled: bool,
-                 job_type: str, run_id: Optional[str] = None):
-        self.enabled = enabled
+    def __init__(self, cfg_logger, run_dir: Path, config: Dict[str, Any], *, rank: int, job_type: str,
+                 run_id: Optional[str] = None, enabled: bool = True):
+        """``run_id``: rank 0's W&B run to continue (resume); ``enabled=False`` logs nothing."""
+        self.enabled = enabled and rank == 0  # metrics.jsonl and the summaries
         self.run = None
         self.run_id: Optional[str] = None
         self._wandb = None
-        self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1) if enabled else None
-        if enabled and cfg_logger.backend.value == "wandb":
-            self._start_wandb(cfg_logger.wandb, run_dir, config, job_type, run_id)
+        self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1) if self.enabled else None
+        wandb_cfg = cfg_logger.wandb
+        if enabled and cfg_logger.backend.value == "wandb" and (rank == 0 or wandb_cfg.all_ranks):
+            self._start_wandb(wandb_cfg, run_dir, config, job_type, run_id if rank == 0 else None, rank)
 
-    def _start_wandb(self, cfg, run_dir: Path, config, job_type: str, run_id: Optional[str]) -> None:
+    def _start_wandb(self, cfg, run_dir: Path, config, job_type: str, run_id: Optional[str], rank: int) -> None:
         mode = cfg.mode or os.environ.get("WANDB_MODE") or "offline"
+        name, group = cfg.name, cfg.group
+        if cfg.all_ranks:  # one run per rank, grouped by job
+            name, group = f"{cfg.name or run_dir.name}-rank{rank}", cfg.group or run_dir.name
         try:
             import wandb
 
             self.run = wandb.init(
-                project=cfg.project, entity=cfg.entity, group=cfg.group, name=cfg.name,
+                project=cfg.project, entity=cfg.entity, group=group, name=name,
                 tags=list(cfg.tags), job_type=cfg.job_type or job_type, config=config,
                 dir=str(run_dir), mode=mode, id=run_id, resume="allow" if run_id else None,
                 settings=wandb.Settings(init_timeout=cfg.init_timeout_s, console="off", silent=True),
@@ -51,9 +57,8 @@ class MetricsLogger:
         self.run = None
 
     def log(self, metrics: Dict[str, Any], step: int) -> None:
-        if not self.enabled:
-            return
-        self._jsonl.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
         if self.run is not None:
             try:
                 self.run.log({"step": step, **metrics})
@@ -61,9 +66,8 @@ class MetricsLogger:
                 self._wandb_failed("log", e)
 
     def summary(self, values: Dict[str, Any]) -> None:
-        if not self.enabled:
-            return
-        self._jsonl.write(json.dumps({"summary": values, "time": time.time()}) + "\n")
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps({"summary": values, "time": time.time()}) + "\n")
         if self.run is not None:
             try:
                 self.run.summary.update(values)

@@ -36,7 +36,8 @@ def fit(overrides, tmp_path):
 
     trainer = trainer_for(overrides, tmp_path)
     try:
-        summary = trainer.fit(MetricsLogger(trainer.cfg.logger, trainer.rt.run_dir, {}, enabled=False, job_type=""))
+        quiet = MetricsLogger(trainer.cfg.logger, trainer.rt.run_dir, {}, rank=0, job_type="", enabled=False)
+        summary = trainer.fit(quiet)
         params = [p.detach().clone() for p in trainer.executor.eval_model.parameters()]
         return trainer, summary, params
     finally:
@@ -101,7 +102,7 @@ def test_eval_graph_equals_eager_evaluation(tmp_path):
 
     trainer = trainer_for(["graph=full", "train.max_steps=30", "train.eval=false"], tmp_path)
     try:
-        trainer.fit(MetricsLogger(trainer.cfg.logger, trainer.rt.run_dir, {}, enabled=False, job_type=""))
+        trainer.fit(MetricsLogger(trainer.cfg.logger, trainer.rt.run_dir, {}, rank=0, job_type="", enabled=False))
         graphed = trainer.evaluate()
         assert "eval" in trainer.executor.graphs
         graphed_again = trainer.evaluate()  # all batches replayed from the graph this time

@@ -54,6 +54,17 @@ def test_wandb_offline_run_holds_the_logged_keys(ddp_run):
     assert run.exit_code == 0
 
 
+def test_every_rank_can_log_its_own_grouped_wandb_run(out):
+    done = launch([*SMALL, "train.max_steps=8", "logger.wandb.all_ranks=true"], out, nproc=2)
+    assert done.returncode == 0, done.stderr[-3000:]
+    runs = [read_run(path) for path in find_runs(done.run_dir)]
+    assert len(runs) == 2
+    assert {r.group for r in runs} == {done.run_dir.name}
+    assert all("train/loss" in r.keys() and r.summary["steps"] == 8 for r in runs)
+    assert len({r.run_id for r in runs}) == 2
+    assert len([r for r in done.metrics() if "train/loss" in r]) == 1  # one row at step 8, from rank 0 only
+
+
 def test_synthetic_data_is_learnable(out):
     done = launch(["recipe.data.source=synthetic", "recipe.data.train_size=12000", "recipe.data.test_size=1000",
                    "train.epochs=2", "logger=none"], out)
