@@ -108,7 +108,7 @@ class Trainer:
         self.start_step, self.wandb_run_id = int(state["step"]), state.get("wandb_run_id")
         print_once(f"resumed from {path} at step {self.start_step}")
 
-    def save_checkpoint(self, step: int) -> None:
+    def checkpoint(self, step: int) -> None:
         """Rank 0 writes the full training state atomically; every rank waits for it."""
         if self.rt.is_main:
             state = {
@@ -211,7 +211,7 @@ class Trainer:
                     last_read = step
                     self._after_log(step, last_train, bar)
                     if checkpoint_now:
-                        self.save_checkpoint(step)
+                        self.checkpoint(step)
                     self.timer.restart()
                 self._maybe_fail(step)
                 if done:
