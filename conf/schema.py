@@ -1,10 +1,17 @@
 """Typed schema of the training config.
 
 Hydra merges conf/train.yaml and the chosen group files into these dataclasses, so a
-mistyped key or a value of the wrong type fails at compose time with Hydra's own
-message (``Key 'epochz' is not in struct``, ``Value 'abc' could not be converted to
-Integer``). Checks that need more than a type (ranges, combinations, the machine)
-live in ``validate_config`` in recipes/runtime.py and graphing/options.py.
+mistyped key, a value of the wrong type or a choice outside an Enum fails at compose
+time with Hydra's own message (``Key 'epochz' is not in struct``, ``Value 'abc' could
+not be converted to Integer``, ``Invalid value 'tpu', expected one of [auto, cpu,
+cuda]``), even under ``--cfg job``. Every choice the framework owns is an Enum here; the
+choices of graphing come from graphing/options.py. Checks that need more than a type
+(ranges, combinations, the machine) live in trainer/validate.py. Choices a recipe owns
+(its data sources, its model options) are the recipe's to check when it is built.
+
+Components come in by ``_target_``: the recipe's builder, the optimizer class
+(``_partial_: true``: the trainer adds the parameters and a device learning rate) and the
+learning-rate schedule (a device-side schedule from trainer/schedules.py, or your own).
 """
 from __future__ import annotations
 
@@ -14,18 +21,15 @@ from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 
+from graphing.options import CaptureErrorMode, GraphMode, OnCaptureFailure
 
-class GraphMode(Enum):
-    auto = "auto"  # full on CUDA, eager on CPU
-    eager = "eager"
-    full = "full"  # the whole training step as one CUDA graph per rank
-    partial = "partial"  # torch.cuda.make_graphed_callables on the model
-    compile = "compile"  # torch.compile(mode="reduce-overhead")
+__all__ = ["CaptureErrorMode", "GraphMode", "OnCaptureFailure"]  # re-exported: one import for config users
 
 
-class OnCaptureFailure(Enum):
-    fail = "fail"
-    eager = "eager"
+class Device(Enum):
+    auto = "auto"  # the local rank's GPU when there is one, else the CPU
+    cpu = "cpu"
+    cuda = "cuda"
 
 
 class LoaderKind(Enum):
@@ -43,6 +47,12 @@ class LoggerBackend(Enum):
     none = "none"
 
 
+class WandbMode(Enum):
+    offline = "offline"  # write locally; `wandb sync` uploads later
+    online = "online"
+    disabled = "disabled"
+
+
 @dataclass
 class DataConfig:
     source: str = "auto"  # each recipe lists what it accepts (mnist: auto|mnist|synthetic)
@@ -57,29 +67,15 @@ class DataConfig:
 
 
 @dataclass
-class OptimConfig:
-    name: str = "sgd"  # sgd | adam | adamw
-    lr: float = 0.01
-    momentum: float = 0.0
-    nesterov: bool = False
-    weight_decay: float = 0.0
-    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1e-8
-
-
-@dataclass
-class ScheduleConfig:
-    name: str = "constant"  # constant | cosine
-    warmup_steps: int = 0
-    min_lr_ratio: float = 0.0
-
-
-@dataclass
 class RecipeConfig:
-    name: str = "mnist"
+    _target_: str = "recipes.mnist.build"  # build(cfg, runtime) -> trainer.recipe.Recipe
+    name: str = "mnist"  # names the run directory, results and checkpoints
     data: DataConfig = field(default_factory=DataConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    # Any torch.optim class (or yours) by _target_; its other keys are its arguments.
+    optim: Dict[str, Any] = field(default_factory=lambda: {"_target_": "torch.optim.SGD", "_partial_": True,
+                                                           "lr": 0.01})
+    # A device-side schedule; called with base_lr and total_steps added to these keys.
+    schedule: Dict[str, Any] = field(default_factory=lambda: {"_target_": "trainer.schedules.Constant"})
     model: Dict[str, Any] = field(default_factory=dict)  # checked by the recipe's model
     label_smoothing: float = 0.0
 
@@ -88,7 +84,7 @@ class RecipeConfig:
 class GraphConfig:
     mode: GraphMode = GraphMode.auto
     warmup_iters: int = 11  # DDP needs 11 eager iterations before capture
-    capture_error_mode: str = "global"  # global | thread_local | relaxed
+    capture_error_mode: CaptureErrorMode = CaptureErrorMode["global"]
     compile_model: bool = False  # full mode: torch.compile(mode="default") inside the graph
     on_failure: OnCaptureFailure = OnCaptureFailure.fail
     compare: bool = False  # time eager steps, then graph steps, in this process
@@ -115,7 +111,7 @@ class WandbConfig:
     name: Optional[str] = None
     tags: List[str] = field(default_factory=list)
     job_type: Optional[str] = None  # default: the graph mode
-    mode: Optional[str] = None  # offline | online | disabled; default WANDB_MODE, else offline
+    mode: Optional[WandbMode] = None  # default: WANDB_MODE, else offline
     all_ranks: bool = False  # one run per rank (grouped) instead of rank 0 only
     init_timeout_s: float = 60.0
 
@@ -131,8 +127,6 @@ class CheckpointConfig:
     every_steps: int = 0  # 0: only at the end
     keep: int = 2
     resume: str = "auto"  # auto | never | path to a checkpoint file
-    fail_at_step: Optional[int] = None  # fault injection for tests: kill rank fail_rank here
-    fail_rank: int = 1
 
 
 @dataclass
@@ -144,7 +138,7 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     seed: int = 0
     deterministic: bool = False
-    device: str = "auto"  # auto | cpu | cuda
+    device: Device = Device.auto
     output_root: str = "outputs"
     run_dir: Optional[str] = None  # default: <output_root>/<date>/<time>_<recipe>_<mode>
 

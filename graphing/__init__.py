@@ -1,10 +1,12 @@
 """How one training step executes: eager, one CUDA graph per rank, partial graphs, or
-torch.compile. Recipes never need to know which.
+torch.compile. A library for any DDP loop: it imports only torch, torch.distributed and
+the standard library. The trainer uses it through ``build_executor``; your own loop can
+use ``GraphedStep`` (see graphing/graphed_step.py and scripts/own_loop.py).
 
 Graph-safety rules, stated once (PyTorch's CUDA graph notes, torch/cuda/graphs.py):
 
 - DDP is constructed inside the side stream used for warm-up and capture, and runs
-  ``graph.warmup_iters`` (>= 11) eager iterations first: it samples runtime stats with
+  ``warmup_iters`` (>= 11) eager iterations first: it samples runtime stats with
   host syncs and rebuilds its buckets early on. Capture happens on that side stream,
   after a barrier, on every rank.
 - ``optimizer.zero_grad(set_to_none=True)`` starts every step, so at capture the
@@ -15,40 +17,44 @@ Graph-safety rules, stated once (PyTorch's CUDA graph notes, torch/cuda/graphs.p
 - Inputs reach the graph through static buffers (or a device-side cursor into a
   device-resident dataset); shapes never change; outputs are overwritten by the next
   replay.
-- Optimizers run graph-safe: fused SGD/Adam/AdamW with the learning rate in a device
-  tensor, written by the schedule from a device step counter (recipes/optim.py).
+- Optimizers run graph-safe: capturable/fused, with the learning rate in a device
+  tensor that a device-side schedule rewrites in place (graphing/optimizers.py says
+  which classes qualify).
 - Autocast inside a capture uses ``cache_enabled=False``; bf16 needs no GradScaler.
 - Dropout draws fresh numbers on every replay (the default CUDA generator is
   graph-aware).
 - Graphs and their memory pool are released (``Executor.close``) before the process
   group is destroyed: a graphed DDP job has been seen to hang at exit otherwise.
 - ``torch.compile(mode="default")`` kernels may be captured inside the whole-step graph
-  (``graph.compile_model=true``); ``mode="reduce-overhead"`` brings its own graphs and
-  is only used on its own (``graph.mode=compile``).
+  (``compile_model=True``); ``mode="reduce-overhead"`` brings its own graphs and
+  is only used on its own (``mode="compile"``).
 """
 from __future__ import annotations
 
-from graphing.capture import CaptureError
-from graphing.executor import Executor
-from graphing.options import CAPTURE_ERROR_MODES, DDP_MIN_WARMUP, resolve_mode
-from graphing.timing import StepTimer
+import importlib
+
+from graphing.options import (DDP_MIN_WARMUP, CaptureErrorMode, GraphConfigError, GraphMode, GraphOptions,
+                              OnCaptureFailure)
+
+# The rest loads torch: imported on first use, so that `graphing.options` (the choices,
+# which conf/schema.py types its settings with) stays free of torch.
+_LAZY = {
+    "CaptureError": "graphing.capture",
+    "Executor": "graphing.executor",
+    "GraphedStep": "graphing.graphed_step",
+    "StepTimer": "graphing.timing",
+    "build_executor": "graphing.factory",
+    "float_learning_rate": "graphing.optimizers",
+    "graph_safe_optimizer_kwargs": "graphing.optimizers",
+    "optimizer_capture_problem": "graphing.optimizers",
+}
 
 
-def build_executor(cfg_graph, rt, mode: str) -> Executor:
-    """The executor for a resolved ``mode`` (see ``resolve_mode``)."""
-    if mode == "eager":
-        return Executor(cfg_graph, rt)
-    if mode == "full":
-        from graphing.whole_step import WholeStepGraphExecutor
-        return WholeStepGraphExecutor(cfg_graph, rt)
-    if mode == "partial":
-        from graphing.partial import PartialGraphExecutor
-        return PartialGraphExecutor(cfg_graph, rt)
-    if mode == "compile":
-        from graphing.compiled import CompiledExecutor
-        return CompiledExecutor(cfg_graph, rt)
-    raise ValueError(f"unknown graph mode {mode!r}")
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'graphing' has no attribute {name!r}")
 
 
-__all__ = ["CAPTURE_ERROR_MODES", "DDP_MIN_WARMUP", "CaptureError", "Executor", "StepTimer",
-           "build_executor", "resolve_mode"]
+__all__ = ["DDP_MIN_WARMUP", "CaptureErrorMode", "GraphConfigError", "GraphMode", "GraphOptions",
+           "OnCaptureFailure", *_LAZY]

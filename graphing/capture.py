@@ -11,7 +11,7 @@ class CaptureError(RuntimeError):
     """A capture failed on at least one rank; the message says why and what to change."""
 
 
-def explain_capture_failure(err: BaseException, capture_error_mode: str) -> str:
+def explain_capture_failure(err: BaseException, capture_error_mode: str, prefix: str = "") -> str:
     """Turns CUDA's capture errors into a cause a user can act on."""
     text = f"{type(err).__name__}: {err}"
     chain = err.__context__ or err.__cause__
@@ -27,20 +27,20 @@ def explain_capture_failure(err: BaseException, capture_error_mode: str) -> str:
         cause = ("a CUDA call from another thread (a pinned-memory DataLoader thread, the NCCL watchdog) "
                  "or an implicit sync on the legacy stream invalidated the capture")
         if capture_error_mode == "global":
-            cause += "; graph.capture_error_mode=thread_local tolerates calls from other threads"
+            cause += f"; {prefix}capture_error_mode=thread_local tolerates calls from other threads"
     elif "capturable" in low:
-        cause = ("the optimizer is not capture-safe: Adam/AdamW need capturable=True (recipes/optim.py "
-                 "builds them so; a custom optimizer must do the same)")
+        cause = ("the optimizer is not capture-safe: build it with capturable=True (or fused=True) on CUDA; "
+                 "graphing.graph_safe_optimizer_kwargs gives the arguments")
     elif "shape" in low or "size" in low and "mismatch" in low:
         cause = "the step's shapes changed between warm-up and capture; every batch must have the same shape"
     else:
         cause = "an operation in the step cannot be captured"
     return (f"CUDA graph capture failed: {cause}.\n  underlying error: {text.strip()[:600]}\n"
-            "  to try: fix the step, or set graph.on_failure=eager to fall back to eager execution, "
-            "or graph=eager")
+            f"  to try: fix the step, or set {prefix}on_failure=eager to fall back to eager execution, "
+            f"or {prefix}mode=eager")
 
 
-def capture(fn: Callable[[], None], stream: torch.cuda.Stream, pool, capture_error_mode: str
+def capture(fn: Callable[[], None], stream: torch.cuda.Stream, pool, capture_error_mode: str, prefix: str = ""
             ) -> Tuple[Optional[torch.cuda.CUDAGraph], float, Optional[str]]:
     """Captures ``fn`` on ``stream``: (graph or None, seconds, failure explanation or None)."""
     graph = torch.cuda.CUDAGraph()
@@ -50,7 +50,7 @@ def capture(fn: Callable[[], None], stream: torch.cuda.Stream, pool, capture_err
             fn()
     except Exception as err:  # a failed capture is reported and agreed on, not fatal here
         _leave_capture(stream)
-        return None, time.perf_counter() - start, explain_capture_failure(err, capture_error_mode)
+        return None, time.perf_counter() - start, explain_capture_failure(err, capture_error_mode, prefix)
     torch.cuda.synchronize()
     return graph, time.perf_counter() - start, None
 

@@ -1,6 +1,7 @@
-"""``graph.mode=compile``: ``torch.compile(mode="reduce-overhead")``, the baseline a user
-would otherwise reach for. Its CUDA graph trees are managed by torch.compile itself,
-so this executor runs the step eagerly around the compiled model.
+"""``mode=compile``: ``torch.compile(mode="reduce-overhead")``, the baseline a user would
+otherwise reach for. Its CUDA graph trees are inductor's own (captured with its own
+settings, not ``capture_error_mode``), so this executor runs the step eagerly around
+the compiled model.
 """
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ from graphing.executor import Executor
 
 
 class CompiledExecutor(Executor):
-    mode = "compile"
+    def __init__(self, options, device, ddp_kwargs=None):
+        super().__init__(options, device, ddp_kwargs)
+        self.info["capture_error_mode"] = "inductor"  # torch.compile's CUDA graph trees decide
 
-    def wrap_model(self, model, sample_args, autocast):
+    def wrap_model(self, model, sample_inputs=None, autocast=None):
         self.eval_model = model
         # Compile the DDP module so that DDP's optimizer splits graphs at bucket boundaries.
         return torch.compile(self._ddp(model), mode="reduce-overhead")

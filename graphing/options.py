@@ -1,42 +1,99 @@
-"""Checks on the ``graph`` config that need more than a type: done before any work."""
+"""What a caller may ask of graphing, as types, and the checks that need more than a type.
+
+Free of torch on purpose: conf/schema.py types its `graph.*` settings with these Enums,
+so that composing a config (`python train.py --cfg job`) rejects a bad choice without
+loading torch.
+"""
 from __future__ import annotations
 
-import torch
+from dataclasses import dataclass, replace
+from enum import Enum
 
-from recipes.runtime import ConfigError
-
-CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
 DDP_MIN_WARMUP = 11  # DDP samples stats with host syncs and rebuilds buckets in its first 10 iterations
-GRAPH_MODES = ("full", "partial", "compile")
 
 
-def resolve_mode(cfg_graph, device: torch.device, world_size: int) -> str:
-    """The mode this run uses ('auto' resolved), after validating the graph settings."""
-    mode = cfg_graph.mode.value
-    if cfg_graph.capture_error_mode not in CAPTURE_ERROR_MODES:
-        raise ConfigError(f"graph.capture_error_mode={cfg_graph.capture_error_mode!r} is not valid: choose "
-                          f"one of {', '.join(CAPTURE_ERROR_MODES)} (global is the safe default; thread_local "
-                          "allows unsafe CUDA calls from other threads such as a pinned-memory loader)")
-    if mode == "auto":
-        mode = "full" if device.type == "cuda" else "eager"
-    if mode in GRAPH_MODES and device.type != "cuda":
-        why = "this machine has no usable CUDA GPU" if not torch.cuda.is_available() else "device=cpu was chosen"
-        raise ConfigError(f"graph.mode={mode} needs a CUDA GPU but {why}: "
-                          "set graph=eager (or graph=auto, which picks eager without a GPU)")
-    if cfg_graph.compile_model and mode != "full":
-        raise ConfigError(f"graph.compile_model=true applies to graph.mode=full, not {mode}: "
-                          "set graph=full or graph.compile_model=false")
-    if mode == "full" and world_size > 1 and cfg_graph.warmup_iters < DDP_MIN_WARMUP:
-        raise ConfigError(
-            f"graph.warmup_iters={cfg_graph.warmup_iters} is too few under DDP: DistributedDataParallel "
-            f"runs host-synchronizing bookkeeping in its first 10 iterations and rebuilds its buckets, "
-            f"which cannot happen inside a CUDA graph; set graph.warmup_iters={DDP_MIN_WARMUP} or more")
-    if cfg_graph.warmup_iters < 1 and mode == "full":
-        raise ConfigError("graph.warmup_iters must be at least 1 (cuBLAS/cuDNN and the optimizer state "
-                          "must exist before capture): set graph.warmup_iters=11")
-    if cfg_graph.compare and mode != "full":
-        raise ConfigError(f"graph.compare=true times eager steps against full-graph steps, but graph.mode is "
-                          f"{mode}: set graph=full (or drop graph.compare)")
-    if cfg_graph.compare_steps < 1:
-        raise ConfigError(f"graph.compare_steps={cfg_graph.compare_steps} must be at least 1")
-    return mode
+class GraphMode(Enum):
+    auto = "auto"  # full on CUDA, eager elsewhere
+    eager = "eager"
+    full = "full"  # the whole training step as one CUDA graph per rank
+    partial = "partial"  # torch.cuda.make_graphed_callables on the model
+    compile = "compile"  # torch.compile(mode="reduce-overhead"): inductor's own CUDA graphs
+
+
+# `global` is a Python keyword, hence the functional form; members are looked up by name.
+CaptureErrorMode = Enum("CaptureErrorMode", [("global", "global"), ("thread_local", "thread_local"),
+                                             ("relaxed", "relaxed")])
+CaptureErrorMode.__doc__ = """`torch.cuda.graph`'s capture_error_mode: which unsafe CUDA calls abort a capture.
+
+global: from any thread (the safe default); thread_local: only from the capturing thread,
+so a pinned-memory loader thread may run; relaxed: never."""
+
+
+class OnCaptureFailure(Enum):
+    fail = "fail"  # every rank stops with the reason
+    eager = "eager"  # every rank continues eagerly
+
+
+CAPTURING_MODES = ("full", "partial", "compile")
+
+
+class GraphConfigError(ValueError):
+    """A graph setting that cannot work; the message names the setting to change."""
+
+
+def _value(choice) -> str:
+    return choice.value if isinstance(choice, Enum) else str(choice)
+
+
+@dataclass(frozen=True)
+class GraphOptions:
+    """How a step executes. Strings or the Enums above are accepted for the choices.
+
+    ``warmup_iters``: eager steps before capture (at least 11 under DDP).
+    ``eager_steps_before_capture``: further eager steps after warm-up (timed as "eager",
+    for a same-process comparison). ``setting_prefix`` is how error messages name these
+    settings: "" for keyword arguments, "graph." under train.py's config.
+    """
+
+    mode: str = "full"
+    warmup_iters: int = DDP_MIN_WARMUP
+    capture_error_mode: str = "global"
+    on_failure: str = "fail"
+    compile_model: bool = False  # full mode: torch.compile(mode="default") inside the graph
+    eager_steps_before_capture: int = 0
+    setting_prefix: str = ""
+
+    def __post_init__(self):
+        for name, kind in (("mode", GraphMode), ("capture_error_mode", CaptureErrorMode),
+                           ("on_failure", OnCaptureFailure)):
+            value = _value(getattr(self, name))
+            choices = [member.value for member in kind]
+            if value not in choices:
+                raise GraphConfigError(f"{self.setting_prefix}{name}={value!r} is not one of {', '.join(choices)}")
+            object.__setattr__(self, name, value)
+
+    def resolved(self, device_type: str, world_size: int, cuda_available: bool = True) -> "GraphOptions":
+        """These options with ``auto`` resolved for the device, after checking they can work there."""
+        p = self.setting_prefix
+        mode = self.mode
+        if mode == "auto":
+            mode = "full" if device_type == "cuda" else "eager"
+        if mode in CAPTURING_MODES and device_type != "cuda":
+            why = "this machine has no usable CUDA GPU" if not cuda_available else f"the device is {device_type}"
+            raise GraphConfigError(f"{p}mode={mode} needs a CUDA GPU but {why}: set {p}mode=eager "
+                                   f"({p}mode=auto picks eager without a GPU)")
+        if self.compile_model and mode != "full":
+            raise GraphConfigError(f"{p}compile_model=true applies to {p}mode=full, not {mode}: "
+                                   f"set {p}mode=full or {p}compile_model=false")
+        if mode in ("full", "partial"):
+            if world_size > 1 and self.warmup_iters < DDP_MIN_WARMUP:
+                raise GraphConfigError(
+                    f"{p}warmup_iters={self.warmup_iters} is too few under DDP: DistributedDataParallel runs "
+                    "host-synchronizing bookkeeping in its first 10 iterations and rebuilds its buckets, which "
+                    f"cannot happen inside a CUDA graph; set {p}warmup_iters={DDP_MIN_WARMUP} or more")
+            if self.warmup_iters < 1:
+                raise GraphConfigError(f"{p}warmup_iters={self.warmup_iters} must be at least 1 (cuBLAS, cuDNN and "
+                                       f"the optimizer state must exist before capture): set {p}warmup_iters=11")
+        if self.eager_steps_before_capture < 0:
+            raise GraphConfigError(f"eager_steps_before_capture={self.eager_steps_before_capture} must be >= 0")
+        return replace(self, mode=mode)

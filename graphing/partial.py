@@ -1,4 +1,4 @@
-"""``graph.mode=partial``: ``torch.cuda.make_graphed_callables`` on the model before DDP.
+"""``mode=partial``: ``torch.cuda.make_graphed_callables`` on the model before DDP.
 
 Forward and backward of the model replay as graphs; the DDP all-reduce, the optimizer
 and the rest of the step stay eager. This is the alternative PyTorch's docs give for
@@ -6,21 +6,38 @@ when the whole step cannot be captured.
 """
 from __future__ import annotations
 
+import contextlib
+import logging
+
 import torch
 
-from graphing.executor import Executor
+from graphing.compat import make_graphed_callables_takes_capture_error_mode
+from graphing.executor import Executor, is_main_rank
+
+log = logging.getLogger(__name__)
 
 
 class PartialGraphExecutor(Executor):
-    mode = "partial"
-
-    def wrap_model(self, model, sample_args, autocast):
+    def wrap_model(self, model, sample_inputs=None, autocast=None):
+        if sample_inputs is None:
+            raise ValueError("mode=partial traces the model ahead of time: pass sample_inputs to wrap_model")
         self.eval_model = model  # graphed callables keep the eager forward for eval mode
-        side = torch.cuda.Stream()
+        kwargs = {}
+        wanted = self.options.capture_error_mode
+        if make_graphed_callables_takes_capture_error_mode():
+            kwargs["capture_error_mode"] = wanted
+            self.info["capture_error_mode"] = wanted
+        else:  # this torch captures with its default, "global"
+            self.info["capture_error_mode"] = "global"
+            if wanted != "global" and is_main_rank():
+                log.warning("%scapture_error_mode=%s is ignored in mode=partial: torch %s's "
+                            "make_graphed_callables has no capture_error_mode and captures with 'global'",
+                            self.options.setting_prefix, wanted, torch.__version__)
+        args = tuple(a.detach() for a in sample_inputs())
+        side = torch.cuda.Stream(device=self.device)
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), autocast():
-            graphed = torch.cuda.make_graphed_callables(
-                model, tuple(a.detach() for a in sample_args), num_warmup_iters=self.warmup_iters)
+        with torch.cuda.stream(side), (autocast or contextlib.nullcontext)():
+            graphed = torch.cuda.make_graphed_callables(model, args, num_warmup_iters=self.warmup_iters, **kwargs)
         torch.cuda.current_stream().wait_stream(side)
         model.zero_grad(set_to_none=True)  # the warm-up passes left gradients behind
         return self._ddp(graphed)

@@ -5,32 +5,33 @@ graph per rank, and evaluation as a forward-only graph sharing its memory pool.
 from __future__ import annotations
 
 import gc
+import logging
 from typing import Callable, Dict
 
 import torch
+import torch.distributed as dist
 
 from graphing.capture import CaptureError, capture, pool_mib, reset_rng_capture_state
-from graphing.executor import Executor
-from recipes.runtime import Runtime, print_once
+from graphing.executor import Executor, distributed, is_main_rank
+
+log = logging.getLogger(__name__)
 
 
 class WholeStepGraphExecutor(Executor):
-    mode = "full"
-
-    def __init__(self, cfg_graph, rt: Runtime):
-        super().__init__(cfg_graph, rt)
-        self.side = torch.cuda.Stream()  # warm-up, DDP construction and capture all run here
+    captures_optimizer = True
+    def __init__(self, options, device, ddp_kwargs=None):
+        super().__init__(options, device, ddp_kwargs)
+        self.side = torch.cuda.Stream(device=self.device)  # warm-up, DDP construction and capture all run here
         self.graphs: Dict[str, torch.cuda.CUDAGraph] = {}
         self.pool = None
         self.fallen_back = False
-        compare = cfg_graph.compare_steps if cfg_graph.compare else 0
         # Eager calls before capture: train needs DDP's warm-up; eval needs one pass to
         # settle cuDNN/compile for the eval batch shape.
-        self.eager_before = {"train": self.warmup_iters + compare, "eval": 1}
-        self.info.update(compile_model=bool(cfg_graph.compile_model), capture_error_mode=cfg_graph.capture_error_mode)
+        self.eager_before = {"train": self.warmup_iters + options.eager_steps_before_capture, "eval": 1}
+        self.info.update(compile_model=options.compile_model, capture_error_mode=options.capture_error_mode)
 
-    def wrap_model(self, model, sample_args, autocast):
-        if self.cfg.compile_model:
+    def wrap_model(self, model, sample_inputs=None, autocast=None):
+        if self.options.compile_model:
             # Kernels from torch.compile(mode="default") are captured like any other:
             # fewer, fused kernels inside the graph. Not "reduce-overhead", whose own
             # CUDA graphs cannot nest inside this capture.
@@ -53,6 +54,7 @@ class WholeStepGraphExecutor(Executor):
         return "eager" if n < self.eager_before[role] else "capture"
 
     def run(self, role: str, stage: Callable[[], None], fn: Callable[[], None]) -> None:
+        self._check_open()
         graph = self.graphs.get(role)
         if graph is not None:
             stage()
@@ -79,10 +81,12 @@ class WholeStepGraphExecutor(Executor):
     def _capture(self, role: str, fn: Callable[[], None]) -> bool:
         # Every rank captures its own graph, and a collective captured on one rank must
         # be captured on all: meet first, so no rank is still warming up.
-        self.rt.barrier()
+        if distributed():
+            dist.barrier()
         torch.cuda.synchronize()
-        graph, seconds, failure = capture(fn, self.side, self.pool, self.cfg.capture_error_mode)
-        ok = self.rt.all_agree(failure is None)
+        graph, seconds, failure = capture(fn, self.side, self.pool, self.options.capture_error_mode,
+                                           self.options.setting_prefix)
+        ok = self._all_agree(failure is None)
         if ok:
             self.graphs[role] = graph
             if self.pool is None:
@@ -94,17 +98,27 @@ class WholeStepGraphExecutor(Executor):
         del graph
         if failure is not None:  # a rank whose own capture succeeded has nothing to repair
             reset_rng_capture_state(self.side)
-        if self.cfg.on_failure.value == "fail":
+        if self.options.on_failure == "fail":
             raise CaptureError(message)
         self.fallen_back = True
         self.info["fallback"] = message
         self.info["mode"] = "eager (fallback)"
-        print_once(f"[graphing] {message}\n[graphing] graph.on_failure=eager: every rank continues eagerly.")
+        report = log.warning if is_main_rank() else log.info  # the same on every rank: say it once
+        report("%s\n%son_failure=eager: every rank continues eagerly.", message, self.options.setting_prefix)
         return False
+
+    def _all_agree(self, flag: bool) -> bool:
+        """True on every rank iff ``flag`` is true on every rank."""
+        if not distributed():
+            return flag
+        votes = torch.tensor([0 if flag else 1], device=self.device)
+        dist.all_reduce(votes)
+        return int(votes.item()) == 0
 
     def close(self) -> None:
         # Graphs hold a private memory pool and captured NCCL work: release them before the
         # process group goes, or a graphed DDP job can hang at exit.
+        super().close()
         if not self.graphs:
             return
         torch.cuda.synchronize()

@@ -1,12 +1,6 @@
-"""Recipes: what is trained (model, data, loss) and the loop that trains it.
+"""Recipes: what is trained (model, data, preprocessing, loss), nothing else.
 
-Each recipe module exposes ``build(cfg, runtime) -> Recipe``; ``RECIPES`` maps the
-``recipe.name`` in conf/recipe/*.yaml to it.
+Each recipe module has ``build(cfg, runtime) -> trainer.recipe.Recipe``, named by its
+config's ``_target_`` (conf/recipe/<name>.yaml). The trainer keeps no list of them: a
+recipe in your own package is reached the same way.
 """
-from recipes import cifar10, gpt, mnist
-
-RECIPES = {
-    "mnist": mnist.build,
-    "cifar10_resnet18": cifar10.build,
-    "gpt_tiny": gpt.build,
-}

@@ -14,9 +14,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from recipes.base import Recipe, classification_criterion, image_datasets
-from recipes.data import Batch, Split
-from recipes.runtime import Runtime
+from recipes.vision import classification_criterion, image_datasets
+from trainer.recipe import Batch, Recipe, Split
+from trainer.runtime import Runtime
 
 MEAN = (0.4914, 0.4822, 0.4465)  # per channel, of the CIFAR-10 training set
 STD = (0.2470, 0.2435, 0.2616)

@@ -22,9 +22,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from recipes.base import Recipe
-from recipes.data import Batch, Split, resolve_source
-from recipes.runtime import ConfigError, Runtime
+from trainer.errors import ConfigError
+from trainer.recipe import Batch, Recipe, Split
+from trainer.runtime import Runtime
+from trainer.sources import resolve_source
 
 VOCAB = 256  # bytes
 SYNTHETIC_TRAIN_TOKENS, SYNTHETIC_TEST_TOKENS = 1_600_000, 160_000

@@ -8,9 +8,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from recipes.base import Recipe, classification_criterion, image_datasets
-from recipes.data import Batch, Split
-from recipes.runtime import Runtime
+from recipes.vision import classification_criterion, image_datasets
+from trainer.recipe import Batch, Recipe, Split
+from trainer.runtime import Runtime
 
 MEAN, STD = 0.1307, 0.3081  # of the MNIST training set
 TRAIN_SIZE, TEST_SIZE = 60_000, 10_000

@@ -22,8 +22,9 @@ from torch.autograd import DeviceType  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from conf.schema import compose  # noqa: E402
-from recipes.loop import Trainer  # noqa: E402
-from recipes.runtime import pick_device, seed_everything, start  # noqa: E402
+from trainer.loop import Trainer  # noqa: E402
+from trainer.runtime import pick_device, seed_everything, start  # noqa: E402
+from trainer.validate import check_config  # noqa: E402
 
 
 def main() -> None:
@@ -34,7 +35,8 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("profile_step.py measures GPU kernels: run it on a machine with CUDA")
     cfg = compose(["logger=none", "train.progress=false", *overrides])
-    rt = start(pick_device(cfg.device), "/tmp/profile_step", None, "profile")
+    check_config(cfg)
+    rt = start(pick_device(cfg.device.value), "/tmp/profile_step", None, "profile")
     seed_everything(cfg.seed, cfg.deterministic)
     trainer = Trainer(cfg, rt)
     ex, loader, step = trainer.executor, trainer.train_loader, trainer.train_step

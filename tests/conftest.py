@@ -68,6 +68,25 @@ def out(tmp_path) -> Path:
     return tmp_path / "outputs"
 
 
+@pytest.fixture
+def train_here(capsys, tmp_path):
+    """Runs train.py's session in this process (one rank, no launch): ``(overrides) -> Finished``.
+
+    The fast way to see what a user sees for a config: exit code, message, files.
+    """
+    from conf.schema import compose
+    from trainer.session import run
+
+    def train(overrides: List[str]) -> Finished:
+        output_root = tmp_path / "outputs"
+        cfg = compose([f"output_root={output_root}", "train.progress=false", *overrides])
+        code = run(cfg)
+        captured = capsys.readouterr()
+        return Finished(code, captured.out, captured.err, output_root)
+
+    return train
+
+
 def cuda_count() -> int:
     import torch
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -75,3 +94,4 @@ def cuda_count() -> int:
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs CUDA GPUs; skipped without them (run on the GPU machine)")
+    config.addinivalue_line("markers", "fast: in-process, no launches: the edit-test loop (pytest -m fast)")

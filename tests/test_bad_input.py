@@ -1,75 +1,117 @@
 """Every bad input gets one clear message naming the setting, a non-zero exit, nothing half-written.
 
-| input                                   | exit | message names                         |
-|-----------------------------------------|------|---------------------------------------|
-| recipe=nope                             | 1    | Could not find 'recipe/nope'          |
-| train.epochz=3 (typo)                   | 1    | Key 'epochz' not in 'TrainLoopConfig' |
-| train.epochs=many (wrong type)          | 1    | train.epochs                          |
-| graph.capture_error_mode=sometimes      | 2    | graph.capture_error_mode + the three  |
-| graph=full on a machine without CUDA    | 2    | graph.mode=full needs a CUDA GPU      |
-| warmup_iters below 11 under DDP         | 2    | graph.warmup_iters (in-process check) |
-| batch larger than a rank's shard        | 2    | recipe.data.batch_size                |
-| data.source=mnist offline, no files     | 2    | recipe.data.source / recipe.data.root |
-| unwritable output directory             | 2    | output_root / run_dir                 |
-| zero or negative sizes                  | 2    | the key                               |
-| unknown optimizer                       | 2    | recipe.optim.name                     |
-| device=cuda without CUDA                | 2    | device                                |
+| input                                          | exit | message names                          |
+|------------------------------------------------|------|----------------------------------------|
+| recipe=nope                                    | 1    | Could not find 'recipe/nope'           |
+| train.epochz=3 (typo), train.epochs=many       | 1    | the key (Hydra, compose time)          |
+| graph.capture_error_mode=sometimes (any Enum)  | 1    | the key and the choices (compose time) |
+| graph=full on a machine without CUDA           | 2    | graph.mode=full needs a CUDA GPU       |
+| warmup_iters below 11 under DDP                | 2    | graph.warmup_iters                     |
+| batch larger than a rank's shard               | 2    | recipe.data.batch_size                 |
+| data.source=mnist offline, no files            | 2    | recipe.data.source / recipe.data.root  |
+| unwritable output directory                    | 2    | output_root / run_dir                  |
+| zero or negative sizes                         | 2    | the key                                |
+| recipe/optimizer/schedule _target_ not found   | 2    | the _target_ key                       |
+| an optimizer argument the class does not take  | 2    | recipe.optim.<key>                     |
+| a host-side LR scheduler                       | 2    | recipe.schedule._target_               |
+| an optimizer a graph would freeze (full mode)  | 2    | recipe.optim._target_ / .capturable    |
+| device=cuda without CUDA                       | 2    | device                                 |
+
+The messages are checked in one process (fast); that each is printed once under
+torchrun, with torchrun's exit status, is checked on a few representative cases.
 """
 from __future__ import annotations
 
 import pytest
 import torch
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
 
+from conf.schema import compose
 from conftest import launch
-from conf.schema import GraphConfig, GraphMode
-from graphing.options import resolve_mode
-from recipes.runtime import ConfigError
+from trainer.errors import ConfigError
 
 QUICK = ["recipe.data.source=synthetic", "recipe.data.train_size=2048", "recipe.data.test_size=256",
          "logger=none", "train.max_steps=2"]
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message seen without CUDA")
 
 CASES = [
-    pytest.param(["recipe=nope"], 1, ["Could not find 'recipe/nope'", "mnist"], id="unknown-recipe"),
-    pytest.param(["train.epochz=3"], 1, ["Key 'epochz' not in 'TrainLoopConfig'"], id="typo"),
-    pytest.param(["train.epochs=many"], 1, ["could not be converted to Integer", "train.epochs"], id="wrong-type"),
-    pytest.param(["graph.capture_error_mode=sometimes"], 2,
-                 ["graph.capture_error_mode='sometimes'", "global, thread_local, relaxed"], id="capture-error-mode"),
-    pytest.param(["graph=full"], 2, ["graph.mode=full needs a CUDA GPU", "graph=eager"], id="graph-without-cuda",
+    pytest.param(["graph=full"], ["graph.mode=full needs a CUDA GPU", "graph.mode=eager"], id="graph-without-cuda",
                  marks=no_cuda),
-    pytest.param(["device=cuda"], 2, ["device=cuda", "device=auto"], id="cuda-device-without-cuda", marks=no_cuda),
-    pytest.param(["recipe.data.batch_size=5000"], 2, ["asks for 5000 samples per step on each rank", "1024 training samples", "lower recipe.data.batch_size"],
-                 id="batch-larger-than-shard"),
-    pytest.param(["train.epochs=0"], 2, ["train.epochs=0 must be at least 1"], id="zero-epochs"),
-    pytest.param(["recipe.data.batch_size=-4"], 2, ["recipe.data.batch_size=-4"], id="negative-batch"),
-    pytest.param(["recipe.optim.name=lamb"], 2, ["recipe.optim.name='lamb'", "sgd"], id="unknown-optimizer"),
-    pytest.param(["graph.compile_model=true", "graph=eager"], 2, ["graph.compile_model=true"], id="compile-model-eager"),
+    pytest.param(["device=cuda"], ["device=cuda", "device=auto"], id="cuda-device-without-cuda", marks=no_cuda),
+    pytest.param(["recipe.data.batch_size=5000"], ["asks for 5000 samples per step on each rank",
+                                                   "lower recipe.data.batch_size"], id="batch-larger-than-shard"),
+    pytest.param(["train.epochs=0"], ["train.epochs=0 must be at least 1"], id="zero-epochs"),
+    pytest.param(["recipe.data.batch_size=-4"], ["recipe.data.batch_size=-4"], id="negative-batch"),
+    pytest.param(["checkpoint.keep=0"], ["checkpoint.keep=0 must be at least 1"], id="keep-zero"),
+    pytest.param(["checkpoint.resume=/no/such/file.pt"], ["checkpoint.resume='/no/such/file.pt'"], id="resume-missing"),
+    pytest.param(["recipe.optim._target_=torch.optim.Lamb"],
+                 ["recipe.optim._target_=torch.optim.Lamb: module torch.optim has no 'Lamb'"], id="unknown-optimizer"),
+    pytest.param(["recipe.optim._target_=collections.OrderedDict"],
+                 ["recipe.optim._target_='collections.OrderedDict' is not a torch.optim.Optimizer"], id="not-optimizer"),
+    pytest.param(["recipe.optim._target_=torch.optim.AdamW"],
+                 ["recipe.optim.momentum is not an argument of torch.optim.AdamW", "~recipe.optim.momentum"],
+                 id="optimizer-argument"),
+    pytest.param(["recipe.optim.lr=-1"], ["recipe.optim.lr=-1 must be a positive number"], id="negative-lr"),
+    pytest.param(["recipe._target_=my_missing_package.recipe.build"],
+                 ["recipe._target_=my_missing_package.recipe.build cannot be imported", "PYTHONPATH"],
+                 id="unknown-recipe-target"),
+    pytest.param(["recipe._target_=os.getcwd"], ["recipe._target_=os.getcwd cannot be called as build(cfg, runtime)"],
+                 id="recipe-target-wrong-signature"),
+    pytest.param(["recipe._target_=operator.is_"], ["recipe._target_=operator.is_ returned a bool, not a "
+                                                    "trainer.recipe.Recipe"], id="recipe-target-not-a-recipe"),
+    pytest.param(["recipe.schedule._target_=torch.optim.lr_scheduler.StepLR"],
+                 ["is a host-side scheduler", "trainer.schedules.Cosine"], id="host-side-scheduler"),
+    pytest.param(["recipe.schedule._target_=trainer.schedules.Cosine", "+recipe.schedule.min_lr_ratio=2"],
+                 ["recipe.schedule (trainer.schedules.Cosine) could not be built", "min_lr_ratio=2"],
+                 id="schedule-argument"),
+    pytest.param(["graph.compile_model=true", "graph=eager"], ["graph.compile_model=true applies to graph.mode=full"],
+                 id="compile-model-eager"),
 ]
 
 
-def _combined(done) -> str:
-    return done.stdout + done.stderr
-
-
-@pytest.mark.parametrize("args,code,needles", CASES)
-def test_bad_input_under_torchrun_is_reported_once(out, args, code, needles):
-    done = launch([*QUICK, *args], out, nproc=2, timeout=120)
-    text = _combined(done)
-    assert done.returncode != 0
-    first = needles[0]
-    assert text.count(first) == 1, f"expected {first!r} exactly once in:\n{text[-3000:]}"
+@pytest.mark.fast
+@pytest.mark.parametrize("args,needles", CASES)
+def test_bad_input_is_named_with_exit_code_2(train_here, args, needles):
+    done = train_here([*QUICK, *args])
+    text = done.stdout + done.stderr
+    assert done.returncode == 2, text[-3000:]
+    assert text.count(needles[0]) == 1, f"expected {needles[0]!r} exactly once in:\n{text[-3000:]}"
     for needle in needles[1:]:
         assert needle in text, text[-3000:]
+    assert "Traceback" not in text
+    assert not list(done.output_root.rglob("results.json")), "nothing half-written"
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("args,needle", [
+    (["recipe=nope"], "Could not find 'recipe/nope'"),
+    (["train.epochz=3"], "Key 'epochz' not in 'TrainLoopConfig'"),
+    (["train.epochs=many"], "could not be converted to Integer"),
+    (["graph.capture_error_mode=sometimes"], "expected one of [global, thread_local, relaxed]"),
+])
+def test_compose_time_errors_name_the_key(args, needle):
+    with pytest.raises(ConfigCompositionException) as err:
+        compose([*QUICK, *args])
+    assert needle in str(err.value) + str(err.value.__cause__)
+
+
+@pytest.mark.parametrize("args,code,needle", [
+    (["recipe=nope"], 1, "Could not find 'recipe/nope'"),
+    (["graph.capture_error_mode=sometimes"], 1, "expected one of [global, thread_local, relaxed]"),
+    (["recipe.optim._target_=torch.optim.Lamb"], 2, "recipe.optim._target_=torch.optim.Lamb"),
+    (["recipe.data.batch_size=5000"], 2, "asks for 5000 samples per step on each rank"),  # after the ranks meet
+])
+def test_bad_input_under_torchrun_is_reported_once(out, args, code, needle):
+    done = launch([*QUICK, *args], out, nproc=2, timeout=120)
+    text = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert text.count(needle) == 1, f"expected {needle!r} exactly once in:\n{text[-3000:]}"
+    assert f"exitcode  : {code}" in text, text[-3000:]  # the rank's own code, in torchrun's report
     # torchrun's agent prints its own failure report; the ranks print no stack trace of ours.
     assert 'train.py", line' not in text and 'recipes/' not in text and 'graphing/' not in text
+    assert 'trainer/' not in text
     assert not list(out.rglob("results.json")), "nothing half-written"
-
-
-@pytest.mark.parametrize("args,code,needles", CASES[:4] + CASES[6:8])
-def test_bad_input_exit_code_in_one_process(out, args, code, needles):
-    done = launch([*QUICK, *args], out, timeout=120)
-    assert done.returncode == code, _combined(done)[-3000:]
-    assert needles[0] in _combined(done)
 
 
 def test_mnist_requested_offline_without_files(out, tmp_path):
@@ -78,7 +120,7 @@ def test_mnist_requested_offline_without_files(out, tmp_path):
                "HTTP_PROXY": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9"}
     done = launch(["recipe.data.source=mnist", f"recipe.data.root={tmp_path / 'empty'}", "logger=none"], out,
                   nproc=2, env=offline, timeout=180)
-    text = _combined(done)
+    text = done.stdout + done.stderr
     assert done.returncode != 0
     assert text.count("recipe.data.source=mnist but mnist is not under recipe.data.root") == 1, text[-3000:]
     assert "recipe.data.source=synthetic" in text
@@ -91,7 +133,7 @@ def test_auto_source_falls_back_to_synthetic_with_one_warning(out, tmp_path):
                    "recipe.data.train_size=2048", "recipe.data.test_size=256", "train.max_steps=2"], out,
                   nproc=2, env=offline, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert _combined(done).count("training on SYNTHETIC data") == 1
+    assert (done.stdout + done.stderr).count("training on SYNTHETIC data") == 1
     assert done.results()["data_source"] == "synthetic"
 
 
@@ -99,34 +141,48 @@ def test_unwritable_output_directory(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     done = launch([*QUICK], blocker / "outputs", nproc=2, timeout=120)
-    text = _combined(done)
+    text = done.stdout + done.stderr
     assert done.returncode != 0
     assert text.count("cannot write to the run directory") == 1, text[-3000:]
     assert "output_root=" in text
 
 
-def _graph(**kw) -> GraphConfig:
-    cfg = GraphConfig()
-    for k, v in kw.items():
-        setattr(cfg, k, v)
-    return cfg
+# ---- checks that depend on the machine or the world size, in one process -----------------
 
-
+@pytest.mark.fast
 def test_warmup_below_eleven_under_ddp_is_refused_with_the_reason():
-    cuda = torch.device("cuda", 0)  # resolve_mode only reads the device type
+    from trainer.validate import graph_options
+
+    cuda = torch.device("cuda", 0)  # only the device type is read
+    cfg = compose(["graph=full", "graph.warmup_iters=5"])
     with pytest.raises(ConfigError, match=r"graph.warmup_iters=5 is too few under DDP.*first 10 iterations"):
-        resolve_mode(_graph(mode=GraphMode.full, warmup_iters=5), cuda, world_size=2)
-    assert resolve_mode(_graph(mode=GraphMode.full, warmup_iters=5), cuda, world_size=1) == "full"
-    assert resolve_mode(_graph(mode=GraphMode.full, warmup_iters=11), cuda, world_size=2) == "full"
+        graph_options(cfg, cuda, world_size=2)
+    assert graph_options(cfg, cuda, world_size=1).warmup_iters == 5  # one process: no DDP bookkeeping
+    assert graph_options(compose(["graph=full"]), cuda, world_size=2).mode == "full"
+    with pytest.raises(ConfigError, match=r"graph.warmup_iters=5 is too few"):
+        graph_options(compose(["graph=partial", "graph.warmup_iters=5"]), cuda, world_size=2)
 
 
+@pytest.mark.fast
 def test_auto_mode_picks_full_on_cuda_and_eager_on_cpu():
-    assert resolve_mode(_graph(mode=GraphMode.auto), torch.device("cuda", 0), 2) == "full"
-    assert resolve_mode(_graph(mode=GraphMode.auto), torch.device("cpu"), 2) == "eager"
+    from trainer.validate import graph_options
+
+    cfg = compose([])
+    assert graph_options(cfg, torch.device("cuda", 0), 2).mode == "full"
+    assert graph_options(cfg, torch.device("cpu"), 2).mode == "eager"
 
 
-def test_every_capture_error_mode_is_accepted_and_others_are_not():
-    for mode in ("global", "thread_local", "relaxed"):
-        assert resolve_mode(_graph(mode=GraphMode.full, capture_error_mode=mode), torch.device("cuda", 0), 2) == "full"
-    with pytest.raises(ConfigError, match="global, thread_local, relaxed"):
-        resolve_mode(_graph(capture_error_mode="Global"), torch.device("cpu"), 1)
+@pytest.mark.fast
+@pytest.mark.parametrize("target,settings,needle", [
+    ("torch.optim.Adagrad", {}, "torch.optim.adagrad.Adagrad has neither a capturable nor a fused CUDA mode"),
+    ("torch.optim.AdamW", {"capturable": False}, "recipe.optim.capturable=false cannot run inside a CUDA graph"),
+])
+def test_an_optimizer_a_graph_would_freeze_is_refused_in_full_mode(target, settings, needle):
+    from trainer.optim import build_optimizer
+
+    cfg = OmegaConf.create({"_target_": target, "_partial_": True, "lr": 0.1, **settings})
+    params = torch.nn.Linear(2, 2).parameters()
+    with pytest.raises(ConfigError) as err:
+        build_optimizer(cfg, params, torch.device("cpu"), captured=True)
+    assert needle in str(err.value) and "graph=eager" in str(err.value)
+    build_optimizer(cfg, torch.nn.Linear(2, 2).parameters(), torch.device("cpu"), captured=False)  # eager: fine

@@ -1,6 +1,7 @@
 """Checkpoints: what a user relies on when a run is killed and started again."""
 from __future__ import annotations
 
+import pickle
 import random
 import warnings
 
@@ -9,16 +10,22 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from recipes.checkpoint import (check_checkpoint_config, check_compatible, latest_checkpoint, list_checkpoints,
-                                load_optimizer_state, rng_state, save_checkpoint, set_rng_state)
-from recipes.optim import build_optimizer
-from recipes.runtime import ConfigError
+from trainer.checkpoint import (check_compatible, latest_checkpoint, list_checkpoints, load_optimizer_state,
+                                rng_state, save_checkpoint, set_rng_state)
+from trainer.errors import ConfigError
+from trainer.optim import build_optimizer
+
+pytestmark = pytest.mark.fast
+
+OPTIMIZERS = {
+    "sgd": {"_target_": "torch.optim.SGD", "lr": 0.05, "momentum": 0.9, "weight_decay": 0.01},
+    "adamw": {"_target_": "torch.optim.AdamW", "lr": 0.05, "betas": [0.9, 0.999], "weight_decay": 0.01},
+}
 
 
 def _optimizer(name: str, model: torch.nn.Module) -> torch.optim.Optimizer:
-    cfg = OmegaConf.create({"name": name, "lr": 0.05, "momentum": 0.9, "nesterov": False, "weight_decay": 0.01,
-                            "betas": [0.9, 0.999], "eps": 1e-8})
-    return build_optimizer(cfg, model.parameters(), torch.device("cpu"))
+    cfg = OmegaConf.create({"_partial_": True, **OPTIMIZERS[name]})
+    return build_optimizer(cfg, model.parameters(), torch.device("cpu"), captured=False)
 
 
 def _train(model, optimizer, steps: int) -> None:
@@ -48,7 +55,7 @@ def test_save_is_atomic_and_leaves_no_temp_files(tmp_path):
 
 
 def test_failed_save_leaves_no_file_behind(tmp_path):
-    with pytest.raises(Exception):
+    with pytest.raises((pickle.PicklingError, AttributeError), match="pickle"):
         save_checkpoint(tmp_path, 3, {"step": 3, "bad": lambda: None}, keep=2)  # a lambda cannot be pickled
     assert _files(tmp_path) == []
 
@@ -71,12 +78,6 @@ def test_only_the_newest_keep_checkpoints_remain(tmp_path):
 def test_keep_below_one_names_the_setting(tmp_path):
     with pytest.raises(ConfigError, match=r"checkpoint\.keep=0"):
         save_checkpoint(tmp_path, 1, {"step": 1}, keep=0)
-    cfg = OmegaConf.create({"checkpoint": {"keep": 0, "every_steps": 0, "resume": "auto"}})
-    with pytest.raises(ConfigError, match=r"checkpoint\.keep=0"):
-        check_checkpoint_config(cfg)
-    cfg.checkpoint.keep, cfg.checkpoint.resume = 2, str(tmp_path / "missing.pt")
-    with pytest.raises(ConfigError, match=r"checkpoint\.resume="):
-        check_checkpoint_config(cfg)
 
 
 def test_no_checkpoint_means_none(tmp_path):

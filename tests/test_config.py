@@ -1,16 +1,16 @@
-"""A user lists conf/, picks groups and overrides values: every combination composes."""
+"""A user lists conf/, picks groups and overrides values: every combination composes,
+and every choice the framework owns is refused at compose time when it is not one of
+the choices, with the choices listed."""
 from __future__ import annotations
 
 import itertools
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ValidationError
 
-from conf.schema import GraphMode, register_configs
+from conf.schema import compose
 from conftest import ROOT, launch
 
 CONF = ROOT / "conf"
@@ -20,61 +20,88 @@ def options(group: str):
     return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
 
 
-@pytest.fixture(scope="module")
-def composer():
-    register_configs()
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        yield lambda overrides: compose(config_name="train", overrides=overrides)
-    GlobalHydra.instance().clear()
-
-
-def test_every_group_combination_composes(composer):
+@pytest.mark.fast
+def test_every_group_combination_composes_with_its_own_recipe_and_mode():
     combos = list(itertools.product(options("recipe"), options("graph"), options("logger"),
                                     [None, *options("experiment")]))
-    assert len(combos) >= 1 * 6 * 2 * 3
+    assert len(combos) == 3 * 6 * 2 * 3
     for recipe, graph, logger, experiment in combos:
         overrides = [f"recipe={recipe}", f"graph={graph}", f"logger={logger}"]
         if experiment:
             overrides.append(f"experiment={experiment}")
-        cfg = composer(overrides)
+        cfg = compose(overrides)
         assert cfg.recipe.name == recipe
-        assert isinstance(cfg.graph.mode, GraphMode)
+        assert cfg.recipe._target_.startswith("recipes.") and cfg.recipe._target_.endswith(".build")
+        # The group's file decides the mode unless an experiment preset overrides it.
+        expected = {"full_compiled": "full"}.get(graph, graph) if experiment != "compare" else "full"
+        assert cfg.graph.mode.value == expected
+        assert cfg.graph.compile_model == (graph == "full_compiled")
         assert cfg.logger.backend.value == logger
-        assert cfg.recipe.data.batch_size >= 1
 
 
-def test_defaults_are_the_readme_defaults(composer):
-    cfg = composer([])
-    assert cfg.recipe.name == "mnist"
-    assert cfg.graph.mode == GraphMode.auto and cfg.graph.warmup_iters == 11
-    assert cfg.graph.capture_error_mode == "global"
+@pytest.mark.fast
+def test_defaults_are_the_readme_defaults():
+    cfg = compose([])
+    assert cfg.recipe.name == "mnist" and cfg.recipe._target_ == "recipes.mnist.build"
+    assert cfg.graph.mode.value == "auto" and cfg.graph.warmup_iters == 11
+    assert cfg.graph.capture_error_mode.value == "global" and cfg.graph.on_failure.value == "fail"
     assert cfg.recipe.data.source == "auto" and cfg.recipe.data.batch_size == 64
-    assert cfg.recipe.optim.name == "sgd" and cfg.recipe.optim.lr == 0.01 and cfg.recipe.optim.momentum == 0.5
-    assert cfg.train.epochs == 10
+    assert dict(cfg.recipe.optim) == {"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.01, "momentum": 0.5}
+    assert dict(cfg.recipe.schedule) == {"_target_": "trainer.schedules.Constant", "warmup_steps": 0}
+    assert cfg.train.epochs == 10 and cfg.device.value == "auto"
     assert cfg.logger.backend.value == "wandb" and cfg.logger.wandb.mode is None  # offline unless told
 
 
-def test_a_typo_or_a_wrong_type_fails_at_compose_time(composer):
+@pytest.mark.fast
+@pytest.mark.parametrize("key,choices", [
+    ("graph.capture_error_mode", "global, thread_local, relaxed"),
+    ("graph.mode", "auto, eager, full, partial, compile"),
+    ("graph.on_failure", "fail, eager"),
+    ("device", "auto, cpu, cuda"),
+    ("recipe.data.loader", "device, host"),
+    ("train.precision", "fp32, bf16"),
+    ("logger.backend", "wandb, none"),
+    ("logger.wandb.mode", "offline, online, disabled"),
+])
+def test_every_enumerated_setting_refuses_a_bad_value_and_lists_the_choices(key, choices):
+    with pytest.raises(ConfigCompositionException) as err:
+        compose([f"{key}=bogus"])
+    text = str(err.value.__cause__ or err.value)
+    assert "Invalid value 'bogus'" in text and f"expected one of [{choices}]" in text, text
+
+
+@pytest.mark.fast
+def test_a_typo_or_a_wrong_type_fails_at_compose_time():
     with pytest.raises(ConfigCompositionException) as typo:
-        composer(["train.epochz=3"])
+        compose(["train.epochz=3"])
     assert "Key 'epochz' not in 'TrainLoopConfig'" in str(typo.value.__cause__)
     with pytest.raises(ConfigCompositionException) as wrong_type:
-        composer(["train.epochs=many"])
+        compose(["train.epochs=many"])
     assert isinstance(wrong_type.value.__cause__, ValidationError)
-    with pytest.raises(ConfigCompositionException):
-        composer(["graph.mode=fastest"])
+    assert "train.epochs" in str(wrong_type.value.__cause__)
 
 
-def test_experiment_presets_override_groups(composer):
-    cfg = composer(["experiment=compare"])
-    assert cfg.graph.mode == GraphMode.full and cfg.graph.compare
-    debug = composer(["experiment=debug"])
+@pytest.mark.fast
+def test_components_are_swapped_by_target():
+    cfg = compose(["recipe.optim._target_=torch.optim.AdamW", "~recipe.optim.momentum",
+                   "recipe.schedule._target_=trainer.schedules.Cosine", "recipe.schedule.warmup_steps=5"])
+    assert dict(cfg.recipe.optim) == {"_target_": "torch.optim.AdamW", "_partial_": True, "lr": 0.01}
+    assert dict(cfg.recipe.schedule) == {"_target_": "trainer.schedules.Cosine", "warmup_steps": 5}
+
+
+@pytest.mark.fast
+def test_experiment_presets_override_groups():
+    cfg = compose(["experiment=compare"])
+    assert cfg.graph.mode.value == "full" and cfg.graph.compare
+    debug = compose(["experiment=debug"])
     assert debug.recipe.data.source == "synthetic" and debug.train.max_steps == 20
 
 
-def test_cfg_job_prints_the_resolved_config(out):
+def test_cfg_job_prints_the_resolved_config_and_refuses_bad_choices(out):
     done = launch(["recipe=mnist", "graph=eager", "train.epochs=3", "--cfg", "job"], out, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "epochs: 3" in done.stdout and "mode: eager" in done.stdout and "capture_error_mode: global" in done.stdout
     assert not Path(out).exists()  # printing the config trains nothing and writes nothing
+    bad = launch(["graph.capture_error_mode=bogus", "device=tpu", "--cfg", "job"], out, timeout=60)
+    assert bad.returncode == 1 and "Invalid value 'bogus'" in bad.stderr and "Traceback" not in bad.stderr
+    assert not Path(out).exists()

@@ -5,13 +5,17 @@ need two GPUs.
 """
 from __future__ import annotations
 
+import logging
+import threading
 import time
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conf.schema import GraphConfig, GraphMode, OnCaptureFailure, compose
-from conftest import ROOT, cuda_count, launch
+
+from conf.schema import compose
+from conftest import cuda_count, launch
+from graphing import CaptureError, GraphOptions
 from wandb_offline import find_runs, read_run
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -22,17 +26,17 @@ SYNTH = ["recipe.data.source=synthetic", "recipe.data.train_size=16384", "recipe
 
 def trainer_for(overrides, tmp_path):
     """A Trainer built in this process (one rank), exactly as train.py builds it."""
-    from recipes.loop import Trainer
-    from recipes.runtime import pick_device, seed_everything, start
+    from trainer.loop import Trainer
+    from trainer.runtime import pick_device, seed_everything, start
 
     cfg = compose([*SYNTH, "logger=none", f"output_root={tmp_path}", *overrides])
-    rt = start(pick_device(cfg.device), cfg.output_root, None, "test")
+    rt = start(pick_device(cfg.device.value), cfg.output_root, None, "test")
     seed_everything(cfg.seed, cfg.deterministic)
     return Trainer(cfg, rt)
 
 
 def fit(overrides, tmp_path):
-    from recipes.metrics_logger import MetricsLogger
+    from trainer.metrics_logger import MetricsLogger
 
     trainer = trainer_for(overrides, tmp_path)
     try:
@@ -62,7 +66,7 @@ def test_each_capture_error_mode_trains_mnist_under_two_gpu_ddp(out, capture_err
 def test_full_graph_matches_eager_step_for_step(tmp_path):
     """Same seed, same data: per-step losses, the LR schedule and the parameters agree."""
     common = ["train.max_steps=60", "train.log_every=1", "train.eval=false",
-              "recipe.schedule.name=cosine", "recipe.schedule.warmup_steps=10"]
+              "recipe.schedule._target_=trainer.schedules.Cosine", "recipe.schedule.warmup_steps=10"]
     eager, _, eager_params = fit([*common, "graph=eager"], tmp_path / "eager")
     full, summary, full_params = fit([*common, "graph=full"], tmp_path / "full")
     assert summary["mode"] == "full" and summary["timed_phase"] == "graph"
@@ -78,27 +82,26 @@ def test_full_graph_matches_eager_step_for_step(tmp_path):
     assert loss_diff < 1e-4 and param_diff < 1e-4
 
 
-def test_dropout_masks_differ_across_replays():
+def test_dropout_in_a_captured_step_draws_new_masks_on_every_replay():
     x = torch.ones(4096, device="cuda")
     out = torch.empty_like(x)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        out.copy_(F.dropout(x, 0.5))  # warm-up
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    executor = _executor("fail")
+
+    def step():
         out.copy_(F.dropout(x, 0.5))
+
     masks = []
-    for _ in range(3):
-        graph.replay()
+    for _ in range(5):  # 2 warm-up steps, the capture (which also runs the step), 2 replays
+        executor.run("train", lambda: None, step)
         masks.append(out != 0)
-    assert not torch.equal(masks[0], masks[1]) and not torch.equal(masks[1], masks[2])
-    assert 0.45 < masks[0].float().mean().item() < 0.55
+    assert "train" in executor.graphs
+    assert not torch.equal(masks[2], masks[3]) and not torch.equal(masks[3], masks[4])
+    assert 0.45 < masks[4].float().mean().item() < 0.55
+    executor.close()
 
 
 def test_eval_graph_equals_eager_evaluation(tmp_path):
-    from recipes.metrics_logger import MetricsLogger
+    from trainer.metrics_logger import MetricsLogger
 
     trainer = trainer_for(["graph=full", "train.max_steps=30", "train.eval=false"], tmp_path)
     try:
@@ -112,7 +115,7 @@ def test_eval_graph_equals_eager_evaluation(tmp_path):
         for _ in range(trainer.eval_loader.steps):
             trainer.eval_loader.stage()
             trainer.eval_step()  # plain eager
-        loss_sum, correct, _, count = trainer.eval_step.metrics.tolist()
+        loss_sum, correct, count = trainer.eval_step.metrics.tolist()
         assert count == 2000 and graphed["eval/samples"] == 2000
         assert graphed == graphed_again
         assert abs(graphed["eval/loss"] - loss_sum / count) < 1e-6
@@ -136,18 +139,15 @@ def test_other_modes_train_and_agree_with_eager(out, graph):
     assert o["final/eval_accuracy"] > 0.9
 
 
-def _executor(on_failure: str):
-    from graphing.whole_step import WholeStepGraphExecutor
-    from recipes.runtime import Runtime
+def _executor(on_failure: str, capture_error_mode: str = "global"):
+    from graphing import build_executor
 
-    rt = Runtime(0, 0, 1, torch.device("cuda", 0), False, ROOT)
-    cfg = GraphConfig(mode=GraphMode.full, warmup_iters=2, on_failure=OnCaptureFailure(on_failure))
-    return WholeStepGraphExecutor(cfg, rt)
+    options = GraphOptions(mode="full", warmup_iters=2, on_failure=on_failure, capture_error_mode=capture_error_mode,
+                           setting_prefix="graph.")
+    return build_executor(options, torch.device("cuda", 0))
 
 
 def test_a_host_sync_in_the_step_fails_capture_with_an_explanation():
-    from graphing import CaptureError
-
     x = torch.randn(256, device="cuda")
     seen = []
     executor = _executor("fail")
@@ -183,3 +183,75 @@ def test_in_run_comparison_logs_both_sides_and_a_speedup(out):
     assert run.summary["speedup"] == pytest.approx(results["speedup"])
     assert {"eager/samples_per_s", "graph/samples_per_s"} <= set(run.summary)
     assert "| eager |" in done.stdout and "| graph |" in done.stdout
+
+
+# ---- capture_error_mode reaches every capture this project makes ----------------------
+
+def _allocate_from_another_thread() -> None:
+    """A fresh cudaMalloc from another thread while this one captures: what a pinned-memory
+    loader thread does. "global" mode forbids it, "thread_local" and "relaxed" allow it."""
+    def work():
+        try:
+            torch.empty(64 * 2**20, dtype=torch.uint8, device="cuda")  # the capture emptied the cache: cudaMalloc
+        except RuntimeError:
+            pass  # the capturing thread reports what it did to the capture
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    worker.join()
+
+
+@pytest.mark.parametrize("capture_error_mode", ["global", "thread_local", "relaxed"])
+@pytest.mark.parametrize("role", ["train", "eval"])
+def test_capture_error_mode_reaches_the_training_and_eval_graphs(role, capture_error_mode):
+    x = torch.randn(1024, device="cuda")
+    out = torch.empty_like(x)
+    executor = _executor("fail", capture_error_mode)
+
+    def step():
+        out.copy_(x * 2)
+        _allocate_from_another_thread()
+
+    try:
+        while executor.phase(role) != "capture":
+            executor.run(role, lambda: None, step)
+        if capture_error_mode == "global":
+            with pytest.raises(CaptureError, match="graph.capture_error_mode=thread_local"):
+                executor.run(role, lambda: None, step)
+        else:
+            executor.run(role, lambda: None, step)
+            assert role in executor.graphs and executor.info["capture_error_mode"] == capture_error_mode
+            out.zero_()
+            executor.run(role, lambda: None, step)  # a replay
+            torch.testing.assert_close(out, x * 2)
+    finally:
+        executor.close()
+
+
+@pytest.mark.parametrize("capture_error_mode", ["global", "thread_local"])
+def test_capture_error_mode_reaches_partial_graphs_where_torch_accepts_it(capture_error_mode, caplog):
+    from graphing import build_executor
+    from graphing.compat import make_graphed_callables_takes_capture_error_mode
+
+    class AllocatesFromAnotherThread(torch.nn.Linear):
+        def forward(self, inputs):
+            _allocate_from_another_thread()
+            return super().forward(inputs)
+
+    model = AllocatesFromAnotherThread(16, 16).cuda()
+    options = GraphOptions(mode="partial", warmup_iters=2, capture_error_mode=capture_error_mode,
+                           setting_prefix="graph.")
+    executor = build_executor(options, torch.device("cuda", 0))
+    passed_on = make_graphed_callables_takes_capture_error_mode()
+    sample = (torch.randn(8, 16, device="cuda"),)
+    with caplog.at_level(logging.WARNING, logger="graphing"):
+        if capture_error_mode == "global" or not passed_on:
+            with pytest.raises(RuntimeError):  # torch's own capture error: the other thread broke it
+                executor.wrap_model(model, lambda: sample)
+        else:
+            graphed = executor.wrap_model(model, lambda: sample)
+            torch.testing.assert_close(graphed(sample[0]), model(sample[0]))
+    assert executor.info["capture_error_mode"] == (capture_error_mode if passed_on else "global")
+    ignored = [r for r in caplog.records if "is ignored in mode=partial" in r.getMessage()]
+    assert len(ignored) == (1 if capture_error_mode != "global" and not passed_on else 0)
+    print(f"torch {torch.__version__}: make_graphed_callables takes capture_error_mode: {passed_on}")

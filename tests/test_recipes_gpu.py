@@ -43,7 +43,7 @@ def _train_losses(done):
 def test_full_graph_trains_like_eager_from_the_same_seed(out, recipe):
     import torch
 
-    from recipes.loop import peak_tflops
+    from trainer.perf import peak_tflops
 
     eager = launch([*SAME_RUNS, *RECIPES[recipe], "graph=eager"], out / "eager", timeout=600)
     graph = launch([*SAME_RUNS, *RECIPES[recipe], "graph=full"], out / "full", timeout=600)

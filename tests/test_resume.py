@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 
 from conftest import free_port, launch
-from recipes.checkpoint import list_checkpoints
+from trainer.checkpoint import list_checkpoints
+from trainer.loop import KILL_AT_STEP_ENV
 
 ARGS = ["recipe.data.source=synthetic", "recipe.data.train_size=4096", "recipe.data.test_size=512",
         "recipe.data.eval_batch_size=256", "train.epochs=2", "train.log_every=8", "checkpoint.every_steps=10",
@@ -21,8 +22,8 @@ def test_a_killed_rank_restarts_resumes_and_matches_an_uninterrupted_run(tmp_pat
     clean = launch(ARGS, tmp_path / "clean", nproc=2, torchrun_args=_torchrun(0), timeout=240)
     assert clean.returncode == 0, clean.stderr[-3000:]
     # Rank 1 dies hard at step 25 (mid-epoch, 5 steps after the step-20 checkpoint).
-    crashed = launch([*ARGS, "checkpoint.fail_at_step=25", "checkpoint.fail_rank=1"], tmp_path / "crashed",
-                     nproc=2, torchrun_args=_torchrun(1), timeout=240)
+    crashed = launch(ARGS, tmp_path / "crashed", nproc=2, torchrun_args=_torchrun(1), timeout=240,
+                     env={KILL_AT_STEP_ENV: "25:1"})
     assert crashed.returncode == 0, crashed.stderr[-3000:]
     text = crashed.stdout + crashed.stderr
     assert "killing this rank" in text and "resumed from" in text and "step_00000020.pt" in text

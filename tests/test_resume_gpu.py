@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from conftest import cuda_count, free_port, launch
+from trainer.loop import KILL_AT_STEP_ENV
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(cuda_count() < 2, reason="needs 2 GPUs")]
 
@@ -19,11 +19,10 @@ def _torchrun(max_restarts: int):
 
 
 def test_full_graph_job_resumes_after_a_rank_dies(tmp_path):
-    assert torch.cuda.is_available()
     clean = launch(ARGS, tmp_path / "clean", nproc=2, torchrun_args=_torchrun(0), timeout=240)
     assert clean.returncode == 0, clean.stderr[-3000:]
-    crashed = launch([*ARGS, "checkpoint.fail_at_step=100"], tmp_path / "crashed", nproc=2,
-                     torchrun_args=_torchrun(1), timeout=240)
+    crashed = launch(ARGS, tmp_path / "crashed", nproc=2, torchrun_args=_torchrun(1), timeout=240,
+                     env={KILL_AT_STEP_ENV: "100:1"})
     assert crashed.returncode == 0, crashed.stderr[-3000:]
     text = crashed.stdout + crashed.stderr
     assert "killing this rank" in text and "step_00000080.pt" in text

@@ -85,7 +85,7 @@ def test_host_loader_feeds_the_same_batches_as_the_device_loader(out):
 
 
 def test_a_broken_wandb_never_stops_training(out):
-    done = launch([*SMALL, "train.epochs=1", "logger.wandb.mode=not-a-mode"], out)
+    done = launch([*SMALL, "train.epochs=1"], out, env={"WANDB_MODE": "not-a-mode"})
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stderr.count("W&B could not start") == 1
     assert any("train/loss" in r for r in done.metrics())  # the JSONL still has everything

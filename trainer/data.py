@@ -12,87 +12,14 @@ returns a ``mask`` so that every sample counts exactly once.
 """
 from __future__ import annotations
 
-import logging
 import math
-import socket
-from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Tuple
+from typing import Tuple
 
 import torch
 
-from recipes.runtime import ConfigError, Runtime
-
-Batch = Dict[str, torch.Tensor]
-
-
-@dataclass
-class Split:
-    """One split of a dataset: inputs (any dtype, first dim = sample) and int64 labels."""
-
-    x: torch.Tensor
-    y: torch.Tensor
-
-    def __len__(self) -> int:
-        return self.x.shape[0]
-
-
-@dataclass
-class Datasets:
-    train: Split
-    test: Split
-    source: str  # what was actually used: "mnist", "synthetic", ...
-
-
-def resolve_source(rt: Runtime, requested: str, real_name: str, data_key: str,
-                   load_real: Callable[[bool], Tuple[Split, Split]],
-                   make_synthetic: Callable[[], Tuple[Split, Split]]) -> Datasets:
-    """Loads ``real_name`` or the synthetic stand-in, as ``requested`` says.
-
-    auto: the real set when present under data.root or downloadable, otherwise the
-    synthetic one with a loud warning. Rank 0 decides (and downloads); every rank
-    then loads what rank 0 decided, so all ranks train on the same data.
-    """
-    allowed = ("auto", real_name, "synthetic")
-    if requested not in allowed:
-        raise ConfigError(f"{data_key}.source={requested!r} is not one of {', '.join(allowed)}: "
-                          f"set {data_key}.source=auto")
-    decision = None
-    if rt.is_main:
-        decision = ("synthetic", None)
-        if requested != "synthetic":
-            why = _try_real(load_real)
-            if why is None:
-                decision = (real_name, None)
-            elif requested == real_name:
-                decision = (None, f"{data_key}.source={real_name} but {real_name} is not under "
-                                  f"{data_key}.root and could not be downloaded ({why}): put the files "
-                                  f"there, set {data_key}.root=..., or set {data_key}.source=synthetic")
-            else:
-                logging.getLogger(__name__).warning(
-                    f"WARNING: {real_name} is not available ({why}); training on SYNTHETIC data instead. "
-                    f"Set {data_key}.root=... to use the real files.")
-    source, problem = rt.broadcast_object(decision)
-    if problem:
-        raise ConfigError(problem)
-    train, test = load_real(False) if source == real_name else make_synthetic()
-    return Datasets(train, test, source)
-
-
-def _try_real(load_real: Callable[[bool], Tuple[Split, Split]]) -> Optional[str]:
-    try:
-        load_real(False)
-        return None
-    except Exception:
-        pass
-    previous = socket.getdefaulttimeout()
-    socket.setdefaulttimeout(15)  # an offline machine must not hang on the download
-    try:
-        load_real(True)
-        return None
-    except Exception as e:  # no network, no files: say which
-        return " ".join(f"{type(e).__name__}: {e}".split())[:200]
-    finally:
-        socket.setdefaulttimeout(previous)
+from trainer.errors import ConfigError
+from trainer.recipe import Batch, Split
+from trainer.runtime import Runtime
 
 
 def shard_indices(n: int, rank: int, world: int, *, shuffle: bool, seed: int, epoch: int) -> torch.Tensor:

@@ -30,7 +30,7 @@ class MetricsLogger:
             self._start_wandb(wandb_cfg, run_dir, config, job_type, run_id if rank == 0 else None, rank)
 
     def _start_wandb(self, cfg, run_dir: Path, config, job_type: str, run_id: Optional[str], rank: int) -> None:
-        mode = cfg.mode or os.environ.get("WANDB_MODE") or "offline"
+        mode = cfg.mode.value if cfg.mode is not None else os.environ.get("WANDB_MODE") or "offline"
         name, group = cfg.name, cfg.group
         if cfg.all_ranks:  # one run per rank, grouped by job
             name, group = f"{cfg.name or run_dir.name}-rank{rank}", cfg.group or run_dir.name

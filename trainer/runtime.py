@@ -1,4 +1,4 @@
-"""Process-level runtime: ranks, devices, the process group, the run directory.
+"""Process-level runtime: ranks, devices, the process group, the run directory, seeds.
 
 One GPU per process. ``torch.cuda.set_device(LOCAL_RANK)`` happens before any other
 CUDA work; NCCL on GPUs, gloo on CPU. The process group is destroyed on every exit
@@ -18,9 +18,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-
-class ConfigError(Exception):
-    """A bad setting. The message names the setting to change; rank 0 prints it once."""
+from trainer.errors import ConfigError
 
 
 def env_rank() -> int:
@@ -78,8 +76,7 @@ class Runtime:
 
 
 def pick_device(requested: str) -> torch.device:
-    if requested not in ("auto", "cpu", "cuda"):
-        raise ConfigError(f"device={requested!r} is not one of auto, cpu, cuda: set device=auto")
+    """``requested`` is auto, cpu or cuda (conf/schema.py's Device); one GPU per local rank."""
     if requested == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device=cuda but this machine has no usable CUDA GPU: set device=auto or device=cpu")
     if requested == "cpu" or not torch.cuda.is_available():
@@ -171,3 +168,21 @@ def seed_everything(seed: int, deterministic: bool) -> None:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.backends.cudnn.benchmark = False
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """The seed of ``rank``'s step randomness (dropout, augmentation): different on every rank."""
+    return (seed * 1_000_003 + 7919 * (rank + 1)) % 2**63
+
+
+def seed_rank_streams(seed: int, rank: int) -> None:
+    """Reseeds the generators the step draws from, per rank, once the model is built.
+
+    Model initialisation used the shared seed (identical replicas, as DDP needs); from
+    here on each rank draws its own dropout masks, crops and flips, so the global batch
+    is as varied as one large batch would be.
+    """
+    s = rank_seed(seed, rank)
+    random.seed(s)
+    np.random.seed(s % 2**32)
+    torch.manual_seed(s)

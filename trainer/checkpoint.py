@@ -13,7 +13,8 @@ Foot-guns this module handles or names:
 - ``Optimizer.load_state_dict`` replaces each param group's ``lr`` with the saved
   object. Our lr is a device tensor that a captured CUDA graph reads by address, so
   ``load_optimizer_state`` copies the saved values into the live tensors instead.
-- RNG states are per process; ``rng_state`` captures only the calling process's.
+- RNG states are per process; ``rng_state`` captures only the calling process's
+  (trainer/state.py gathers every rank's).
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from recipes.runtime import ConfigError
+from trainer.errors import ConfigError
 
 CHECKPOINT_DIR = "checkpoints"
 _NAME = re.compile(r"^step_(\d{8,})\.pt$")
@@ -130,18 +131,6 @@ def check_compatible(state: Dict[str, Any], recipe_name: str, *, resume: str = "
     if saved != recipe_name:
         raise ConfigError(f"checkpoint.resume={resume} holds a checkpoint{where} of recipe {saved!r} "
                           f"but recipe={recipe_name}: set checkpoint.resume=never or use recipe={saved}")
-
-
-def check_checkpoint_config(cfg) -> None:
-    """Checks ``cfg.checkpoint`` before the ranks meet; messages name the setting."""
-    c = cfg.checkpoint
-    if c.keep < 1:
-        raise ConfigError(f"checkpoint.keep={c.keep} must be at least 1: set checkpoint.keep=2")
-    if c.every_steps < 0:
-        raise ConfigError(f"checkpoint.every_steps={c.every_steps} must be >= 0 (0: only at the end)")
-    if c.resume not in ("auto", "never") and not Path(c.resume).is_file():
-        raise ConfigError(f"checkpoint.resume={c.resume!r} is neither auto, never nor an existing file: "
-                          "set checkpoint.resume=auto")
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: Dict[str, Any]) -> None:

@@ -11,20 +11,15 @@ from typing import Callable
 
 import torch
 
-from recipes.base import Recipe
-from recipes.optim import LRSchedule
-
-# Accumulator layout: [loss sum, correct, non-finite losses, samples]
-LOSS, CORRECT, NONFINITE, COUNT = range(4)
+from trainer.recipe import Recipe
+from trainer.schedules import LRSchedule
 
 
 def accumulate(metrics: torch.Tensor, per_sample: torch.Tensor, correct: torch.Tensor, mask: torch.Tensor) -> None:
-    """Adds a batch's masked loss sum, correct count, non-finite count and size (on the device)."""
+    """Adds a batch's masked [loss sum, correct count, sample count] to ``metrics`` (on the device)."""
     mask = mask.reshape(-1, *([1] * (per_sample.dim() - 1))).expand_as(per_sample)
     losses = torch.where(mask, per_sample.double(), 0.0)
-    metrics[:COUNT] += torch.stack([losses.sum(), (correct & mask).sum().double(),
-                                    (mask & ~torch.isfinite(per_sample)).sum().double()])
-    metrics[COUNT:] += mask.sum()
+    metrics += torch.stack([losses.sum(), (correct & mask).sum().double(), mask.sum().double()])
 
 
 def autocast_factory(precision: str, device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
@@ -47,7 +42,8 @@ class TrainStep:
         self.metrics = torch.zeros(2, dtype=torch.float64, device=device)
         self.items_per_step = 0  # loss terms (samples or tokens) per optimizer step, on this rank
         self.step = torch.zeros((), dtype=torch.int64, device=device)  # optimizer steps taken
-        self.grad_norm = torch.zeros((), dtype=torch.float32, device=device)
+        # The last step's global gradient norm before clipping; only computed when clipping.
+        self.grad_norm = torch.zeros((), dtype=torch.float32, device=device) if grad_clip > 0 else None
 
     def __call__(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -77,7 +73,7 @@ class EvalStep:
     def __init__(self, recipe: Recipe, model_fn: Callable[[], torch.nn.Module], loader, *,
                  autocast: Callable, device: torch.device):
         self.recipe, self.model_fn, self.loader, self.autocast = recipe, model_fn, loader, autocast
-        self.metrics = torch.zeros(4, dtype=torch.float64, device=device)
+        self.metrics = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, samples
 
     @torch.no_grad()
     def __call__(self) -> None:

@@ -1,33 +1,15 @@
-"""What a recipe hands to the training loop.
-
-A recipe knows its model, data and loss; it never needs to know whether its step is
-graphed. Everything it provides must be graph-safe: device-side work on static
-shapes, no ``.item()`` or other host syncs (see graphing/__init__.py).
-"""
+"""Helpers shared by the image-classification recipes (mnist, cifar10_resnet18)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Dict, Tuple
+from typing import Callable, Tuple
 
 import torch
 import torch.nn.functional as F
 
-from recipes.data import Batch, Datasets, Split, resolve_source
-from recipes.runtime import ConfigError, Runtime
-
-
-@dataclass
-class Recipe:
-    name: str
-    model: torch.nn.Module
-    data: Datasets
-    # Device-side batch transform (normalize, augment); runs inside the step.
-    preprocess: Callable[[Batch, bool], Batch]
-    # (per-sample loss, per-sample correct) from model outputs and labels.
-    criterion: Callable[[torch.Tensor, torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]
-    units_per_sample: int = 1  # tokens per sample for language models
-    unit: str = "samples"
-    flops_per_unit: float = 0.0  # training FLOPs per sample (or token), for MFU; 0: unknown
+from trainer.errors import ConfigError
+from trainer.recipe import Datasets, Split
+from trainer.runtime import Runtime
+from trainer.sources import resolve_source
 
 
 def classification_criterion(log_probs_given: bool, label_smoothing: float = 0.0):
@@ -43,9 +25,6 @@ def classification_criterion(log_probs_given: bool, label_smoothing: float = 0.0
         return per_sample, correct
 
     return criterion
-
-
-Metrics = Dict[str, torch.Tensor]
 
 
 def image_datasets(cfg, rt: Runtime, *, recipe: str, real_name: str, sizes: Tuple[int, int],

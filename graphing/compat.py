@@ -1,0 +1,13 @@
+"""Differences between the torch versions this project supports, answered in one place."""
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+
+
+@functools.lru_cache(maxsize=None)
+def make_graphed_callables_takes_capture_error_mode() -> bool:
+    """torch 2.15 passes ``capture_error_mode`` through ``make_graphed_callables``; 2.11 has no such argument."""
+    return "capture_error_mode" in inspect.signature(torch.cuda.make_graphed_callables).parameters

@@ -1,0 +1,118 @@
+"""Performance numbers of a run: step times per phase, throughput, MFU, and the
+same-process eager-vs-graph comparison.
+
+Step times come from graphing's StepTimer (CUDA events, read lazily at log intervals).
+Throughput counts the recipe's unit (samples, or tokens for language models), globally
+and per GPU. MFU divides achieved FLOP/s per GPU by the GPU's dense datasheet peak at
+the run's precision.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from graphing import StepTimer
+from trainer.runtime import print_once
+
+# Dense tensor-core peaks, TFLOP/s (NVIDIA datasheets; "dense" = half the with-sparsity figure).
+# Matched in order against torch.cuda.get_device_name(); the first name contained wins.
+# fp32 runs are measured against the TF32 peak, the most an fp32 model can get from the
+# tensor cores (cuDNN convolutions use TF32 by default; matmuls only where it is allowed).
+PEAK_TFLOPS = (  # (name part, label, bf16 dense, tf32 dense)
+    ("H100 PCIe", "H100 PCIe", 756.0, 378.0),
+    ("H100 NVL", "H100 NVL", 835.0, 417.5),
+    ("H200 NVL", "H200 NVL", 835.0, 417.5),
+    ("H100", "H100 SXM", 989.0, 494.5),
+    ("H200", "H200 SXM", 989.0, 494.5),
+    ("A100", "A100", 312.0, 156.0),
+)
+
+
+def peak_tflops(device_name: str, precision: str) -> Optional[Tuple[str, float]]:
+    """("<GPU> <bf16|tf32> dense", TFLOP/s) for a known GPU, else None."""
+    for part, label, bf16, tf32 in PEAK_TFLOPS:
+        if part.lower() in device_name.lower():
+            return (f"{label} bf16 dense", bf16) if precision == "bf16" else (f"{label} tf32 dense", tf32)
+    return None
+
+
+class Perf:
+    """Times every step by phase and turns the times into throughput and MFU."""
+
+    def __init__(self, device: torch.device, *, units_per_step: float, unit: str, world_size: int,
+                 flops_per_unit: float, precision: str):
+        self.device, self.unit, self.world_size = device, unit, world_size
+        self.units_per_step = units_per_step  # global: samples (or tokens) per optimizer step, all ranks
+        self.flops_per_unit, self.precision = flops_per_unit, precision
+        self.timer = StepTimer(device)
+        self._reported = 0  # steps already reported by ``window``
+
+    def window(self) -> Dict[str, float]:
+        """Mean step time and throughput of the steps timed since the last call (collects events)."""
+        self.timer.collect()
+        new = self.timer.sequence_ms[self._reported:]
+        self._reported = len(self.timer.sequence_ms)
+        if not new:
+            return {}
+        ms = sum(new) / len(new)
+        return {"perf/step_ms": ms, f"perf/{self.unit}_per_s": self.units_per_step * 1e3 / ms}
+
+    def peak(self) -> Optional[Tuple[str, float]]:
+        """(name, dense TFLOP/s) of this GPU at the run's precision; None off CUDA or for an unlisted GPU."""
+        if self.device.type != "cuda":
+            return None
+        return peak_tflops(torch.cuda.get_device_name(self.device), self.precision)
+
+    def phase_summary(self, phase: str) -> Dict[str, float]:
+        """Step time median/p90/mean, throughput (global and per GPU) and MFU of one phase."""
+        self.timer.collect()
+        s = self.timer.summary(phase)
+        if not s:
+            return {}
+        per_s = f"{self.unit}_per_s"
+        s[per_s] = self.units_per_step * 1e3 / s["step_ms_mean"]
+        s[f"{per_s}_per_gpu"] = s[per_s] / self.world_size
+        peak = self.peak()
+        if peak is not None and self.flops_per_unit > 0:
+            s["mfu_pct"] = 100 * s[f"{per_s}_per_gpu"] * self.flops_per_unit / (peak[1] * 1e12)
+        return s
+
+    def run_summary(self, headline_phase: str) -> Dict[str, Any]:
+        """``perf/*`` for the results: the headline phase's numbers, the MFU peak used, memory."""
+        out: Dict[str, Any] = {f"perf/{k}": v for k, v in self.phase_summary(headline_phase).items()}
+        peak = self.peak()
+        if peak is not None and self.flops_per_unit > 0:
+            out["perf/mfu_peak"], out["perf/mfu_peak_tflops"] = peak
+            out["perf/flops_per_unit"] = self.flops_per_unit
+        if self.device.type == "cuda":
+            out["perf/peak_allocated_mib"] = torch.cuda.max_memory_allocated(self.device) / 2**20
+            out["perf/peak_reserved_mib"] = torch.cuda.max_memory_reserved(self.device) / 2**20
+        return out
+
+    def comparison(self, logger=None) -> Dict[str, Any]:
+        """Eager vs graph steps of this process (same data, same model state): prints, logs, returns."""
+        eager, graph = self.phase_summary("eager"), self.phase_summary("graph")
+        if not eager or not graph:
+            return {}
+        speedup = eager["step_ms_mean"] / graph["step_ms_mean"]
+        result = {**{f"eager/{k}": v for k, v in eager.items()}, **{f"graph/{k}": v for k, v in graph.items()},
+                  "speedup": speedup}
+        per_s = f"{self.unit}_per_s"
+        rows = [[name, side[per_s], side["step_ms_median"], side["step_ms_p90"], side["steps_timed"]]
+                for name, side in (("eager", eager), ("graph", graph))]
+        print_once(markdown_table(["mode", per_s, "step ms median", "step ms p90", "steps"], rows)
+                   + f"\nspeedup (graph vs eager, same process, same data): {speedup:.2f}x")
+        if logger is not None:
+            logger.summary(result)
+            logger.table("comparison", ["mode", per_s, "step_ms_median", "step_ms_p90", "steps"], rows,
+                         bar=("mode", per_s))
+        return result
+
+
+def markdown_table(columns: List[str], rows: List[List[Any]]) -> str:
+    def fmt(v):
+        return f"{v:,.3f}" if isinstance(v, float) else str(v)
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)

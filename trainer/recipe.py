@@ -1,0 +1,52 @@
+"""The Recipe contract: what a recipe hands to the trainer.
+
+A recipe is any callable ``build(cfg, runtime) -> Recipe`` named by ``recipe._target_``
+(a dotted path: ``recipes.mnist.build``, or ``my_package.my_module.build`` from your
+own package on PYTHONPATH). It reads its own settings from ``cfg.recipe`` and checks
+the choices it owns (its data sources, its model options) once, raising
+``trainer.errors.ConfigError`` with the setting named.
+
+A recipe knows its model, data and loss; it never needs to know whether its step is
+graphed. What it provides runs inside the step, so it must be graph-safe: device-side
+work on static shapes, no ``.item()`` or other host syncs (see graphing/__init__.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, Tuple
+
+import torch
+
+Batch = Dict[str, torch.Tensor]  # "x", "y", and for evaluation "mask" (False on padding)
+
+
+@dataclass
+class Split:
+    """One split of a dataset: inputs (any dtype, first dim = sample) and int64 labels."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.x.shape[0]
+
+
+@dataclass
+class Datasets:
+    train: Split
+    test: Split
+    source: str  # what was actually used: "mnist", "synthetic", ...
+
+
+@dataclass
+class Recipe:
+    name: str
+    model: torch.nn.Module  # built on the CPU, identically on every rank; the trainer moves it
+    data: Datasets
+    # Device-side batch transform (normalize, augment); runs inside the step.
+    preprocess: Callable[[Batch, bool], Batch]
+    # (per-sample loss, per-sample correct) from model outputs and labels.
+    criterion: Callable[[torch.Tensor, torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]
+    units_per_sample: int = 1  # tokens per sample for language models
+    unit: str = "samples"
+    flops_per_unit: float = 0.0  # training FLOPs per sample (or token), for MFU; 0: unknown

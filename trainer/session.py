@@ -1,0 +1,109 @@
+"""One training session, from a composed config to an exit code.
+
+check the config → join the process group and agree on a run directory → build the
+Trainer → fit → write results → release graphs, W&B and the process group, in that
+order, on every path. Each expected failure becomes one message, printed by rank 0,
+and an exit code.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import traceback
+
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import OmegaConf
+
+EXIT_CONFIG, EXIT_CAPTURE, EXIT_NONFINITE, EXIT_CRASH = 2, 3, 4, 1
+
+log = logging.getLogger("train")
+
+
+def run(cfg) -> int:
+    """Trains as ``cfg`` says; returns the process's exit code (0: done)."""
+    from graphing import CaptureError
+    from trainer.errors import ConfigError, NonFiniteLossError
+    from trainer.loop import Trainer, write_json
+    from trainer.metrics_logger import MetricsLogger
+    from trainer.runtime import env_rank, pick_device, print_once, seed_everything, start
+    from trainer.validate import check_config, graph_options
+
+    rt = trainer = logger = None
+    code = 0
+    try:
+        # Everything that can be checked without data is checked before the ranks meet.
+        check_config(cfg)
+        device = pick_device(cfg.device.value)
+        mode = graph_options(cfg, device, int(os.environ.get("WORLD_SIZE", "1"))).mode
+        rt = start(device, cfg.output_root, cfg.run_dir, f"{cfg.recipe.name}_{mode}")
+        _log_to_files(rt)
+        seed_everything(cfg.seed, cfg.deterministic)
+        trainer = Trainer(cfg, rt)
+        config = trainer.config
+        if rt.is_main:
+            (rt.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(config))
+            (rt.run_dir / "overrides.yaml").write_text(OmegaConf.to_yaml(_overrides()))
+        print_once(f"run {rt.run_dir} | recipe {cfg.recipe.name} ({trainer.recipe.data.source} data) | "
+                   f"mode {mode} | {rt.world_size} x {device.type} | "
+                   f"{trainer.steps_per_epoch} steps/epoch of {trainer.global_batch} samples")
+        log.info("config:\n%s", OmegaConf.to_yaml(config))
+        logger = MetricsLogger(cfg.logger, rt.run_dir, config, rank=rt.rank, job_type=mode,
+                               run_id=trainer.wandb_run_id)
+        summary = trainer.fit(logger)
+        log.info("summary: %s", summary)
+        if rt.is_main:
+            write_json(rt.run_dir / "results.json", summary)
+            _print_summary(summary)
+    except ConfigError as e:
+        code = EXIT_CONFIG
+        print_once(f"Error: {e}", file=sys.stderr)
+    except CaptureError as e:
+        code = EXIT_CAPTURE
+        print_once(f"Error: {e}", file=sys.stderr)
+    except NonFiniteLossError as e:
+        code = EXIT_NONFINITE
+        print_once(f"Error: {e}", file=sys.stderr)
+    except Exception:
+        code = EXIT_CRASH
+        text = traceback.format_exc()
+        log.error("crashed:\n%s", text)  # the rank's log file; rank 0's console too
+        if rt is None or not rt.is_main:
+            print(f"[rank {env_rank()}] {text}", file=sys.stderr, flush=True)
+    finally:
+        if trainer is not None:
+            trainer.close()  # graphs before the process group, or exit can hang
+        if logger is not None:
+            logger.finish(exit_code=code)
+        if rt is not None:
+            rt.close(clean=code == 0)
+    return code
+
+
+def _overrides():
+    try:
+        return list(HydraConfig.get().overrides.task)
+    except ValueError:  # composed without @hydra.main (tests, scripts)
+        return []
+
+
+def _log_to_files(rt) -> None:
+    handler = logging.FileHandler(rt.run_dir / f"rank{rt.rank}.log")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    logging.captureWarnings(True)
+    if rt.is_main:  # warnings (synthetic data, W&B, graph fallbacks) reach the console once
+        console = logging.StreamHandler(sys.stderr)
+        console.setLevel(logging.WARNING)
+        root.addHandler(console)
+
+
+def _print_summary(summary) -> None:
+    keys = [k for k in summary if k.startswith(("perf/", "graph/", "final/", "time/", "speedup"))]
+    width = max(len(k) for k in keys) if keys else 0
+    lines = [f"  {k:<{width}}  {summary[k]:.4g}" if isinstance(summary[k], float) else f"  {k:<{width}}  {summary[k]}"
+             for k in keys]
+    print(f"done: {summary['steps']} steps in {summary['train_loop_s']:.2f} s ({summary['mode']})\n" + "\n".join(lines),
+          flush=True)

@@ -1,0 +1,82 @@
+"""What a checkpoint holds of a training run, and putting it back.
+
+Saved by rank 0 (trainer/checkpoint.py writes the file atomically): model, optimizer,
+step (so the position in the epoch), every rank's RNG states, the W&B run id, the
+recipe and the resolved config. Restored on every rank before warm-up and capture, in
+place, so that DDP and any captured graph keep reading the same tensors.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+import torch
+import torch.distributed as dist
+
+from trainer.checkpoint import (check_compatible, latest_checkpoint, load_checkpoint, load_optimizer_state,
+                                rng_state, save_checkpoint, set_rng_state)
+from trainer.runtime import Runtime, print_once, seed_rank_streams
+
+log = logging.getLogger(__name__)
+
+
+class TrainingState:
+    def __init__(self, rt: Runtime, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 step_counter: torch.Tensor, recipe_name: str, config: Dict[str, Any], seed: int, keep: int):
+        self.rt, self.model, self.optimizer, self.step_counter = rt, model, optimizer, step_counter
+        self.recipe_name, self.config, self.seed, self.keep = recipe_name, config, seed, keep
+
+    def _all_rng_states(self):
+        """Every rank's RNG states, in rank order (each rank draws its own dropout and augmentation)."""
+        mine = rng_state()
+        if not self.rt.distributed:
+            return [mine]
+        states = [None] * self.rt.world_size
+        dist.all_gather_object(states, mine)
+        return states
+
+    def save(self, step: int, epoch: int, wandb_run_id: Optional[str]) -> None:
+        """Rank 0 writes the full training state; every rank takes part (RNG states) and waits for it."""
+        rng = self._all_rng_states()
+        if self.rt.is_main:
+            state = {
+                "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "step": step, "epoch": epoch, "rng": rng, "world_size": self.rt.world_size,
+                "wandb_run_id": wandb_run_id, "recipe": self.recipe_name, "config": self.config,
+            }
+            save_checkpoint(self.rt.run_dir, step, state, self.keep)
+        self.rt.barrier()
+
+    def restore(self, resume: str) -> Optional[Dict[str, Any]]:
+        """Loads the checkpoint ``resume`` names (auto: the newest readable one); returns it, or None."""
+        if resume == "never":
+            return None
+        if resume == "auto":
+            found = latest_checkpoint(self.rt.run_dir)
+            if found is None:
+                return None
+            path, state = found
+        else:
+            path = Path(resume)
+            state = load_checkpoint(path)
+        check_compatible(state, self.recipe_name, resume=resume, path=path)
+        self.model.load_state_dict(state["model"])  # in place: DDP and graphed callables see it
+        load_optimizer_state(self.optimizer, state["optimizer"])
+        self.step_counter.fill_(state["step"])
+        self._restore_rng(state)
+        print_once(f"resumed from {path} at step {state['step']}")
+        return state
+
+    def _restore_rng(self, state: Dict[str, Any]) -> None:
+        saved = state["rng"]
+        if isinstance(saved, dict):  # written by one process per checkpoint (before per-rank streams)
+            saved = [saved]
+        if len(saved) == self.rt.world_size:
+            set_rng_state(saved[self.rt.rank])
+            return
+        # Another world size: no rank's stream continues exactly; reseed from the step, the same way every time.
+        if self.rt.is_main:
+            log.warning("the checkpoint was written by %d ranks, this run has %d: random streams are reseeded "
+                        "(training continues, but not bit for bit as it would have)", len(saved), self.rt.world_size)
+        seed_rank_streams(self.seed + int(state["step"]), self.rt.rank)
