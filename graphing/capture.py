@@ -23,7 +23,11 @@ def explain_capture_failure(err: BaseException, capture_error_mode: str, prefix:
         cause = ("the step synchronizes with the host while it is being captured, e.g. `.item()`, "
                  "`.cpu()`, `print(tensor)`, `bool(tensor)` in an `if`, or a tensor used as a Python number. "
                  "Keep values on the device inside the step (accumulate metrics in device tensors)")
-    elif "invalidated" in low or "cudaerrorstreamcaptureimplicit" in low or "other thread" in low:
+        if capture_error_mode == "global":
+            cause += (f". If the call came from another thread (a pinned-memory loader thread), "
+                      f"{prefix}capture_error_mode=thread_local tolerates it")
+    elif ("invalidated" in low or "cudaerrorstreamcaptureimplicit" in low or "other thread" in low
+          or "previous error during capture" in low):
         cause = ("a CUDA call from another thread (a pinned-memory DataLoader thread, the NCCL watchdog) "
                  "or an implicit sync on the legacy stream invalidated the capture")
         if capture_error_mode == "global":

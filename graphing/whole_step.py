@@ -49,9 +49,9 @@ class WholeStepGraphExecutor(Executor):
         n = self.calls[role]
         if self.fallen_back:
             return "eager"
-        if n < self.warmup_iters:
-            return "warmup"
-        return "eager" if n < self.eager_before[role] else "capture"
+        if n >= self.eager_before[role]:
+            return "capture"  # what run() does next, whatever the warm-up count (eval captures early)
+        return "warmup" if n < self.warmup_iters else "eager"
 
     def run(self, role: str, stage: Callable[[], None], fn: Callable[[], None]) -> None:
         self._check_open()

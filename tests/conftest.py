@@ -77,8 +77,8 @@ def train_here(capsys, tmp_path):
     from conf.schema import compose
     from trainer.session import run
 
-    def train(overrides: List[str]) -> Finished:
-        output_root = tmp_path / "outputs"
+    def train(overrides: List[str], output_root: Optional[Path] = None) -> Finished:
+        output_root = output_root or tmp_path / "outputs"
         cfg = compose([f"output_root={output_root}", "train.progress=false", *overrides])
         code = run(cfg)
         captured = capsys.readouterr()

@@ -1,9 +1,9 @@
 """Checkpoints: what a user relies on when a run is killed and started again."""
 from __future__ import annotations
 
+import logging
 import pickle
 import random
-import warnings
 
 import numpy as np
 import pytest
@@ -91,21 +91,21 @@ def test_latest_is_by_step_not_by_name_length(tmp_path):
     assert state["step"] == 100_000_000 and path.name == "step_100000000.pt"
 
 
-def test_truncated_newest_checkpoint_is_skipped_with_a_warning(tmp_path):
+def test_truncated_newest_checkpoint_is_skipped_with_a_warning(tmp_path, caplog):
     save_checkpoint(tmp_path, 10, {"step": 10, "w": torch.arange(1000.0)}, keep=3)
     newest = save_checkpoint(tmp_path, 20, {"step": 20, "w": torch.arange(1000.0)}, keep=3)
     newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
-    with pytest.warns(UserWarning, match="step_00000020.pt"):
+    with caplog.at_level(logging.WARNING, logger="trainer.checkpoint"):
         path, state = latest_checkpoint(tmp_path)
+    assert "skipping unreadable checkpoint" in caplog.text and "step_00000020.pt" in caplog.text
     assert path.name == "step_00000010.pt" and state["step"] == 10
 
 
-def test_all_checkpoints_corrupt_means_none(tmp_path):
+def test_all_checkpoints_corrupt_means_none(tmp_path, caplog):
     save_checkpoint(tmp_path, 1, {"step": 1}, keep=2).write_bytes(b"not a checkpoint")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with caplog.at_level(logging.WARNING, logger="trainer.checkpoint"):
         assert latest_checkpoint(tmp_path) is None
-    assert any("step_00000001.pt" in str(w.message) for w in caught)
+    assert "step_00000001.pt" in caplog.text
 
 
 @pytest.mark.parametrize("optimizer_name", ["sgd", "adamw"])

@@ -6,6 +6,7 @@ two gloo ranks on the CPU, and on GPUs in every graph mode.
 """
 from __future__ import annotations
 
+import os
 import textwrap
 
 import pytest
@@ -54,7 +55,7 @@ def user_package(tmp_path):
     (root / "user_recipes").mkdir(parents=True)
     (root / "user_recipes" / "__init__.py").write_text("")
     (root / "user_recipes" / "rings.py").write_text(textwrap.dedent(RECIPE))
-    return {"PYTHONPATH": str(root)}
+    return {"PYTHONPATH": os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p)}
 
 
 def test_a_recipe_from_the_users_own_package_trains_under_two_gloo_ranks(out, user_package):

@@ -5,6 +5,7 @@ need two GPUs.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -187,19 +188,31 @@ def test_in_run_comparison_logs_both_sides_and_a_speedup(out):
 
 # ---- capture_error_mode reaches every capture this project makes ----------------------
 
+_pinned_sizes = itertools.count(20)
+pinning_outcomes: list = []  # what each pinning thread saw: "ok", "refused" or "hung"
+
+
 def _allocate_from_another_thread() -> None:
-    """A fresh cudaMalloc from another thread while this one captures: what a pinned-memory
-    loader thread does. "global" mode forbids it, "thread_local" and "relaxed" allow it."""
+    """While this thread captures, another pins new host memory (cudaHostAlloc), as a
+    DataLoader's pin-memory thread does: "global" mode forbids that, "thread_local" and
+    "relaxed" allow it. Outside a capture it does nothing."""
+    if not torch.cuda.is_current_stream_capturing():
+        return
+    size = 2 ** next(_pinned_sizes)  # a size never pinned before: the host cache cannot serve it
+
     def work():
         try:
-            torch.empty(64 * 2**20, dtype=torch.uint8, device="cuda")  # the capture emptied the cache: cudaMalloc
+            torch.empty(size, dtype=torch.uint8, pin_memory=True)
+            pinning_outcomes.append("ok")
         except RuntimeError:
-            pass  # the capturing thread reports what it did to the capture
+            pinning_outcomes.append("refused")  # the capturing thread reports what it did to the capture
 
-    worker = threading.Thread(target=work)
+    worker = threading.Thread(target=work, daemon=True)
     worker.start()
-    worker.join()
-
+    worker.join(timeout=5)
+    if worker.is_alive():
+        pinning_outcomes.append("hung")
+        raise RuntimeError("the pinning thread did not finish within 5 s")
 
 @pytest.mark.parametrize("capture_error_mode", ["global", "thread_local", "relaxed"])
 @pytest.mark.parametrize("role", ["train", "eval"])
@@ -215,11 +228,14 @@ def test_capture_error_mode_reaches_the_training_and_eval_graphs(role, capture_e
     try:
         while executor.phase(role) != "capture":
             executor.run(role, lambda: None, step)
+        pinning_outcomes.clear()
         if capture_error_mode == "global":
-            with pytest.raises(CaptureError, match="graph.capture_error_mode=thread_local"):
+            with pytest.raises(CaptureError, match="CUDA graph capture failed"):
                 executor.run(role, lambda: None, step)
+            assert pinning_outcomes == ["refused"]  # CUDA refused the other thread's call: the mode was in force
         else:
             executor.run(role, lambda: None, step)
+            assert pinning_outcomes == ["ok"]
             assert role in executor.graphs and executor.info["capture_error_mode"] == capture_error_mode
             out.zero_()
             executor.run(role, lambda: None, step)  # a replay
@@ -244,10 +260,12 @@ def test_capture_error_mode_reaches_partial_graphs_where_torch_accepts_it(captur
     executor = build_executor(options, torch.device("cuda", 0))
     passed_on = make_graphed_callables_takes_capture_error_mode()
     sample = (torch.randn(8, 16, device="cuda"),)
+    pinning_outcomes.clear()
     with caplog.at_level(logging.WARNING, logger="graphing"):
         if capture_error_mode == "global" or not passed_on:
             with pytest.raises(RuntimeError):  # torch's own capture error: the other thread broke it
                 executor.wrap_model(model, lambda: sample)
+            assert pinning_outcomes[:1] == ["refused"]
         else:
             graphed = executor.wrap_model(model, lambda: sample)
             torch.testing.assert_close(graphed(sample[0]), model(sample[0]))

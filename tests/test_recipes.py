@@ -94,12 +94,13 @@ def test_two_ranks_train_the_recipe_and_write_results(out, recipe, extra, unit):
     assert config.recipe.name == recipe and config.recipe.data.source_used == "synthetic"
 
 
-def test_gpt_trains_alike_from_device_and_host_loaders_and_evaluates_every_token(out):
+@pytest.mark.fast
+def test_gpt_trains_alike_from_device_and_host_loaders_and_evaluates_every_token(train_here, out):
     args = ["recipe=gpt_tiny", *DEBUG, *TINY_GPT, "train.precision=fp32", "recipe.data.train_size=64",
             "recipe.data.test_size=10", "recipe.data.batch_size=4", "recipe.data.eval_batch_size=4",
             "train.grad_accum=2", "train.max_steps=3"]
-    device = launch([*args, "recipe.data.loader=device"], out / "device")
-    host = launch([*args, "recipe.data.loader=host"], out / "host")
+    device = train_here([*args, "recipe.data.loader=device"], out / "device")
+    host = train_here([*args, "recipe.data.loader=host"], out / "host")
     for done in (device, host):
         assert done.returncode == 0, done.stderr[-3000:]
         assert done.results()["final/eval_samples"] == 10 * 64  # 10 windows of 64 tokens; padded rows masked
@@ -109,15 +110,15 @@ def test_gpt_trains_alike_from_device_and_host_loaders_and_evaluates_every_token
 
 # ---- the synthetic stand-ins are learnable -------------------------------------------
 
-def test_gpt_learns_the_synthetic_language_well_below_chance(out):
+def test_gpt_learns_the_synthetic_language_well_below_chance(train_here):
     # Chance is ln(256) = 5.55 nats per byte and letter frequencies alone give about 3.0:
     # going clearly below that means the model has learned spelling and word order.
     # (Measured: 2.30 after 120 steps; 0.53 after 600 steps of a slightly larger run.)
-    done = launch(["recipe=gpt_tiny", *DEBUG, "recipe.model.n_layer=2", "recipe.model.n_head=4",
-                   "recipe.model.d_model=128", "recipe.model.context=64", "train.precision=fp32",
-                   "recipe.data.train_size=4096", "recipe.data.test_size=32", "recipe.data.batch_size=16",
-                   "recipe.data.eval_batch_size=32", "train.max_steps=120", "train.log_every=20",
-                   "recipe.optim.lr=2e-3", "recipe.schedule.warmup_steps=10"], out)
+    done = train_here(["recipe=gpt_tiny", *DEBUG, "recipe.model.n_layer=2", "recipe.model.n_head=4",
+                       "recipe.model.d_model=128", "recipe.model.context=64", "train.precision=fp32",
+                       "recipe.data.train_size=4096", "recipe.data.test_size=32", "recipe.data.batch_size=16",
+                       "recipe.data.eval_batch_size=32", "train.max_steps=120", "train.log_every=20",
+                       "recipe.optim.lr=2e-3", "recipe.schedule.warmup_steps=10"])
     assert done.returncode == 0, done.stderr[-3000:]
     res = done.results()
     losses = [round(m["train/loss"], 3) for m in done.metrics() if "train/loss" in m]

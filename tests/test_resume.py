@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from conftest import free_port, launch
 from trainer.checkpoint import list_checkpoints
 from trainer.loop import KILL_AT_STEP_ENV
@@ -36,13 +38,14 @@ def test_a_killed_rank_restarts_resumes_and_matches_an_uninterrupted_run(tmp_pat
     assert [p.name for p in kept] == ["step_00000060.pt", "step_00000064.pt"]  # checkpoint.keep=2
 
 
-def test_resume_auto_skips_a_corrupt_newest_checkpoint(tmp_path):
-    first = launch([*ARGS, "train.max_steps=30"], tmp_path, timeout=120)
+@pytest.mark.fast
+def test_resume_auto_skips_a_corrupt_newest_checkpoint(train_here):
+    first = train_here([*ARGS, "train.max_steps=30"])
     assert first.returncode == 0, first.stderr[-3000:]
     run_dir = first.run_dir
     newest = list_checkpoints(run_dir)[-1]
     newest.write_bytes(newest.read_bytes()[:100])  # truncated, as by a full disk
-    again = launch([*ARGS, f"run_dir={run_dir}", "train.max_steps=40"], tmp_path, timeout=120)
+    again = train_here([*ARGS, f"run_dir={run_dir}", "train.max_steps=40"])
     assert again.returncode == 0, again.stderr[-3000:]
     text = again.stdout + again.stderr
     assert newest.name in text  # named in the warning
@@ -50,28 +53,30 @@ def test_resume_auto_skips_a_corrupt_newest_checkpoint(tmp_path):
     assert json.loads((run_dir / "results.json").read_text())["steps"] == 40
 
 
-def test_a_checkpoint_of_another_recipe_is_refused(tmp_path):
-    first = launch([*ARGS, "train.max_steps=10"], tmp_path, timeout=120)
+@pytest.mark.fast
+def test_a_checkpoint_of_another_recipe_is_refused(train_here, tmp_path):
+    first = train_here([*ARGS, "train.max_steps=10"])
     assert first.returncode == 0
     ckpt = list_checkpoints(first.run_dir)[-1]
     import torch
     state = torch.load(ckpt, weights_only=True)
     state["recipe"] = "gpt_tiny"
     torch.save(state, ckpt)
-    again = launch([*ARGS, f"checkpoint.resume={ckpt}"], tmp_path / "other", nproc=2, timeout=120)
+    again = train_here([*ARGS, f"checkpoint.resume={ckpt}"], tmp_path / "other")
     text = again.stdout + again.stderr
     assert again.returncode != 0
     assert text.count("of recipe 'gpt_tiny' but recipe=mnist") == 1, text[-3000:]
 
 
-def test_a_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
-    good = launch([*ARGS, "train.max_steps=10"], tmp_path, timeout=120)
+@pytest.mark.fast
+def test_a_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(train_here):
+    good = train_here([*ARGS, "train.max_steps=10"])
     assert good.returncode == 0, good.stderr[-3000:]
     run_dir = good.run_dir
     # The same run continues with an absurd learning rate (a warm-up schedule rewrites
     # the restored lr every step), so the loss overflows a few steps later.
-    done = launch([*ARGS, f"run_dir={run_dir}", "recipe.optim.lr=1e30", "recipe.schedule.warmup_steps=1",
-                   "train.log_every=5", "checkpoint.every_steps=5", "train.max_steps=40"], tmp_path, timeout=120)
+    done = train_here([*ARGS, f"run_dir={run_dir}", "recipe.optim.lr=1e30", "recipe.schedule.warmup_steps=1",
+                       "train.log_every=5", "checkpoint.every_steps=5", "train.max_steps=40"])
     text = done.stdout + done.stderr
     assert done.returncode == 4, text[-3000:]
     assert "resumed from" in text

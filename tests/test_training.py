@@ -1,8 +1,6 @@
 """A user trains on CPU: under torchrun with gloo, and as one process; W&B runs offline."""
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from conftest import launch
@@ -65,21 +63,22 @@ def test_every_rank_can_log_its_own_grouped_wandb_run(out):
     assert len([r for r in done.metrics() if "train/loss" in r]) == 1  # one row at step 8, from rank 0 only
 
 
-def test_synthetic_data_is_learnable(out):
-    done = launch(["recipe.data.source=synthetic", "recipe.data.train_size=12000", "recipe.data.test_size=1000",
-                   "train.epochs=2", "logger=none"], out)
+@pytest.mark.fast
+def test_synthetic_data_is_learnable(train_here):
+    done = train_here(["recipe.data.source=synthetic", "recipe.data.train_size=12000", "recipe.data.test_size=1000",
+                       "train.epochs=2", "logger=none"])
     assert done.returncode == 0, done.stderr[-3000:]
     accuracy = done.results()["final/eval_accuracy"]
     assert accuracy > 0.8, f"10 classes: chance is 0.1, got {accuracy}"
 
 
-def test_host_loader_feeds_the_same_batches_as_the_device_loader(out):
+@pytest.mark.fast
+def test_host_loader_feeds_the_same_batches_as_the_device_loader(train_here, out):
     args = [*SMALL, "train.epochs=1", "logger=none", "train.log_every=4"]
-    device = launch([*args, "recipe.data.loader=device", "output_root=" + str(out / "device")], out)
-    host = launch([*args, "recipe.data.loader=host", "output_root=" + str(out / "host")], out)
+    device = train_here([*args, "recipe.data.loader=device"], out / "device")
+    host = train_here([*args, "recipe.data.loader=host"], out / "host")
     assert device.returncode == 0 and host.returncode == 0, host.stderr[-3000:]
-    d = json.loads(next((out / "device").rglob("results.json")).read_text())
-    h = json.loads(next((out / "host").rglob("results.json")).read_text())
+    d, h = device.results(), host.results()
     assert d["param_digests"] == h["param_digests"]
     assert d["final/eval_loss"] == h["final/eval_loss"]
 
@@ -91,8 +90,9 @@ def test_a_broken_wandb_never_stops_training(out):
     assert any("train/loss" in r for r in done.metrics())  # the JSONL still has everything
 
 
-def test_log_interval_and_max_steps(out):
-    done = launch([*SMALL, "train.max_steps=10", "train.log_every=3", "train.eval=false", "logger=none"], out)
+@pytest.mark.fast
+def test_log_interval_and_max_steps(train_here):
+    done = train_here([*SMALL, "train.max_steps=10", "train.log_every=3", "train.eval=false", "logger=none"])
     assert done.returncode == 0, done.stderr[-3000:]
     steps = [r["step"] for r in done.metrics() if "train/loss" in r]
     assert steps == [3, 6, 9, 10]

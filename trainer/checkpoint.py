@@ -18,11 +18,11 @@ Foot-guns this module handles or names:
 """
 from __future__ import annotations
 
+import logging
 import os
 import random
 import re
 import tempfile
-import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -30,6 +30,8 @@ import numpy as np
 import torch
 
 from trainer.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 CHECKPOINT_DIR = "checkpoints"
 _NAME = re.compile(r"^step_(\d{8,})\.pt$")
@@ -115,8 +117,8 @@ def latest_checkpoint(run_dir: Path) -> Optional[Tuple[Path, Dict[str, Any]]]:
         try:
             return path, load_checkpoint(path)
         except Exception as e:  # torch.load raises many types for a damaged file
-            warnings.warn(f"skipping unreadable checkpoint {path} ({type(e).__name__}: {e}); "
-                          "trying the previous one", stacklevel=2)
+            log.warning("skipping unreadable checkpoint %s (%s: %s); trying the previous one", path,
+                        type(e).__name__, e)
     return None
 
 

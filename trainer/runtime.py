@@ -25,9 +25,10 @@ def env_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def print_once(*args, file=sys.stdout) -> None:
+def print_once(*args, file=None) -> None:
+    """Prints on rank 0 only (to stdout unless ``file`` says otherwise, looked up at call time)."""
     if env_rank() == 0:
-        print(*args, file=file, flush=True)
+        print(*args, file=file or sys.stdout, flush=True)
 
 
 @dataclass

@@ -30,6 +30,7 @@ def run(cfg) -> int:
     from trainer.validate import check_config, graph_options
 
     rt = trainer = logger = None
+    handlers = []
     code = 0
     try:
         # Everything that can be checked without data is checked before the ranks meet.
@@ -37,7 +38,7 @@ def run(cfg) -> int:
         device = pick_device(cfg.device.value)
         mode = graph_options(cfg, device, int(os.environ.get("WORLD_SIZE", "1"))).mode
         rt = start(device, cfg.output_root, cfg.run_dir, f"{cfg.recipe.name}_{mode}")
-        _log_to_files(rt)
+        handlers = _log_to_files(rt)
         seed_everything(cfg.seed, cfg.deterministic)
         trainer = Trainer(cfg, rt)
         config = trainer.config
@@ -77,6 +78,9 @@ def run(cfg) -> int:
             logger.finish(exit_code=code)
         if rt is not None:
             rt.close(clean=code == 0)
+        for handler in handlers:  # a second session in this process (tests, notebooks) logs to its own files
+            logging.getLogger().removeHandler(handler)
+            handler.close()
     return code
 
 
@@ -87,17 +91,20 @@ def _overrides():
         return []
 
 
-def _log_to_files(rt) -> None:
+def _log_to_files(rt) -> list:
+    """This rank's log file, and rank 0's console for warnings; returns the handlers added."""
     handler = logging.FileHandler(rt.run_dir / f"rank{rt.rank}.log")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     root.addHandler(handler)
     root.setLevel(logging.INFO)
     logging.captureWarnings(True)
-    if rt.is_main:  # warnings (synthetic data, W&B, graph fallbacks) reach the console once
-        console = logging.StreamHandler(sys.stderr)
-        console.setLevel(logging.WARNING)
-        root.addHandler(console)
+    if not rt.is_main:
+        return [handler]
+    console = logging.StreamHandler(sys.stderr)  # warnings (synthetic data, W&B, graph fallbacks), once
+    console.setLevel(logging.WARNING)
+    root.addHandler(console)
+    return [handler, console]
 
 
 def _print_summary(summary) -> None:
