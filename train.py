@@ -28,6 +28,11 @@ def _silence_other_ranks_stderr():
 
 _saved_stderr = _silence_other_ranks_stderr()
 
+if __name__ == "__main__":  # before any thread starts: threads inherit the signal mask
+    from trainer.stop import install as _take_stop_signals
+
+    _take_stop_signals()
+
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
@@ -66,7 +71,7 @@ if __name__ == "__main__":
         main()
     except SystemExit as stop:
         code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
-        if code and int(os.environ.get("RANK", "0")) != 0:
+        if code and code != 143 and int(os.environ.get("RANK", "0")) != 0:
             # torchrun stops the whole job when the first rank exits: give rank 0 time to
             # print the one message everybody would have printed.
             time.sleep(3)

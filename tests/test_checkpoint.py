@@ -1,17 +1,19 @@
 """Checkpoints: what a user relies on when a run is killed and started again."""
 from __future__ import annotations
 
+import argparse
 import logging
 import pickle
 import random
+import zipfile
 
 import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
 
-from trainer.checkpoint import (check_compatible, latest_checkpoint, list_checkpoints, load_optimizer_state,
-                                rng_state, save_checkpoint, set_rng_state)
+from trainer.checkpoint import (UnreadableCheckpoint, check_compatible, latest_checkpoint, list_checkpoints,
+                                load_checkpoint, load_optimizer_state, rng_state, save_checkpoint, set_rng_state)
 from trainer.errors import ConfigError
 from trainer.optim import build_optimizer
 
@@ -106,6 +108,124 @@ def test_all_checkpoints_corrupt_means_none(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="trainer.checkpoint"):
         assert latest_checkpoint(tmp_path) is None
     assert "step_00000001.pt" in caplog.text
+
+
+def _truncate(path):
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _save(run_dir, step, keep):
+    return save_checkpoint(run_dir, step, {"step": step, "w": torch.full((256,), float(step))}, keep=keep)
+
+
+def _loadable(path) -> bool:
+    """The test's own oracle, independent of trainer.checkpoint: does torch load it?"""
+    try:
+        torch.load(path, weights_only=True)
+        return True
+    except Exception:
+        return False
+
+
+def test_a_truncated_newest_checkpoint_never_displaces_the_good_one_before_it(tmp_path, caplog):
+    for step in (10, 20, 30):
+        _save(tmp_path, step, keep=2)
+    _truncate(tmp_path / "checkpoints" / "step_00000030.pt")
+    assert latest_checkpoint(tmp_path)[1]["step"] == 20  # a resume continues from 20 ...
+    with caplog.at_level(logging.WARNING, logger="trainer.checkpoint"):
+        _save(tmp_path, 25, keep=2)  # ... and saves 25, before the damaged file's step
+    # 20 and 25 are the newest two readable ones; the truncated 30 is gone, so it never outranks 25.
+    assert _files(tmp_path) == ["step_00000020.pt", "step_00000025.pt"]
+    assert "removing unreadable checkpoint" in caplog.text and "step_00000030.pt" in caplog.text
+    path, state = latest_checkpoint(tmp_path)
+    assert path.name == "step_00000025.pt" and state["step"] == 25
+    _save(tmp_path, 30, keep=2)
+    assert _files(tmp_path) == ["step_00000025.pt", "step_00000030.pt"]
+    assert latest_checkpoint(tmp_path)[1]["step"] == 30
+
+
+def test_keep_one_with_a_truncated_newer_file_keeps_the_new_save(tmp_path):
+    _save(tmp_path, 20, keep=1)
+    _truncate(_save(tmp_path, 30, keep=2))
+    _save(tmp_path, 25, keep=1)
+    assert _files(tmp_path) == ["step_00000025.pt"]
+
+
+def test_when_every_checkpoint_is_corrupt_a_new_save_is_the_only_one_left(tmp_path):
+    _save(tmp_path, 10, keep=5).write_bytes(b"not a checkpoint")
+    _truncate(_save(tmp_path, 20, keep=5))
+    (tmp_path / "checkpoints" / "step_00000030.pt").write_bytes(b"")  # created, never written
+    assert latest_checkpoint(tmp_path) is None
+    _save(tmp_path, 5, keep=2)  # a fresh start (resume found nothing) saves below the corrupt steps
+    assert _files(tmp_path) == ["step_00000005.pt"]
+    assert latest_checkpoint(tmp_path)[1]["step"] == 5
+
+
+def test_mixed_good_and_corrupt_only_good_ones_count_toward_keep(tmp_path):
+    for step in (10, 20, 30, 40, 50):
+        _save(tmp_path, step, keep=10)
+    folder = tmp_path / "checkpoints"
+    _truncate(folder / "step_00000020.pt")
+    with zipfile.ZipFile(folder / "step_00000040.pt", "w") as z:  # a complete zip, but not a torch file
+        z.writestr("notes.txt", "hello")
+    _truncate(folder / "step_00000050.pt")
+    _save(tmp_path, 45, keep=2)
+    assert _files(tmp_path) == ["step_00000030.pt", "step_00000045.pt"]
+    _save(tmp_path, 46, keep=3)
+    assert _files(tmp_path) == ["step_00000030.pt", "step_00000045.pt", "step_00000046.pt"]
+
+
+def test_the_file_just_written_stays_even_behind_newer_good_ones(tmp_path):
+    # A run resumed explicitly from an older checkpoint: its own save is never pruned at once.
+    for step in (20, 30):
+        _save(tmp_path, step, keep=2)
+    _save(tmp_path, 25, keep=1)
+    assert _files(tmp_path) == ["step_00000025.pt", "step_00000030.pt"]
+
+
+def test_retention_under_random_crashes_keeps_the_newest_readable_checkpoints(tmp_path):
+    """Saves, truncations and resumes at random: after every save, what remains is the newest
+    ``keep`` readable checkpoints (the new one among them), and no unreadable file."""
+    rng = random.Random(0)
+    keep, step = 2, 0
+    for _ in range(60):
+        if rng.random() < 0.3 and list_checkpoints(tmp_path):  # a crash damages some files; the run resumes
+            for path in list_checkpoints(tmp_path):
+                if rng.random() < 0.4:
+                    _truncate(path) if rng.random() < 0.7 else path.write_bytes(b"x" * rng.randrange(0, 64))
+            found = latest_checkpoint(tmp_path)
+            step = found[1]["step"] if found else 0
+            continue
+        step += rng.choice([1, 3, 5])
+        before = {int(p.stem.split("_")[1]): _loadable(p) for p in list_checkpoints(tmp_path)}
+        readable = sorted({s for s, ok in before.items() if ok and s != step} | {step})
+        _save(tmp_path, step, keep)
+        after = {int(p.stem.split("_")[1]): _loadable(p) for p in list_checkpoints(tmp_path)}
+        assert all(after.values()), (before, after)
+        assert sorted(after) == readable[-keep:], (step, before, after)
+        assert latest_checkpoint(tmp_path)[1]["step"] == step
+
+
+def test_an_unreadable_file_gets_a_one_line_cause_without_torchs_advice(tmp_path):
+    junk = tmp_path / "junk.pt"
+    junk.write_bytes(b"not a checkpoint")
+    foreign = tmp_path / "foreign.pt"
+    torch.save({"step": 1, "args": argparse.Namespace(lr=0.1)}, foreign)  # not loadable with weights_only=True
+    truncated = _save(tmp_path, 1, keep=1)
+    _truncate(truncated)
+    causes = {}
+    for path in (junk, foreign, truncated):
+        with pytest.raises(UnreadableCheckpoint) as err:
+            load_checkpoint(path)
+        cause = causes[path] = err.value.cause
+        assert "\n" not in cause and "weights_only" not in cause and str(path) not in cause, cause
+        assert err.value.path == path
+    assert causes[junk].startswith("UnpicklingError: ")
+    assert causes[foreign].startswith("UnpicklingError: ") and "argparse.Namespace" in causes[foreign]
+    assert causes[truncated].startswith("RuntimeError: ") and "zip archive" in causes[truncated]
+    torch.save([1, 2], tmp_path / "list.pt")
+    with pytest.raises(UnreadableCheckpoint, match="no training state"):
+        load_checkpoint(tmp_path / "list.pt")
 
 
 @pytest.mark.parametrize("optimizer_name", ["sgd", "adamw"])

@@ -84,3 +84,22 @@ def test_a_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(trai
     failed_at = int(text.split("non-finite (NaN/Inf) by step ")[1].split(":")[0])
     steps_kept = [int(p.stem.split("_")[1]) for p in list_checkpoints(run_dir)]
     assert 10 in steps_kept and max(steps_kept) < failed_at, (steps_kept, failed_at)
+
+
+def test_rerunning_a_finished_run_leaves_it_alone_and_asking_for_more_extends_it(train_here):
+    first = train_here([*ARGS, "train.max_steps=20"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    run_dir = first.run_dir
+    results, metrics = (run_dir / "results.json").read_bytes(), (run_dir / "metrics.jsonl").read_text()
+
+    again = train_here([*ARGS, "train.max_steps=20", f"run_dir={run_dir}"])
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"run {run_dir} is complete: 20 of 20 steps done" in again.stdout
+    assert (run_dir / "results.json").read_bytes() == results and (run_dir / "metrics.jsonl").read_text() == metrics
+
+    more = train_here([*ARGS, "train.max_steps=30", f"run_dir={run_dir}"])
+    assert more.returncode == 0, more.stderr[-3000:]
+    assert "resumed from" in more.stdout and "step_00000020.pt" in more.stdout
+    assert json.loads((run_dir / "results.json").read_text())["steps"] == 30
+    extended = (run_dir / "metrics.jsonl").read_text()
+    assert extended.startswith(metrics) and len(extended) > len(metrics)  # appended, never replaced

@@ -9,7 +9,12 @@ Foot-guns this module handles or names:
   looks like a checkpoint: writes go to a temp file in the same directory, are fsynced,
   then renamed over the final name (``os.replace`` is atomic within one filesystem).
 - A file can still be truncated by the disk or a copy: ``latest_checkpoint`` skips
-  unreadable files with a warning and falls back to the previous one.
+  unreadable files with a warning and falls back to the previous one, and retention
+  (``save_checkpoint``) counts only complete files toward ``keep`` and removes the others,
+  so a damaged file never displaces a good one (nor outranks the newest good one next time).
+- ``torch.load``'s errors end in advice to retry with ``weights_only=False``, i.e. to run
+  the pickled code of a damaged or foreign file: ``UnreadableCheckpoint`` carries a one-line
+  cause without it.
 - ``Optimizer.load_state_dict`` replaces each param group's ``lr`` with the saved
   object. Our lr is a device tensor that a captured CUDA graph reads by address, so
   ``load_optimizer_state`` copies the saved values into the live tensors instead.
@@ -23,6 +28,7 @@ import os
 import random
 import re
 import tempfile
+import zipfile
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -74,7 +80,7 @@ def save_checkpoint(run_dir: Path, step: int, state: Dict[str, Any], keep: int) 
         Path(temp_name).unlink(missing_ok=True)
         raise
     _fsync_dir(folder)  # the rename itself survives a power loss only once the directory is synced
-    _prune(folder, run_dir, keep)
+    _prune(folder, run_dir, keep, written=final)
     return final
 
 
@@ -91,19 +97,93 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def _prune(folder: Path, run_dir: Path, keep: int) -> None:
-    for old in list_checkpoints(run_dir)[:-keep]:
-        old.unlink(missing_ok=True)
+def _prune(folder: Path, run_dir: Path, keep: int, written: Path) -> None:
+    """Keeps the newest ``keep`` complete checkpoints and ``written``; removes damaged ones and temp files.
+
+    Only complete files count toward ``keep``: a truncated newest file must not push out
+    the good one a resume falls back to. Damaged files are removed, so that one newer than
+    this run's last save (a run that resumed from an older checkpoint, past a truncated
+    newer one, and ended before reaching its step) can never outrank this run's newest
+    checkpoint on the next ``resume=auto``. ``written`` (just saved and fsynced) always
+    stays, even when newer complete files of an earlier run fill ``keep``.
+    """
+    complete = []
+    for path in reversed(list_checkpoints(run_dir)):  # newest first
+        if path == written:
+            complete.append(path)
+            continue
+        try:
+            damage = _damage(path)
+        except OSError as e:  # cannot even read it (permissions, I/O): neither counted nor removed
+            log.warning("cannot inspect checkpoint %s (%s); leaving it in place", path, _short_cause(e))
+            continue
+        if damage is None:
+            complete.append(path)
+        else:
+            log.warning("removing unreadable checkpoint %s (%s)", path, damage)
+            path.unlink(missing_ok=True)
+    for old in complete[keep:]:
+        if old != written:
+            old.unlink(missing_ok=True)
     # Temp files left by a save that was killed mid-write (only one rank saves, so none is live).
     for stale in folder.glob(f"{_TEMP_PREFIX}*"):
         stale.unlink(missing_ok=True)
 
 
+def _damage(path: Path) -> Optional[str]:
+    """Why ``path`` is not a complete checkpoint, judged from its zip central directory; None if it looks whole.
+
+    Retention runs on every save, so it does not ``torch.load`` (seconds per GB) each kept
+    file. ``torch.save`` writes a zip archive whose central directory is the last thing in
+    the file: a truncated (or zero-filled, or foreign) file has none, which ``zipfile`` finds
+    by reading the file's tail. A file that passes but fails to load (damage inside the data)
+    still counts here; ``latest_checkpoint`` skips it, and the just-written file always stays.
+    Raises OSError when the file cannot be read at all.
+    """
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = archive.namelist()
+    except OSError:
+        raise
+    except Exception as e:  # zipfile.BadZipFile mostly; a garbled directory can raise others
+        return f"not a complete zip archive: {_short_cause(e)}"
+    if not any(name == "data.pkl" or name.endswith("/data.pkl") for name in names):
+        return "a zip archive without torch's data.pkl"
+    return None
+
+
+class UnreadableCheckpoint(Exception):
+    """``path`` is not a loadable checkpoint; ``cause`` says why in one line (never torch's advice)."""
+
+    def __init__(self, path: Path, cause: str):
+        super().__init__(f"{path}: {cause}")
+        self.path, self.cause = path, cause
+
+
+def _short_cause(e: BaseException) -> str:
+    """``Type: first sentence`` of an exception from ``torch.load``/``zipfile``, at most one line.
+
+    torch's messages go on with advice to retry with ``weights_only=False``, which would run
+    whatever code the (damaged or foreign) file pickled; that advice is dropped here.
+    """
+    text = e.strerror if isinstance(e, OSError) and e.strerror else str(e)  # strerror: the path is named elsewhere
+    marker = "WeightsUnpickler error:"  # torch: "Weights only load failed. <advice> ... WeightsUnpickler error: <why>"
+    if marker in text:
+        text = text.split(marker, 1)[1]
+    first = re.split(r"(?<=[.!?])\s+(?=[A-Z(])|\n", text.strip(), maxsplit=1)[0].strip().rstrip(".")
+    if not first or "weights_only" in first:
+        return type(e).__name__
+    return f"{type(e).__name__}: {first[:200]}"
+
+
 def load_checkpoint(path: Path) -> Dict[str, Any]:
-    """Loads one checkpoint onto the CPU with ``weights_only=True``; raises on a bad file."""
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    """Loads one checkpoint onto the CPU with ``weights_only=True``; raises UnreadableCheckpoint on a bad file."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch.load raises many types for a damaged file
+        raise UnreadableCheckpoint(path, _short_cause(e)) from e
     if not isinstance(state, dict) or "step" not in state:
-        raise ValueError(f"{path} holds no training state (a dict with a 'step')")
+        raise UnreadableCheckpoint(path, "no training state (a dict with a 'step')")
     return state
 
 
@@ -116,9 +196,8 @@ def latest_checkpoint(run_dir: Path) -> Optional[Tuple[Path, Dict[str, Any]]]:
     for path in reversed(list_checkpoints(run_dir)):
         try:
             return path, load_checkpoint(path)
-        except Exception as e:  # torch.load raises many types for a damaged file
-            log.warning("skipping unreadable checkpoint %s (%s: %s); trying the previous one", path,
-                        type(e).__name__, e)
+        except UnreadableCheckpoint as e:
+            log.warning("skipping unreadable checkpoint %s (%s); trying the previous one", path, e.cause)
     return None
 
 

@@ -7,3 +7,12 @@ class ConfigError(Exception):
 
 class NonFiniteLossError(RuntimeError):
     """The training loss became NaN or Inf; the last checkpoint (written before it) is kept."""
+
+
+class Preempted(Exception):
+    """The ranks stopped together on SIGTERM, after writing a checkpoint; the same command resumes."""
+
+    def __init__(self, step: int, checkpoint, run_dir):
+        super().__init__(f"stopped on SIGTERM at step {step}, checkpoint written: {checkpoint}. To resume, run the "
+                         f"same command with run_dir={run_dir} (checkpoint.resume=auto finds it)")
+        self.step, self.checkpoint = step, checkpoint

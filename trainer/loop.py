@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 
 from graphing import build_executor
 from trainer.data import make_loader
-from trainer.errors import ConfigError, NonFiniteLossError
+from trainer.errors import ConfigError, NonFiniteLossError, Preempted
 from trainer.metrics_logger import MetricsLogger
 from trainer.optim import build_optimizer, build_schedule
 from trainer.perf import Perf
@@ -27,6 +27,7 @@ from trainer.recipe import Recipe
 from trainer.runtime import Runtime, print_once, seed_rank_streams
 from trainer.state import TrainingState
 from trainer.step import EvalStep, TrainStep, autocast_factory
+from trainer.stop import StopAgreement
 from trainer.validate import graph_options, recipe_builder
 
 # Test-only fault injection: "STEP" or "STEP:RANK" (rank 1 by default) kills that rank
@@ -83,6 +84,7 @@ class Trainer:
         self.history: List[Dict[str, Any]] = []  # every logged train/eval row, for tests and scripts
         self.comparison: Optional[Dict[str, Any]] = None
         self.clock: Dict[str, float] = {"eval_s": 0.0}  # where the loop's wall time went
+        self.stop = StopAgreement(rt)
         # Before any warm-up or capture: graphs must see the restored tensors.
         restored = self.state.restore(cfg.checkpoint.resume)
         self.start_step = int(restored["step"]) if restored else 0
@@ -143,6 +145,7 @@ class Trainer:
         start = time.perf_counter()
         eval_result: Dict[str, float] = {}
         last_train: Dict[str, float] = {}
+        self.stop.start(step)
         for epoch in range(first_epoch, loop.epochs):
             if done:
                 break
@@ -168,6 +171,14 @@ class Trainer:
                     if checkpoint_now:
                         self.state.save(step, step // self.steps_per_epoch, logger.run_id)
                     timer.restart()
+                if self.stop.should_stop(step):  # SIGTERM: every rank stops here, after a checkpoint
+                    if last_read != step:
+                        last_train = self._read_train_metrics(step, step - last_read)
+                        last_read = step
+                        self._after_log(step, last_train, bar)
+                    path = self.state.save(step, step // self.steps_per_epoch, logger.run_id) \
+                        if not checkpoint_now else self.state.last_saved
+                    raise Preempted(step, path, self.rt.run_dir)
                 _kill_for_test(step, self.rt.rank)
                 if done:
                     break

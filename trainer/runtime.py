@@ -56,6 +56,12 @@ class Runtime:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def make_run_dir(self) -> None:
+        """Creates the agreed run directory (rank 0) once the run is built; every rank waits for it."""
+        if self.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.barrier()
+
     def all_agree(self, flag: bool) -> bool:
         """True on every rank iff ``flag`` is true on every rank."""
         if not self.distributed:
@@ -111,7 +117,7 @@ def start(device: torch.device, output_root: str, run_dir: Optional[str], run_na
         decided = None
         if rank == 0:
             chosen = _choose_run_dir(output_root, run_dir, run_name)
-            decided = (chosen, _make_writable_dir(Path(chosen)))
+            decided = (chosen, _why_not_writable(Path(chosen)))
         chosen, problem = rt.broadcast_object(decided)
         if problem:  # every rank stops with rank 0's reason, none waits for it
             raise ConfigError(problem)
@@ -147,17 +153,23 @@ def _choose_run_dir(output_root: str, run_dir: Optional[str], run_name: str) -> 
     return str(Path(output_root) / now.strftime("%Y-%m-%d") / f"{now.strftime('%H-%M-%S')}_{run_name}")
 
 
-def _make_writable_dir(path: Path) -> Optional[str]:
-    """Creates ``path``; returns why it cannot be written, or None."""
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / ".write_test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as e:
-        return (f"cannot write to the run directory {str(path)!r} ({e.strerror}): "
-                "set output_root=... or run_dir=... to a writable place")
-    return None
+def _why_not_writable(path: Path) -> Optional[str]:
+    """Why ``path`` could not be created and written, or None; creates nothing.
+
+    The run directory itself is made only once the run is built (``Runtime.make_run_dir``),
+    so that a config error leaves no empty directory behind.
+    """
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        why = "Not a directory"
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        why = "Permission denied"
+    else:
+        return None
+    return (f"cannot write to the run directory {str(path)!r} ({why}: {str(existing)!r}): "
+            "set output_root=... or run_dir=... to a writable place")
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:

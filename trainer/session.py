@@ -8,6 +8,7 @@ and an exit code.
 from __future__ import annotations
 
 import logging
+import logging.handlers
 import os
 import sys
 import traceback
@@ -15,7 +16,7 @@ import traceback
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 
-EXIT_CONFIG, EXIT_CAPTURE, EXIT_NONFINITE, EXIT_CRASH = 2, 3, 4, 1
+EXIT_CONFIG, EXIT_CAPTURE, EXIT_NONFINITE, EXIT_CRASH = 2, 3, 4, 1  # and trainer/stop.py: 130, 143
 
 log = logging.getLogger("train")
 
@@ -23,7 +24,8 @@ log = logging.getLogger("train")
 def run(cfg) -> int:
     """Trains as ``cfg`` says; returns the process's exit code (0: done)."""
     from graphing import CaptureError
-    from trainer.errors import ConfigError, NonFiniteLossError
+    from trainer.errors import ConfigError, NonFiniteLossError, Preempted
+    from trainer.stop import EXIT_PREEMPTED
     from trainer.loop import Trainer, write_json
     from trainer.metrics_logger import MetricsLogger
     from trainer.runtime import env_rank, pick_device, print_once, seed_everything, start
@@ -38,9 +40,16 @@ def run(cfg) -> int:
         device = pick_device(cfg.device.value)
         mode = graph_options(cfg, device, int(os.environ.get("WORLD_SIZE", "1"))).mode
         rt = start(device, cfg.output_root, cfg.run_dir, f"{cfg.recipe.name}_{mode}")
-        handlers = _log_to_files(rt)
+        handlers = _start_logging(rt)
         seed_everything(cfg.seed, cfg.deterministic)
         trainer = Trainer(cfg, rt)
+        if trainer.start_step >= trainer.total_steps:  # re-run of a finished run: leave its results alone
+            print_once(f"run {rt.run_dir} is complete: {trainer.start_step} of {trainer.total_steps} steps done; "
+                       f"results in {rt.run_dir / 'results.json'}. Ask for more (train.epochs, train.max_steps) "
+                       "to continue it, or set run_dir=... for a new run")
+            return code
+        rt.make_run_dir()  # only now: a config error found while building leaves no directory behind
+        _log_to_file(rt, handlers[0])
         config = trainer.config
         if rt.is_main:
             (rt.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(config))
@@ -65,6 +74,9 @@ def run(cfg) -> int:
     except NonFiniteLossError as e:
         code = EXIT_NONFINITE
         print_once(f"Error: {e}", file=sys.stderr)
+    except Preempted as e:  # every rank agreed on the step and the checkpoint is written: an orderly end
+        code = EXIT_PREEMPTED
+        print_once(str(e), file=sys.stderr)
     except Exception:
         code = EXIT_CRASH
         text = traceback.format_exc()
@@ -77,10 +89,13 @@ def run(cfg) -> int:
         if logger is not None:
             logger.finish(exit_code=code)
         if rt is not None:
-            rt.close(clean=code == 0)
+            rt.close(clean=code in (0, EXIT_PREEMPTED))
         for handler in handlers:  # a second session in this process (tests, notebooks) logs to its own files
             logging.getLogger().removeHandler(handler)
+            target = getattr(handler, "target", None)
             handler.close()
+            if target is not None:
+                target.close()
     return code
 
 
@@ -91,20 +106,30 @@ def _overrides():
         return []
 
 
-def _log_to_files(rt) -> list:
-    """This rank's log file, and rank 0's console for warnings; returns the handlers added."""
-    handler = logging.FileHandler(rt.run_dir / f"rank{rt.rank}.log")
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+def _start_logging(rt) -> list:
+    """The root logger's handlers for this run: [records kept until the run directory exists,
+    rank 0's console for warnings (synthetic data, W&B, graph fallbacks), once]."""
     root = logging.getLogger()
-    root.addHandler(handler)
     root.setLevel(logging.INFO)
     logging.captureWarnings(True)
+    held = logging.handlers.MemoryHandler(capacity=100_000, flushLevel=logging.CRITICAL + 1)
+    root.addHandler(held)
     if not rt.is_main:
-        return [handler]
-    console = logging.StreamHandler(sys.stderr)  # warnings (synthetic data, W&B, graph fallbacks), once
+        return [held]
+    console = logging.StreamHandler(sys.stderr)
     console.setLevel(logging.WARNING)
     root.addHandler(console)
-    return [handler, console]
+    return [held, console]
+
+
+def _log_to_file(rt, held) -> None:
+    """From here on the rank's records go to rank<N>.log, beginning with those held so far."""
+    handler = logging.FileHandler(rt.run_dir / f"rank{rt.rank}.log")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    held.setTarget(handler)
+    held.flush()
+    held.flushLevel = logging.DEBUG  # pass every later record straight through
+    held.capacity = 1
 
 
 def _print_summary(summary) -> None:

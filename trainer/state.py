@@ -14,8 +14,9 @@ from typing import Any, Dict, Optional
 import torch
 import torch.distributed as dist
 
-from trainer.checkpoint import (check_compatible, latest_checkpoint, load_checkpoint, load_optimizer_state,
-                                rng_state, save_checkpoint, set_rng_state)
+from trainer.checkpoint import (UnreadableCheckpoint, check_compatible, latest_checkpoint, load_checkpoint,
+                                load_optimizer_state, rng_state, save_checkpoint, set_rng_state)
+from trainer.errors import ConfigError
 from trainer.runtime import Runtime, print_once, seed_rank_streams
 
 log = logging.getLogger(__name__)
@@ -26,6 +27,7 @@ class TrainingState:
                  step_counter: torch.Tensor, recipe_name: str, config: Dict[str, Any], seed: int, keep: int):
         self.rt, self.model, self.optimizer, self.step_counter = rt, model, optimizer, step_counter
         self.recipe_name, self.config, self.seed, self.keep = recipe_name, config, seed, keep
+        self.last_saved: Optional[Path] = None  # the newest checkpoint this run wrote (rank 0 knows the path)
 
     def _all_rng_states(self):
         """Every rank's RNG states, in rank order (each rank draws its own dropout and augmentation)."""
@@ -36,7 +38,7 @@ class TrainingState:
         dist.all_gather_object(states, mine)
         return states
 
-    def save(self, step: int, epoch: int, wandb_run_id: Optional[str]) -> None:
+    def save(self, step: int, epoch: int, wandb_run_id: Optional[str]) -> Optional[Path]:
         """Rank 0 writes the full training state; every rank takes part (RNG states) and waits for it."""
         rng = self._all_rng_states()
         if self.rt.is_main:
@@ -45,8 +47,9 @@ class TrainingState:
                 "step": step, "epoch": epoch, "rng": rng, "world_size": self.rt.world_size,
                 "wandb_run_id": wandb_run_id, "recipe": self.recipe_name, "config": self.config,
             }
-            save_checkpoint(self.rt.run_dir, step, state, self.keep)
+            self.last_saved = save_checkpoint(self.rt.run_dir, step, state, self.keep)
         self.rt.barrier()
+        return self.last_saved
 
     def restore(self, resume: str) -> Optional[Dict[str, Any]]:
         """Loads the checkpoint ``resume`` names (auto: the newest readable one); returns it, or None."""
@@ -59,7 +62,7 @@ class TrainingState:
             path, state = found
         else:
             path = Path(resume)
-            state = load_checkpoint(path)
+            state = _load_named(path, resume)
         check_compatible(state, self.recipe_name, resume=resume, path=path)
         self.model.load_state_dict(state["model"])  # in place: DDP and graphed callables see it
         load_optimizer_state(self.optimizer, state["optimizer"])
@@ -80,3 +83,17 @@ class TrainingState:
             log.warning("the checkpoint was written by %d ranks, this run has %d: random streams are reseeded "
                         "(training continues, but not bit for bit as it would have)", len(saved), self.rt.world_size)
         seed_rank_streams(self.seed + int(state["step"]), self.rt.rank)
+
+
+def _load_named(path: Path, resume: str) -> Dict[str, Any]:
+    """The checkpoint ``checkpoint.resume=<path>`` names (trainer/validate.py checked that it exists).
+
+    An unreadable file is a ConfigError that names it once: unlike ``auto``, a named file
+    is not skipped for an older one behind the user's back.
+    """
+    try:
+        return load_checkpoint(path)
+    except UnreadableCheckpoint as e:  # its cause is one line, without torch's advice to load with weights_only=False
+        raise ConfigError(f"checkpoint.resume={resume} cannot be read (truncated or not a checkpoint: {e.cause}): "
+                          "point checkpoint.resume at another checkpoint, or set checkpoint.resume=auto / never"
+                          ) from None
