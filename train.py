@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import time
 
 
 def _silence_other_ranks_stderr():
@@ -71,10 +70,8 @@ if __name__ == "__main__":
         main()
     except SystemExit as stop:
         code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
-        if code and code != 143 and int(os.environ.get("RANK", "0")) != 0:
-            # torchrun stops the whole job when the first rank exits: give rank 0 time to
-            # print the one message everybody would have printed.
-            time.sleep(3)
+        # When another rank exits first, torchrun sends this one SIGTERM: the signal thread
+        # (trainer/stop.py) lets it finish printing its one message rather than dying mid-way.
         if under_torchrun:
             _exit_now(code)
         raise

@@ -22,10 +22,11 @@ def options(group: str):
 
 @pytest.mark.fast
 def test_every_group_combination_composes_with_its_own_recipe_and_mode():
-    combos = list(itertools.product(options("recipe"), options("graph"), options("logger"),
-                                    [None, *options("experiment")]))
-    assert len(combos) == 3 * 6 * 2 * 3
-    for recipe, graph, logger, experiment in combos:
+    # Every recipe × mode × experiment; the loggers (independent of the rest) alternate.
+    combos = list(itertools.product(options("recipe"), options("graph"), [None, *options("experiment")]))
+    assert len(combos) == 3 * 6 * 3
+    loggers = itertools.cycle(options("logger"))
+    for (recipe, graph, experiment), logger in zip(combos, loggers):
         overrides = [f"recipe={recipe}", f"graph={graph}", f"logger={logger}"]
         if experiment:
             overrides.append(f"experiment={experiment}")
@@ -95,6 +96,12 @@ def test_experiment_presets_override_groups():
     assert cfg.graph.mode.value == "full" and cfg.graph.compare
     debug = compose(["experiment=debug"])
     assert debug.recipe.data.source == "synthetic" and debug.train.max_steps == 20
+    # Per-recipe settings of an experiment (conf/experiment_recipe/debug_<recipe>.yaml) come with it...
+    gpt = compose(["experiment=debug", "recipe=gpt_tiny"])
+    assert (gpt.recipe.model.n_layer, gpt.recipe.model.context, gpt.train.max_steps) == (2, 64, 20)
+    # ...but not without the experiment, and the command line still wins.
+    assert compose(["recipe=gpt_tiny"]).recipe.model.n_layer == 6
+    assert compose(["experiment=debug", "recipe=gpt_tiny", "recipe.model.n_layer=3"]).recipe.model.n_layer == 3
 
 
 def test_cfg_job_prints_the_resolved_config_and_refuses_bad_choices(out):

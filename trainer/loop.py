@@ -128,7 +128,8 @@ class Trainer:
             self.executor.run("eval", self.eval_loader.stage, self.eval_step)
         self.executor.eval_model.train()
         loss_sum, correct, count = self._global(self.eval_step.metrics)
-        return {"eval/loss": loss_sum / count, "eval/accuracy": correct / count, "eval/samples": count}
+        # count: loss terms, in the recipe's unit (samples, or tokens for language models)
+        return {"eval/loss": loss_sum / count, "eval/accuracy": correct / count, f"eval/{self.recipe.unit}": count}
 
     # ---- the loop --------------------------------------------------------------------
     def fit(self, logger: MetricsLogger) -> Dict[str, Any]:
@@ -193,7 +194,7 @@ class Trainer:
                 print_once(f"epoch {epoch + 1}: train loss {last_train.get('train/loss', math.nan):.4f} | "
                            f"test loss {eval_result['eval/loss']:.4f} "
                            f"accuracy {100 * eval_result['eval/accuracy']:.2f}% "
-                           f"({int(eval_result['eval/samples'])} samples)")
+                           f"({int(eval_result[f'eval/{self.recipe.unit}'])} {self.recipe.unit})")
                 timer.restart()
             if done:
                 break

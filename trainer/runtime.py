@@ -83,18 +83,26 @@ class Runtime:
 
 
 def pick_device(requested: str) -> torch.device:
-    """``requested`` is auto, cpu or cuda (conf/schema.py's Device); one GPU per local rank."""
+    """``requested`` is auto, cpu or cuda (conf/schema.py's Device); one GPU per local rank.
+
+    With ``auto`` and more ranks on this machine than GPUs (the README's two-process command
+    on a one-GPU machine), every rank trains on the CPU, and rank 0 says how to use the GPUs:
+    the decision depends only on the machine, so all ranks of a node make the same one.
+    """
     if requested == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device=cuda but this machine has no usable CUDA GPU: set device=auto or device=cpu")
     if requested == "cpu" or not torch.cuda.is_available():
         return torch.device("cpu")
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if local_rank >= torch.cuda.device_count():
-        raise ConfigError(
-            f"LOCAL_RANK {local_rank} has no GPU ({torch.cuda.device_count()} visible): "
-            "set torchrun --nproc_per_node to at most the GPU count"
-        )
-    return torch.device("cuda", local_rank)
+    gpus = torch.cuda.device_count()
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if local_ranks > gpus:
+        if requested == "cuda":
+            raise ConfigError(f"device=cuda with {local_ranks} ranks on this machine but {gpus} GPU(s): one GPU "
+                              f"per rank, so set torchrun --nproc_per_node={gpus} (or device=auto to use the CPU)")
+        print_once(f"WARNING: {local_ranks} ranks on this machine but {gpus} GPU(s): training on the CPU. "
+                   f"Use torchrun --nproc_per_node={gpus} to train on the GPU(s).", file=sys.stderr)
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
 
 
 def start(device: torch.device, output_root: str, run_dir: Optional[str], run_name: str,

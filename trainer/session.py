@@ -7,10 +7,12 @@ and an exit code.
 """
 from __future__ import annotations
 
+import json
 import logging
 import logging.handlers
 import os
 import sys
+import time
 import traceback
 
 from hydra.core.hydra_config import HydraConfig
@@ -65,15 +67,11 @@ def run(cfg) -> int:
         if rt.is_main:
             write_json(rt.run_dir / "results.json", summary)
             _print_summary(summary)
-    except ConfigError as e:
-        code = EXIT_CONFIG
+    except (ConfigError, CaptureError, NonFiniteLossError) as e:
+        code = {ConfigError: EXIT_CONFIG, CaptureError: EXIT_CAPTURE, NonFiniteLossError: EXIT_NONFINITE}[type(e)]
         print_once(f"Error: {e}", file=sys.stderr)
-    except CaptureError as e:
-        code = EXIT_CAPTURE
-        print_once(f"Error: {e}", file=sys.stderr)
-    except NonFiniteLossError as e:
-        code = EXIT_NONFINITE
-        print_once(f"Error: {e}", file=sys.stderr)
+        if env_rank() == 0:  # the same on every rank: once in the report too
+            _tell_torchrun(f"Error: {e}")
     except Preempted as e:  # every rank agreed on the step and the checkpoint is written: an orderly end
         code = EXIT_PREEMPTED
         print_once(str(e), file=sys.stderr)
@@ -83,6 +81,7 @@ def run(cfg) -> int:
         log.error("crashed:\n%s", text)  # the rank's log file; rank 0's console too
         if rt is None or not rt.is_main:
             print(f"[rank {env_rank()}] {text}", file=sys.stderr, flush=True)
+        _tell_torchrun(text)
     finally:
         if trainer is not None:
             trainer.close()  # graphs before the process group, or exit can hang
@@ -97,6 +96,20 @@ def run(cfg) -> int:
             if target is not None:
                 target.close()
     return code
+
+
+def _tell_torchrun(message: str) -> None:
+    """Puts ``message`` in torchrun's failure report (its per-worker error file), in place of
+    "To enable traceback see ...": the report then names the cause, not only an exit code."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    entry = {"message": message, "extraInfo": {"py_callstack": message, "timestamp": str(int(time.time()))}}
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": entry}, f)
+    except OSError:
+        pass  # the report falls back to its generic line
 
 
 def _overrides():

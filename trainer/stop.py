@@ -23,7 +23,7 @@ import threading
 import time
 
 EXIT_INTERRUPTED, EXIT_PREEMPTED = 130, 143
-TERM_GRACE_S = 20.0  # SIGTERM to exit at the latest; torchrun and SLURM send SIGKILL after 30 s
+TERM_GRACE_S = 15.0  # SIGTERM to exit at the latest; torchrun and SLURM send SIGKILL after 30 s
 
 _stop_requested = threading.Event()
 
@@ -58,8 +58,7 @@ def _take_signals(signals) -> None:
             name = "interrupted (SIGINT)" if sig == signal.SIGINT else "second SIGTERM"
             _say(f"{name}: stopping now, without writing a checkpoint")
             os._exit(EXIT_INTERRUPTED if sig == signal.SIGINT else EXIT_PREEMPTED)
-        _stop_requested.set()
-        _say("SIGTERM: stopping at the next step all ranks agree on, with a checkpoint")
+        _stop_requested.set()  # said once the ranks have stopped (trainer/errors.py Preempted)
         threading.Thread(target=_exit_after_grace, name="stop-deadline", daemon=True).start()
 
 
