@@ -97,6 +97,7 @@ class TrainLoopConfig:
     max_steps: Optional[int] = None  # stop early after this many optimizer steps
     log_every: int = 50
     eval: bool = True  # evaluate on the whole test set after each epoch
+    eval_only: bool = False  # evaluate the restored (or init_from) weights once, train nothing
     grad_clip: float = 0.0  # max global grad norm; 0 disables
     grad_accum: int = 1  # micro-batches per optimizer step, all inside one graph
     precision: Precision = Precision.fp32
@@ -124,9 +125,14 @@ class LoggerConfig:
 
 @dataclass
 class CheckpointConfig:
-    every_steps: int = 0  # 0: only at the end
+    # A checkpoint is written at the end and whenever any of these is due (0 turns one off).
+    every_steps: int = 0
+    every_epochs: int = 1
+    every_minutes: float = 10.0  # of training; decided by rank 0, agreed at a log interval
     keep: int = 2
     resume: str = "auto"  # auto | never | path to a checkpoint file
+    init_from: Optional[str] = None  # a checkpoint whose weights start a fresh run (fine-tuning)
+    best_metric: Optional[str] = None  # e.g. eval/accuracy (higher is better) or eval/loss (lower): best.pt
 
 
 @dataclass

@@ -97,10 +97,8 @@ def test_compose_time_errors_name_the_key(args, needle):
 
 
 @pytest.mark.parametrize("args,code,needle", [
-    (["recipe=nope"], 1, "Could not find 'recipe/nope'"),
-    (["graph.capture_error_mode=sometimes"], 1, "expected one of [global, thread_local, relaxed]"),
-    (["recipe.optim._target_=torch.optim.Lamb"], 2, "recipe.optim._target_=torch.optim.Lamb"),
-    (["recipe.data.batch_size=5000"], 2, "asks for 5000 samples per step on each rank"),  # after the ranks meet
+    (["graph.capture_error_mode=sometimes"], 1, "expected one of [global, thread_local, relaxed]"),  # Hydra's
+    (["recipe.data.batch_size=5000"], 2, "asks for 5000 samples per step on each rank"),  # ours, after the ranks meet
 ])
 def test_bad_input_under_torchrun_is_reported_once(out, args, code, needle):
     done = launch([*QUICK, *args], out, nproc=2, timeout=120)

@@ -103,3 +103,47 @@ def test_rerunning_a_finished_run_leaves_it_alone_and_asking_for_more_extends_it
     assert json.loads((run_dir / "results.json").read_text())["steps"] == 30
     extended = (run_dir / "metrics.jsonl").read_text()
     assert extended.startswith(metrics) and len(extended) > len(metrics)  # appended, never replaced
+
+
+@pytest.mark.fast
+def test_checkpoints_come_every_epoch_and_every_few_minutes_by_default(train_here, out):
+    base = [a for a in ARGS if not a.startswith("checkpoint.every_steps")] + ["checkpoint.keep=10"]
+    by_epoch = train_here([*base, "train.max_steps=100"], out / "epochs")  # 64 steps an epoch
+    assert by_epoch.returncode == 0, by_epoch.stderr[-3000:]
+    assert [p.name for p in list_checkpoints(by_epoch.run_dir)] == ["step_00000064.pt", "step_00000100.pt"]
+    # The time trigger, checked at log intervals (every 8 steps here): due at every one of them.
+    by_time = train_here([*base, "train.max_steps=24", "checkpoint.every_epochs=0", "checkpoint.every_minutes=1e-9"],
+                         out / "minutes")
+    assert by_time.returncode == 0, by_time.stderr[-3000:]
+    assert [p.name for p in list_checkpoints(by_time.run_dir)] == [f"step_{s:08d}.pt" for s in (8, 16, 24)]
+
+
+def test_fine_tune_from_weights_evaluate_a_checkpoint_and_keep_the_best(train_here, out):
+    first = train_here([*ARGS, "train.max_steps=40", "checkpoint.best_metric=eval/accuracy", "train.epochs=1",
+                        "recipe.data.train_size=2560"], out / "first")  # 40 steps: one epoch, one evaluation
+    assert first.returncode == 0, first.stderr[-3000:]
+    run_dir, results = first.run_dir, first.results()
+    best = run_dir / "checkpoints" / "best.pt"
+    assert best.is_file() and "best eval/accuracy so far" in first.stdout
+
+    # Evaluate that run's newest weights without training: the same numbers, in eval.json; results.json untouched.
+    before = (run_dir / "results.json").read_bytes()
+    evaluated = train_here([*ARGS, "train.max_steps=40", "train.epochs=1", "recipe.data.train_size=2560",
+                            f"run_dir={run_dir}", "train.eval_only=true"], out / "first")
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    assert (run_dir / "results.json").read_bytes() == before
+    again = json.loads((run_dir / "eval.json").read_text())
+    assert again["final/eval_loss"] == results["final/eval_loss"] and again["steps"] == 40
+
+    # Fine-tune: a new run starts from best.pt's weights (evaluated: exactly the first run's numbers),
+    # with a fresh optimizer and step counter.
+    from_best = train_here([*ARGS, "train.eval_only=true", f"checkpoint.init_from={best}"], out / "from_best")
+    assert from_best.returncode == 0, from_best.stderr[-3000:]
+    assert json.loads(next((out / "from_best").rglob("eval.json")).read_text())["final/eval_loss"] == \
+        results["final/eval_loss"]
+    tuned = train_here([*ARGS, "train.max_steps=5", f"checkpoint.init_from={best}"], out / "tuned")
+    assert tuned.returncode == 0, tuned.stderr[-3000:]
+    assert f"initialised from the weights of {best}" in tuned.stdout and tuned.results()["steps"] == 5
+
+    wrong = train_here([*ARGS, "recipe=gpt_tiny", "train.max_steps=2", f"checkpoint.init_from={best}"], out / "wrong")
+    assert wrong.returncode == 2 and f"checkpoint.init_from={best} cannot start this model" in wrong.stderr

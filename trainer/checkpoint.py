@@ -40,6 +40,7 @@ from trainer.errors import ConfigError
 log = logging.getLogger(__name__)
 
 CHECKPOINT_DIR = "checkpoints"
+BEST_NAME = "best.pt"  # the best by checkpoint.best_metric; not a step_*.pt, so never pruned
 _NAME = re.compile(r"^step_(\d{8,})\.pt$")
 _TEMP_PREFIX = ".tmp_step_"
 
@@ -67,9 +68,21 @@ def save_checkpoint(run_dir: Path, step: int, state: Dict[str, Any], keep: int) 
     if keep < 1:
         raise ConfigError(f"checkpoint.keep={keep} must be at least 1: set checkpoint.keep=2")
     folder = checkpoint_dir(run_dir)
+    final = _write_atomically(folder / f"step_{step:08d}.pt", state)
+    _prune(folder, run_dir, keep, written=final)
+    return final
+
+
+def save_best(run_dir: Path, state: Dict[str, Any]) -> Path:
+    """Writes ``state`` as ``run_dir/checkpoints/best.pt`` atomically (retention leaves it alone)."""
+    return _write_atomically(checkpoint_dir(run_dir) / BEST_NAME, state)
+
+
+def _write_atomically(final: Path, state: Dict[str, Any]) -> Path:
+    """torch.save to a temp file in the same folder, fsync, rename: never a partial file under ``final``."""
+    folder = final.parent
     folder.mkdir(parents=True, exist_ok=True)
-    final = folder / f"step_{step:08d}.pt"
-    fd, temp_name = tempfile.mkstemp(prefix=f"{_TEMP_PREFIX}{step:08d}_", suffix=".pt", dir=folder)
+    fd, temp_name = tempfile.mkstemp(prefix=f"{_TEMP_PREFIX}{final.stem}_", suffix=".pt", dir=folder)
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(state, f)
@@ -80,7 +93,6 @@ def save_checkpoint(run_dir: Path, step: int, state: Dict[str, Any], keep: int) 
         Path(temp_name).unlink(missing_ok=True)
         raise
     _fsync_dir(folder)  # the rename itself survives a power loss only once the directory is synced
-    _prune(folder, run_dir, keep, written=final)
     return final
 
 

@@ -87,6 +87,8 @@ class Trainer:
         self.stop = StopAgreement(rt)
         # Before any warm-up or capture: graphs must see the restored tensors.
         restored = self.state.restore(cfg.checkpoint.resume)
+        if restored is None and cfg.checkpoint.init_from is not None:  # a resume of this run wins
+            self.state.init_weights(cfg.checkpoint.init_from)
         self.start_step = int(restored["step"]) if restored else 0
         self.wandb_run_id = restored.get("wandb_run_id") if restored else None
 
@@ -104,8 +106,15 @@ class Trainer:
             dist.all_reduce(vec)
         return vec.tolist()
 
+    def _checkpoint_time_due(self) -> bool:
+        """Rank 0's clock decides; the answer travels with the metrics' all-reduce."""
+        minutes = self.cfg.checkpoint.every_minutes
+        return self.rt.is_main and minutes > 0 and time.monotonic() - self._last_checkpoint_at >= 60 * minutes
+
     def _read_train_metrics(self, step: int, steps_in_window: int) -> Dict[str, float]:
-        loss_sum, correct = self._global(self.train_step.metrics)
+        due = torch.tensor([1.0 if self._checkpoint_time_due() else 0.0], dtype=torch.float64, device=self.device)
+        loss_sum, correct, due = self._global(torch.cat([self.train_step.metrics, due]))
+        self._checkpoint_due_by_time = due > 0
         self.train_step.metrics.zero_()
         micro_batches = steps_in_window * self.cfg.train.grad_accum * self.rt.world_size
         count = steps_in_window * self.train_step.items_per_step * self.rt.world_size
@@ -140,13 +149,20 @@ class Trainer:
         step = last_read = self.start_step
         done = step >= self.total_steps
         first_epoch, position = divmod(step, self.steps_per_epoch)
-        every = self.cfg.checkpoint.every_steps
+        every, every_epochs = self.cfg.checkpoint.every_steps, self.cfg.checkpoint.every_epochs
+        self._last_checkpoint_at = time.monotonic()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         start = time.perf_counter()
         eval_result: Dict[str, float] = {}
         last_train: Dict[str, float] = {}
         self.stop.start(step)
+        if loop.eval_only:  # the restored (or init_from) weights, evaluated once
+            eval_result = self.evaluate()
+            logger.log(eval_result, step)
+            print_once(f"evaluated the weights of step {step}: loss {eval_result['eval/loss']:.4f} "
+                       f"accuracy {100 * eval_result['eval/accuracy']:.2f}%")
+            done = True
         for epoch in range(first_epoch, loop.epochs):
             if done:
                 break
@@ -163,13 +179,17 @@ class Trainer:
                     self.clock["until_first_graph_step_s"] = time.perf_counter() - start
                 step += 1
                 done = step >= self.total_steps
-                checkpoint_now = (every > 0 and step % every == 0) or done
-                if step % loop.log_every == 0 or done or i == self.steps_per_epoch - 1 or checkpoint_now:
+                epoch_end = i == self.steps_per_epoch - 1
+                checkpoint_now = (every > 0 and step % every == 0) or done \
+                    or (epoch_end and every_epochs > 0 and (epoch + 1) % every_epochs == 0)
+                if step % loop.log_every == 0 or done or epoch_end or checkpoint_now:
                     # Read (and check for NaN) before saving: a checkpoint is always a good one.
                     last_train = self._read_train_metrics(step, step - last_read)
                     last_read = step
                     self._after_log(step, last_train, bar)
+                    checkpoint_now = checkpoint_now or self._checkpoint_due_by_time
                     if checkpoint_now:
+                        self._last_checkpoint_at = time.monotonic()
                         self.state.save(step, step // self.steps_per_epoch, logger.run_id)
                     timer.restart()
                 if self.stop.should_stop(step):  # SIGTERM: every rank stops here, after a checkpoint
@@ -191,6 +211,9 @@ class Trainer:
                 self.clock["eval_s"] += time.perf_counter() - eval_began
                 self.history.append({"step": step, **eval_result, "epoch": epoch + 1})
                 logger.log({**eval_result, "epoch": epoch + 1}, step)
+                if self.cfg.checkpoint.best_metric and self.state.maybe_save_best(step, eval_result,
+                                                                                  self.cfg.checkpoint.best_metric):
+                    print_once(f"best {self.cfg.checkpoint.best_metric} so far: checkpoints/best.pt (step {step})")
                 print_once(f"epoch {epoch + 1}: train loss {last_train.get('train/loss', math.nan):.4f} | "
                            f"test loss {eval_result['eval/loss']:.4f} "
                            f"accuracy {100 * eval_result['eval/accuracy']:.2f}% "

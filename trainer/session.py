@@ -41,11 +41,11 @@ def run(cfg) -> int:
         check_config(cfg)
         device = pick_device(cfg.device.value)
         mode = graph_options(cfg, device, int(os.environ.get("WORLD_SIZE", "1"))).mode
-        rt = start(device, cfg.output_root, cfg.run_dir, f"{cfg.recipe.name}_{mode}")
+        rt = start(device, cfg.output_root, cfg.run_dir or _multirun_job_dir(), f"{cfg.recipe.name}_{mode}")
         handlers = _start_logging(rt)
         seed_everything(cfg.seed, cfg.deterministic)
         trainer = Trainer(cfg, rt)
-        if trainer.start_step >= trainer.total_steps:  # re-run of a finished run: leave its results alone
+        if trainer.start_step >= trainer.total_steps and not cfg.train.eval_only:  # a finished run: leave it alone
             print_once(f"run {rt.run_dir} is complete: {trainer.start_step} of {trainer.total_steps} steps done; "
                        f"results in {rt.run_dir / 'results.json'}. Ask for more (train.epochs, train.max_steps) "
                        "to continue it, or set run_dir=... for a new run")
@@ -64,8 +64,8 @@ def run(cfg) -> int:
                                run_id=trainer.wandb_run_id)
         summary = trainer.fit(logger)
         log.info("summary: %s", summary)
-        if rt.is_main:
-            write_json(rt.run_dir / "results.json", summary)
+        if rt.is_main:  # an evaluation of a run's weights never replaces that run's results
+            write_json(rt.run_dir / ("eval.json" if cfg.train.eval_only else "results.json"), summary)
             _print_summary(summary)
     except (ConfigError, CaptureError, NonFiniteLossError) as e:
         code = {ConfigError: EXIT_CONFIG, CaptureError: EXIT_CAPTURE, NonFiniteLossError: EXIT_NONFINITE}[type(e)]
@@ -110,6 +110,17 @@ def _tell_torchrun(message: str) -> None:
             json.dump({"message": entry}, f)
     except OSError:
         pass  # the report falls back to its generic line
+
+
+def _multirun_job_dir():
+    """Under `train.py -m`, the job's folder of Hydra's sweep directory; None otherwise."""
+    from hydra.types import RunMode
+
+    try:
+        hydra_cfg = HydraConfig.get()
+    except ValueError:  # composed without @hydra.main
+        return None
+    return hydra_cfg.runtime.output_dir if hydra_cfg.mode == RunMode.MULTIRUN else None
 
 
 def _overrides():

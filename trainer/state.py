@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.checkpoint import (UnreadableCheckpoint, check_compatible, latest_checkpoint, load_checkpoint,
-                                load_optimizer_state, rng_state, save_checkpoint, set_rng_state)
+                                load_optimizer_state, rng_state, save_checkpoint, save_best, set_rng_state)
 from trainer.errors import ConfigError
 from trainer.runtime import Runtime, print_once, seed_rank_streams
 
@@ -28,6 +28,7 @@ class TrainingState:
         self.rt, self.model, self.optimizer, self.step_counter = rt, model, optimizer, step_counter
         self.recipe_name, self.config, self.seed, self.keep = recipe_name, config, seed, keep
         self.last_saved: Optional[Path] = None  # the newest checkpoint this run wrote (rank 0 knows the path)
+        self.best: Optional[Dict[str, Any]] = None  # {"metric", "value", "step"} of best.pt, carried across resumes
 
     def _all_rng_states(self):
         """Every rank's RNG states, in rank order (each rank draws its own dropout and augmentation)."""
@@ -46,6 +47,7 @@ class TrainingState:
                 "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "step": step, "epoch": epoch, "rng": rng, "world_size": self.rt.world_size,
                 "wandb_run_id": wandb_run_id, "recipe": self.recipe_name, "config": self.config,
+                "best": self.best,
             }
             self.last_saved = save_checkpoint(self.rt.run_dir, step, state, self.keep)
         self.rt.barrier()
@@ -68,6 +70,7 @@ class TrainingState:
         load_optimizer_state(self.optimizer, state["optimizer"])
         self.step_counter.fill_(state["step"])
         self._restore_rng(state)
+        self.best = state.get("best")
         print_once(f"resumed from {path} at step {state['step']}")
         return state
 
@@ -83,6 +86,34 @@ class TrainingState:
             log.warning("the checkpoint was written by %d ranks, this run has %d: random streams are reseeded "
                         "(training continues, but not bit for bit as it would have)", len(saved), self.rt.world_size)
         seed_rank_streams(self.seed + int(state["step"]), self.rt.rank)
+
+
+    def init_weights(self, path: str) -> None:
+        """Starts from the model weights of ``path`` (any run's checkpoint or best.pt); optimizer and step fresh."""
+        try:
+            saved = load_checkpoint(Path(path))["model"]
+            self.model.load_state_dict(saved)  # in place, like a resume
+        except (UnreadableCheckpoint, KeyError, RuntimeError) as e:
+            cause = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+            raise ConfigError(f"checkpoint.init_from={path} cannot start this model ({cause}): point it at a "
+                              "checkpoint of the same model, or drop it") from None
+        print_once(f"initialised from the weights of {path} (fresh optimizer, schedule and step)")
+
+    def maybe_save_best(self, step: int, metrics: Dict[str, float], metric: str) -> bool:
+        """Writes best.pt when ``metrics[metric]`` beats the best so far (lower for a loss, higher otherwise)."""
+        value = metrics.get(metric)
+        if value is None:
+            raise ConfigError(f"checkpoint.best_metric={metric} is not among the evaluation's metrics "
+                              f"({', '.join(sorted(metrics))}): choose one of them")
+        lower_is_better = "loss" in metric
+        if self.best is not None and (value >= self.best["value"] if lower_is_better else value <= self.best["value"]):
+            return False
+        self.best = {"metric": metric, "value": value, "step": step}
+        if self.rt.is_main:
+            save_best(self.rt.run_dir, {"model": self.model.state_dict(), "step": step, "best": self.best,
+                                        "recipe": self.recipe_name, "config": self.config})
+        self.rt.barrier()
+        return True
 
 
 def _load_named(path: Path, resume: str) -> Dict[str, Any]:

@@ -29,6 +29,7 @@ def check_config(cfg) -> None:
         if value < 1:
             raise ConfigError(f"{key}={value} must be at least 1: set {key}=...")
     for key, value in (("train.grad_clip", t.grad_clip), ("checkpoint.every_steps", c.every_steps),
+                       ("checkpoint.every_epochs", c.every_epochs), ("checkpoint.every_minutes", c.every_minutes),
                        ("recipe.data.num_workers", d.num_workers), ("recipe.label_smoothing", cfg.recipe.label_smoothing)):
         if value < 0:
             raise ConfigError(f"{key}={value} must be >= 0 (0 turns it off)")
@@ -37,6 +38,12 @@ def check_config(cfg) -> None:
     if c.resume not in ("auto", "never") and not Path(c.resume).is_file():
         raise ConfigError(f"checkpoint.resume={c.resume!r} is neither auto, never nor an existing file: "
                           "set checkpoint.resume=auto")
+    if c.init_from is not None and not Path(c.init_from).is_file():
+        raise ConfigError(f"checkpoint.init_from={c.init_from!r} is not a file: point it at a checkpoint "
+                          "(checkpoints/step_*.pt or best.pt of a run), or drop it")
+    if c.best_metric is not None and not (c.best_metric.startswith("eval/") and t.eval):
+        raise ConfigError(f"checkpoint.best_metric={c.best_metric!r}: name an evaluation metric (eval/accuracy, "
+                          "eval/loss) and keep train.eval=true")
     if cfg.graph.compare and cfg.graph.mode.value not in ("full", "auto"):
         raise ConfigError(f"graph.compare=true times eager steps against full-graph steps, but graph.mode is "
                           f"{cfg.graph.mode.value}: set graph=full (or drop graph.compare)")
