@@ -87,6 +87,16 @@ def train_here(capsys, tmp_path):
     return train
 
 
+def torch_loads(path) -> bool:
+    """The tests' own oracle for a checkpoint file, independent of trainer.checkpoint: does torch load it?"""
+    import torch
+    try:
+        torch.load(path, weights_only=True)
+        return True
+    except Exception:
+        return False
+
+
 def cuda_count() -> int:
     import torch
     return torch.cuda.device_count() if torch.cuda.is_available() else 0

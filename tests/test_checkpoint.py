@@ -12,6 +12,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from conftest import torch_loads
 from trainer.checkpoint import (UnreadableCheckpoint, check_compatible, latest_checkpoint, list_checkpoints,
                                 load_checkpoint, load_optimizer_state, rng_state, save_checkpoint, set_rng_state)
 from trainer.errors import ConfigError
@@ -118,14 +119,6 @@ def _save(run_dir, step, keep):
     return save_checkpoint(run_dir, step, {"step": step, "w": torch.full((256,), float(step))}, keep=keep)
 
 
-def _loadable(path) -> bool:
-    """The test's own oracle, independent of trainer.checkpoint: does torch load it?"""
-    try:
-        torch.load(path, weights_only=True)
-        return True
-    except Exception:
-        return False
-
 
 def test_a_truncated_newest_checkpoint_never_displaces_the_good_one_before_it(tmp_path, caplog):
     for step in (10, 20, 30):
@@ -197,10 +190,10 @@ def test_retention_under_random_crashes_keeps_the_newest_readable_checkpoints(tm
             step = found[1]["step"] if found else 0
             continue
         step += rng.choice([1, 3, 5])
-        before = {int(p.stem.split("_")[1]): _loadable(p) for p in list_checkpoints(tmp_path)}
+        before = {int(p.stem.split("_")[1]): torch_loads(p) for p in list_checkpoints(tmp_path)}
         readable = sorted({s for s, ok in before.items() if ok and s != step} | {step})
         _save(tmp_path, step, keep)
-        after = {int(p.stem.split("_")[1]): _loadable(p) for p in list_checkpoints(tmp_path)}
+        after = {int(p.stem.split("_")[1]): torch_loads(p) for p in list_checkpoints(tmp_path)}
         assert all(after.values()), (before, after)
         assert sorted(after) == readable[-keep:], (step, before, after)
         assert latest_checkpoint(tmp_path)[1]["step"] == step

@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from conftest import torch_loads
 from test_resume import ARGS
 from trainer.checkpoint import latest_checkpoint, list_checkpoints
 
@@ -15,13 +16,6 @@ from trainer.checkpoint import latest_checkpoint, list_checkpoints
 def _steps(run_dir):
     return [int(p.stem.split("_")[1]) for p in list_checkpoints(run_dir)]
 
-
-def _loadable(path) -> bool:
-    try:
-        torch.load(path, weights_only=True)
-        return True
-    except Exception:
-        return False
 
 
 @pytest.mark.fast
@@ -41,7 +35,7 @@ def test_a_resumed_run_that_ends_before_a_truncated_checkpoint_leaves_its_own_as
     assert json.loads((run_dir / "results.json").read_text())["steps"] == 25
     # keep=2 counts readable files only: the good 20 stays, the truncated 30 is gone.
     assert _steps(run_dir) == [20, 25]
-    assert all(_loadable(p) for p in list_checkpoints(run_dir))
+    assert all(torch_loads(p) for p in list_checkpoints(run_dir))
     assert "removing unreadable checkpoint" in text and corrupt.name in text
     path, state = latest_checkpoint(run_dir)
     assert path.name == "step_00000025.pt" and state["step"] == 25
@@ -51,7 +45,7 @@ def test_a_resumed_run_that_ends_before_a_truncated_checkpoint_leaves_its_own_as
     text = again.stdout + again.stderr
     assert again.returncode == 0, text[-3000:]
     assert "step_00000025.pt at step 25" in text and "skipping unreadable" not in text
-    assert _steps(run_dir) == [25, 30] and all(_loadable(p) for p in list_checkpoints(run_dir))
+    assert _steps(run_dir) == [25, 30] and all(torch_loads(p) for p in list_checkpoints(run_dir))
 
 
 def _truncated(path):
