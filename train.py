@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from pathlib import Path
 
 
 def _silence_other_ranks_stderr():
@@ -34,8 +33,6 @@ if __name__ == "__main__":  # before any thread starts: threads inherit the sign
     _take_stop_signals()
 
 import hydra  # noqa: E402
-from hydra.core.hydra_config import HydraConfig  # noqa: E402
-from hydra.types import RunMode  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from conf.schema import register_configs  # noqa: E402
@@ -47,29 +44,11 @@ register_configs()
 def main(cfg: DictConfig) -> None:
     if _saved_stderr is not None:
         os.dup2(_saved_stderr, 2)
-    from trainer.session import run  # after Hydra: `--help` and config errors stay fast
+    from trainer.session import multirun_job_dir, run  # after Hydra: `--help` and config errors stay fast
 
     code = run(cfg)
-    if HydraConfig.get().mode == RunMode.MULTIRUN:  # report it at the end; the sweep goes on
-        from trainer import sweep_report
-
-        run_dir = HydraConfig.get().runtime.output_dir if not cfg.run_dir else cfg.run_dir
-        sweep_report.record(HydraConfig.get().overrides.task, Path(run_dir), code)
-    elif code:
+    if code and multirun_job_dir() is None:  # in a sweep the job is reported at the end and the sweep goes on
         sys.exit(code)
-
-
-def _end_of_sweep() -> int:
-    """After `train.py -m ...`: one table of every job; non-zero if any failed."""
-    from trainer import sweep_report
-
-    if not sweep_report.JOBS:
-        return 0
-    print("\nsweep:\n" + sweep_report.table(sweep_report.JOBS), flush=True)
-    failed = sum(1 for job in sweep_report.JOBS if job.code)
-    if failed:
-        print(f"{failed} of {len(sweep_report.JOBS)} jobs failed", file=sys.stderr, flush=True)
-    return 1 if failed else 0
 
 
 def _exit_now(code: int) -> None:
@@ -96,7 +75,9 @@ if __name__ == "__main__":
         if under_torchrun:
             _exit_now(code)
         raise
-    sweep_code = _end_of_sweep()
+    from trainer.sweep_report import end_of_sweep
+
+    sweep_code = end_of_sweep()
     if under_torchrun:
         _exit_now(sweep_code)
     sys.exit(sweep_code)

@@ -19,6 +19,7 @@ log = logging.getLogger(__name__)
 
 class WholeStepGraphExecutor(Executor):
     captures_optimizer = True
+
     def __init__(self, options, device, ddp_kwargs=None):
         super().__init__(options, device, ddp_kwargs)
         self.side = torch.cuda.Stream(device=self.device)  # warm-up, DDP construction and capture all run here

@@ -180,7 +180,8 @@ class Trainer:
                 step += 1
                 done = step >= self.total_steps
                 epoch_end = i == self.steps_per_epoch - 1
-                checkpoint_now = (every > 0 and step % every == 0) or done \
+                stopping = self.stop.should_stop(step)  # SIGTERM: every rank stops here, after a checkpoint
+                checkpoint_now = (every > 0 and step % every == 0) or done or stopping \
                     or (epoch_end and every_epochs > 0 and (epoch + 1) % every_epochs == 0)
                 if step % loop.log_every == 0 or done or epoch_end or checkpoint_now:
                     # Read (and check for NaN) before saving: a checkpoint is always a good one.
@@ -192,14 +193,8 @@ class Trainer:
                         self._last_checkpoint_at = time.monotonic()
                         self.state.save(step, step // self.steps_per_epoch, logger.run_id)
                     timer.restart()
-                if self.stop.should_stop(step):  # SIGTERM: every rank stops here, after a checkpoint
-                    if last_read != step:
-                        last_train = self._read_train_metrics(step, step - last_read)
-                        last_read = step
-                        self._after_log(step, last_train, bar)
-                    path = self.state.save(step, step // self.steps_per_epoch, logger.run_id) \
-                        if not checkpoint_now else self.state.last_saved
-                    raise Preempted(step, path, self.rt.run_dir)
+                if stopping:
+                    raise Preempted(step, self.state.last_saved, self.rt.run_dir)
                 _kill_for_test(step, self.rt.rank)
                 if done:
                     break

@@ -62,14 +62,6 @@ class Runtime:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         self.barrier()
 
-    def all_agree(self, flag: bool) -> bool:
-        """True on every rank iff ``flag`` is true on every rank."""
-        if not self.distributed:
-            return flag
-        t = torch.tensor([0 if flag else 1], device=self.device)
-        dist.all_reduce(t)
-        return int(t.item()) == 0
-
     def close(self, clean: bool = True) -> None:
         """Leaves the process group. After a clean run, ranks first meet, so that no rank
         tears its connections down while a peer still uses them (gloo can abort then)."""

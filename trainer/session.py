@@ -14,6 +14,7 @@ import os
 import sys
 import time
 import traceback
+from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
@@ -41,7 +42,7 @@ def run(cfg) -> int:
         check_config(cfg)
         device = pick_device(cfg.device.value)
         mode = graph_options(cfg, device, int(os.environ.get("WORLD_SIZE", "1"))).mode
-        rt = start(device, cfg.output_root, cfg.run_dir or _multirun_job_dir(), f"{cfg.recipe.name}_{mode}")
+        rt = start(device, cfg.output_root, cfg.run_dir or multirun_job_dir(), f"{cfg.recipe.name}_{mode}")
         handlers = _start_logging(rt)
         seed_everything(cfg.seed, cfg.deterministic)
         trainer = Trainer(cfg, rt)
@@ -68,7 +69,8 @@ def run(cfg) -> int:
             write_json(rt.run_dir / ("eval.json" if cfg.train.eval_only else "results.json"), summary)
             _print_summary(summary)
     except (ConfigError, CaptureError, NonFiniteLossError) as e:
-        code = {ConfigError: EXIT_CONFIG, CaptureError: EXIT_CAPTURE, NonFiniteLossError: EXIT_NONFINITE}[type(e)]
+        code = next(c for kind, c in ((ConfigError, EXIT_CONFIG), (CaptureError, EXIT_CAPTURE),
+                                      (NonFiniteLossError, EXIT_NONFINITE)) if isinstance(e, kind))
         print_once(f"Error: {e}", file=sys.stderr)
         if env_rank() == 0:  # the same on every rank: once in the report too
             _tell_torchrun(f"Error: {e}")
@@ -95,6 +97,11 @@ def run(cfg) -> int:
             handler.close()
             if target is not None:
                 target.close()
+    job_dir = multirun_job_dir()
+    if job_dir is not None:  # one job of `train.py -m`: reported when the sweep ends (train.py)
+        from trainer import sweep_report
+
+        sweep_report.record(_overrides(), Path(cfg.run_dir or job_dir), code)
     return code
 
 
@@ -112,7 +119,7 @@ def _tell_torchrun(message: str) -> None:
         pass  # the report falls back to its generic line
 
 
-def _multirun_job_dir():
+def multirun_job_dir():
     """Under `train.py -m`, the job's folder of Hydra's sweep directory; None otherwise."""
     from hydra.types import RunMode
 

@@ -39,7 +39,7 @@ class TrainingState:
         dist.all_gather_object(states, mine)
         return states
 
-    def save(self, step: int, epoch: int, wandb_run_id: Optional[str]) -> Optional[Path]:
+    def save(self, step: int, epoch: int, wandb_run_id: Optional[str]) -> None:
         """Rank 0 writes the full training state; every rank takes part (RNG states) and waits for it."""
         rng = self._all_rng_states()
         if self.rt.is_main:
@@ -51,7 +51,6 @@ class TrainingState:
             }
             self.last_saved = save_checkpoint(self.rt.run_dir, step, state, self.keep)
         self.rt.barrier()
-        return self.last_saved
 
     def restore(self, resume: str) -> Optional[Dict[str, Any]]:
         """Loads the checkpoint ``resume`` names (auto: the newest readable one); returns it, or None."""

@@ -9,6 +9,7 @@ job as it launches it: an override that does not compose still stops the sweep.)
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional, Sequence
@@ -41,10 +42,10 @@ def _others(job: Job) -> frozenset:
 
 def table(jobs: Sequence[Job]) -> str:
     """Markdown: overrides, status, throughput, speedup over the eager job with the same other overrides, loss."""
+    results = [job.results() for job in jobs]  # each results.json read once
+    eager = {_others(job): res for job, res in zip(jobs, results) if res.get("mode") == "eager"}
     rows = []
-    eager = {_others(j): j.results() for j in jobs if j.results().get("mode") == "eager"}
-    for job in jobs:
-        res = job.results()
+    for job, res in zip(jobs, results):
         unit = "tokens" if "perf/tokens_per_s" in res else "samples"
         rate = res.get(f"perf/{unit}_per_s")
         base = eager.get(_others(job), {}).get(f"perf/{unit}_per_s")
@@ -56,3 +57,14 @@ def table(jobs: Sequence[Job]) -> str:
     head = ["job", "status", "mode", "throughput", "speedup vs eager", "final loss", "run dir"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def end_of_sweep() -> int:
+    """After `train.py -m ...`: prints one table of every job; 1 if any failed, else 0 (also without a sweep)."""
+    if not JOBS:
+        return 0
+    print("\nsweep:\n" + table(JOBS), flush=True)
+    failed = sum(1 for job in JOBS if job.code)
+    if failed:
+        print(f"{failed} of {len(JOBS)} jobs failed", file=sys.stderr, flush=True)
+    return 1 if failed else 0

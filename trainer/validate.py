@@ -44,9 +44,6 @@ def check_config(cfg) -> None:
     if c.best_metric is not None and not (c.best_metric.startswith("eval/") and t.eval):
         raise ConfigError(f"checkpoint.best_metric={c.best_metric!r}: name an evaluation metric (eval/accuracy, "
                           "eval/loss) and keep train.eval=true")
-    if cfg.graph.compare and cfg.graph.mode.value not in ("full", "auto"):
-        raise ConfigError(f"graph.compare=true times eager steps against full-graph steps, but graph.mode is "
-                          f"{cfg.graph.mode.value}: set graph=full (or drop graph.compare)")
     recipe_builder(cfg)
     optimizer_class(cfg.recipe.optim)
 
