@@ -33,8 +33,9 @@ class Device(Enum):
 
 
 class LoaderKind(Enum):
+    auto = "auto"  # device when the data fits in (30% of free) device memory, else host
     device = "device"  # the whole dataset lives on the accelerator
-    host = "host"  # DataLoader with pinned memory and non_blocking copies
+    host = "host"  # DataLoader workers, pinned memory, non_blocking copies
 
 
 class Precision(Enum):
@@ -60,8 +61,8 @@ class DataConfig:
     loader: LoaderKind = LoaderKind.device
     batch_size: int = 64  # per rank
     eval_batch_size: int = 1000  # per rank; the last batch is padded and masked
-    num_workers: int = 0  # host loader only
-    train_size: Optional[int] = None  # synthetic data only; None: the real set's size
+    num_workers: int = 0  # DataLoader worker processes (host loader; device loader: for reading the data once)
+    train_size: Optional[int] = None  # how many samples to use (a seeded subset of real data); None: all
     test_size: Optional[int] = None
     path: Optional[str] = None  # text recipes: a file to tokenize
 

@@ -1,25 +1,35 @@
-"""Datasets and the two loaders that feed a training step with static shapes.
+"""The two loaders that feed a training step with static shapes.
 
-Both loaders yield the same batches in the same order for a given seed, epoch and rank:
+Both loaders yield the same batches in the same order for a given seed, epoch and rank
+(a seeded permutation of the whole split per epoch, strided by rank):
 - ``DeviceLoader`` keeps the whole split on the accelerator. The epoch's index order
   lives in a device buffer and a device cursor picks each batch, so ``next_batch()``
   is pure device work that can sit inside a CUDA graph: the host pays nothing per step.
-- ``HostLoader`` is for data that does not fit: a DataLoader gathers batches in pinned
-  memory, ``stage()`` copies them (non_blocking) into static device buffers, and
-  ``next_batch()`` hands those buffers to the step.
+- ``HostLoader`` reads any map-style Dataset (images on disk, a memory-mapped token
+  file) through DataLoader workers. ``stage()`` takes the next batch, copies it into
+  one of two pinned buffers and from there (``non_blocking``) into the step's static
+  device buffers; ``next_batch()`` hands those buffers to the step. Pinning in the
+  loop's own thread, into buffers made once, keeps other threads from calling CUDA
+  while a graph is captured, so the default ``capture_error_mode=global`` holds.
 Training drops each rank's last partial batch; evaluation pads the last batch and
-returns a ``mask`` so that every sample counts exactly once.
+returns a ``mask`` so that every sample counts exactly once. Resuming mid-epoch starts
+the epoch's sampler at the exact batch; nothing before it is read.
 """
 from __future__ import annotations
 
+import logging
 import math
-from typing import Tuple
+import os
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
 from trainer.errors import ConfigError
-from trainer.recipe import Batch, Split
+from trainer.recipe import Batch, Split, SplitLike
 from trainer.runtime import Runtime
+
+log = logging.getLogger(__name__)
+DEVICE_MEMORY_SHARE = 0.3  # loader=auto keeps a split on the device when it takes at most this share of free memory
 
 
 def shard_indices(n: int, rank: int, world: int, *, shuffle: bool, seed: int, epoch: int) -> torch.Tensor:
@@ -68,6 +78,7 @@ class DeviceLoader:
 
     def __init__(self, split: Split, batch_size: int, rt: Runtime, *, train: bool, seed: int,
                  batches_per_step: int = 1):
+        self.kind = "device"
         self.train, self.seed, self.rt, self.batch_size = train, seed, rt, batch_size
         self.batches_per_step = batches_per_step
         self.x = split.x.to(rt.device)
@@ -102,60 +113,129 @@ class DeviceLoader:
         return batch
 
 
-class _IndexedBatches(torch.utils.data.Dataset):
-    def __init__(self, split: Split, index: torch.Tensor, mask: torch.Tensor, batch_size: int, train: bool):
-        self.split, self.index, self.mask, self.batch_size, self.train = split, index, mask, batch_size, train
+def collate(items: Sequence[Tuple]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Stacks dataset items ``(x, y)`` into two batch tensors; unequal samples are named."""
+    xs = [torch.as_tensor(x) for x, _ in items]
+    first = xs[0]
+    for i, x in enumerate(xs):
+        if x.shape != first.shape or x.dtype != first.dtype:
+            raise ConfigError(f"the dataset's samples differ: one is {tuple(first.shape)} {first.dtype}, another "
+                              f"{tuple(x.shape)} {x.dtype} (batch position {i}); a graphed step needs every "
+                              "sample of one shape and dtype: resize or pad them in the dataset")
+    ys = [y for _, y in items]
+    y = torch.stack([torch.as_tensor(v) for v in ys]) if torch.is_tensor(ys[0]) else torch.as_tensor(ys)
+    return torch.stack(xs), y.long() if not y.is_floating_point() else y
+
+
+class BatchReader(torch.utils.data.Dataset):
+    """Reads whole batches of a dataset by index list (what DataLoader workers run).
+
+    A ``Split`` is gathered with one tensor index; any other dataset item by item, or
+    through its own ``__getitems__`` when it has one.
+    """
+
+    def __init__(self, dataset: SplitLike):
+        self.dataset = dataset
 
     def __len__(self) -> int:
-        return len(self.index) // self.batch_size
+        return len(self.dataset)
 
-    def __getitem__(self, i: int) -> Batch:
-        sl = slice(i * self.batch_size, (i + 1) * self.batch_size)
-        idx = self.index[sl]
-        batch = {"x": self.split.x[idx], "y": self.split.y[idx]}
-        if not self.train:
-            batch["mask"] = self.mask[sl]
-        return batch
+    def __getitems__(self, indices: List[int]) -> Tuple[torch.Tensor, torch.Tensor]:
+        ds = self.dataset
+        if isinstance(ds, Split):
+            idx = torch.as_tensor(indices)
+            return ds.x[idx], ds.y[idx]
+        items = ds.__getitems__(indices) if hasattr(ds, "__getitems__") else [ds[i] for i in indices]
+        return collate(items)
+
+
+def _keep(batch):
+    return batch  # BatchReader already made the batch (a module-level function: workers pickle it)
+
+
+class _EpochBatches:
+    """The batch sampler: this rank's epoch as rows of dataset indices, from a start row."""
+
+    def __init__(self):
+        self.rows: Optional[torch.Tensor] = None
+        self.start = 0
+
+    def __iter__(self):
+        for r in range(self.start, len(self.rows)):
+            yield self.rows[r].tolist()
+
+    def __len__(self) -> int:
+        return len(self.rows) - self.start
 
 
 class HostLoader:
-    """A DataLoader in host memory feeding static device buffers through pinned copies."""
+    """Any map-style dataset through DataLoader workers, into static device buffers."""
 
-    def __init__(self, split: Split, batch_size: int, rt: Runtime, *, train: bool, seed: int,
-                 batches_per_step: int = 1, num_workers: int = 0):
-        self.split, self.rt, self.train, self.seed = split, rt, train, seed
+    def __init__(self, dataset: SplitLike, batch_size: int, rt: Runtime, *, train: bool, seed: int,
+                 batches_per_step: int = 1, num_workers: int = 0, prefetch_factor: int = 4):
+        self.kind = "host"
+        self.dataset, self.rt, self.train, self.seed = dataset, rt, train, seed
         self.batch_size, self.batches_per_step, self.num_workers = batch_size, batches_per_step, num_workers
-        self.steps, self.length = plan_epoch(len(split), rt.world_size, batch_size, batches_per_step, train)
-        rows = batch_size * batches_per_step if train else batch_size
-        self.static: Batch = {
-            "x": torch.empty((rows, *split.x.shape[1:]), dtype=split.x.dtype, device=rt.device),
-            "y": torch.empty((rows, *split.y.shape[1:]), dtype=split.y.dtype, device=rt.device),
-        }
+        self.steps, self.length = plan_epoch(len(dataset), rt.world_size, batch_size, batches_per_step, train)
+        self.rows_per_load = batch_size * batches_per_step if train else batch_size
+        x, y = sample_item(dataset)
+        shapes = {"x": ((self.rows_per_load, *x.shape), x.dtype), "y": ((self.rows_per_load, *y.shape), y.dtype)}
         if not train:
-            self.static["mask"] = torch.empty((rows,), dtype=torch.bool, device=rt.device)
+            shapes["mask"] = ((self.rows_per_load,), torch.bool)
+        self.static: Batch = {k: torch.empty(s, dtype=d, device=rt.device) for k, (s, d) in shapes.items()}
+        pin = rt.device.type == "cuda"
+        # Two pinned buffers: the host fills one while the other's copy may still be in flight.
+        self.pinned = [{k: torch.empty(s, dtype=d, pin_memory=pin) for k, (s, d) in shapes.items()}
+                       for _ in range(2 if pin else 0)]
+        self.copied = [torch.cuda.Event() if pin else None for _ in self.pinned]
+        self._slot = 0
+        self.sampler = _EpochBatches()
+        self.mask: Optional[torch.Tensor] = None
+        self.loader = torch.utils.data.DataLoader(
+            BatchReader(dataset), batch_sampler=self.sampler, collate_fn=_keep, num_workers=num_workers,
+            persistent_workers=num_workers > 0, prefetch_factor=prefetch_factor if num_workers > 0 else None,
+            pin_memory=False,  # pinned here, in the loop's thread (see the module docstring)
+            generator=torch.Generator().manual_seed(seed))  # its worker seeds must not draw from the global RNG
         self._micro = 0
         self._it = None
         self.start_epoch(0)
 
     def start_epoch(self, epoch: int) -> None:
-        index, mask = epoch_index(len(self.split), self.length, self.rt, train=self.train, seed=self.seed,
+        index, mask = epoch_index(len(self.dataset), self.length, self.rt, train=self.train, seed=self.seed,
                                   epoch=epoch)
-        per_load = self.batch_size * (self.batches_per_step if self.train else 1)
-        ds = _IndexedBatches(self.split, index, mask, per_load, self.train)
-        self._it = iter(torch.utils.data.DataLoader(
-            ds, batch_size=None, shuffle=False, num_workers=self.num_workers,
-            pin_memory=self.rt.device.type == "cuda", persistent_workers=False,
-            generator=torch.Generator().manual_seed(self.seed + epoch)))  # leave the global RNG (dropout) alone
+        self.sampler.rows = index.view(-1, self.rows_per_load)
+        self.mask = mask.view(-1, self.rows_per_load)
+        self._begin(0)
 
     def skip(self, steps: int) -> None:
-        """Moves past the first ``steps`` steps of the epoch (resuming mid-epoch)."""
-        for _ in range(steps if self.train else 0):
-            next(self._it)
+        """Starts the epoch at step ``steps`` (resuming mid-epoch): the skipped batches are never read."""
+        self._begin(steps if self.train else 0)
+
+    def _begin(self, row: int) -> None:
+        self.sampler.start = row
+        self._row = row
+        self._micro = 0
+        self._it = None  # made at the first stage(): start_epoch then skip starts the workers once
 
     def stage(self) -> None:
-        batch = next(self._it)
+        if self._it is None:
+            self._it = iter(self.loader)
+        x, y = next(self._it)
+        batch = {"x": x, "y": y}
+        if not self.train:
+            batch["mask"] = self.mask[self._row]
+        self._row += 1
+        if not self.pinned:  # CPU training: the batch is already where the step reads it
+            for k, v in batch.items():
+                self.static[k].copy_(v)
+            return
+        slot, done = self.pinned[self._slot], self.copied[self._slot]
+        done.synchronize()  # this buffer's previous copy to the device has finished
         for k, v in batch.items():
-            self.static[k].copy_(v, non_blocking=True)
+            slot[k].copy_(v)
+            self.static[k].copy_(slot[k], non_blocking=True)
+        done.record()
+        self._slot ^= 1
 
     def next_batch(self) -> Batch:
         if not self.train or self.batches_per_step == 1:
@@ -165,9 +245,61 @@ class HostLoader:
         return {k: v[sl] for k, v in self.static.items()}
 
 
-def make_loader(split: Split, batch_size: int, rt: Runtime, *, kind: str, train: bool, seed: int,
+def sample_item(dataset: SplitLike) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Item 0 as tensors: the shape and dtype of every sample."""
+    if len(dataset) == 0:
+        raise ConfigError("the recipe's dataset is empty: check recipe.data.root and recipe.data.train_size")
+    if isinstance(dataset, Split):
+        return dataset.x[0], dataset.y[0]
+    x, y = collate([dataset[0]])
+    return x[0], y[0]
+
+
+def split_bytes(dataset: SplitLike) -> int:
+    x, y = sample_item(dataset)
+    return len(dataset) * (x.numel() * x.element_size() + y.numel() * y.element_size())
+
+
+def read_all(dataset: SplitLike, num_workers: int) -> Split:
+    """The whole dataset as one ``Split``: its own ``to_split()``, or every item read once."""
+    if isinstance(dataset, Split):
+        return dataset
+    if hasattr(dataset, "to_split"):
+        return dataset.to_split()
+    loader = torch.utils.data.DataLoader(
+        BatchReader(dataset), collate_fn=_keep, num_workers=num_workers, generator=torch.Generator(),
+        batch_sampler=[list(range(i, min(i + 1024, len(dataset)))) for i in range(0, len(dataset), 1024)])
+    xs, ys = zip(*loader)
+    return Split(torch.cat(xs), torch.cat(ys))
+
+
+def fits_on_device(nbytes: int, device: torch.device) -> bool:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+    else:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 2**33
+    return nbytes <= DEVICE_MEMORY_SHARE * free
+
+
+def choose_loader(kind: str, train: SplitLike, test: SplitLike, device: torch.device) -> str:
+    """``device`` or ``host`` for ``recipe.data.loader`` (auto: device when both splits fit)."""
+    if kind == "host":
+        return kind
+    nbytes = split_bytes(train) + split_bytes(test)
+    if fits_on_device(nbytes, device):
+        return "device"
+    if kind == "auto":
+        return "host"
+    raise ConfigError(f"the data takes {nbytes / 2**30:.1f} GiB, more than {DEVICE_MEMORY_SHARE:.0%} of the "
+                      f"{device.type} memory that is free: set recipe.data.loader=host (or auto) to stream it "
+                      "through DataLoader workers")
+
+
+def make_loader(dataset: SplitLike, batch_size: int, rt: Runtime, *, kind: str, train: bool, seed: int,
                 batches_per_step: int = 1, num_workers: int = 0):
+    """A loader of ``kind`` (``device`` or ``host``, as ``choose_loader`` decided)."""
     if kind == "device":
-        return DeviceLoader(split, batch_size, rt, train=train, seed=seed, batches_per_step=batches_per_step)
-    return HostLoader(split, batch_size, rt, train=train, seed=seed,
+        return DeviceLoader(read_all(dataset, num_workers), batch_size, rt, train=train, seed=seed,
+                            batches_per_step=batches_per_step)
+    return HostLoader(dataset, batch_size, rt, train=train, seed=seed,
                       batches_per_step=batches_per_step, num_workers=num_workers)

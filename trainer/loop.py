@@ -18,7 +18,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from graphing import build_executor
-from trainer.data import make_loader
+from trainer.data import choose_loader, make_loader
 from trainer.errors import ConfigError, NonFiniteLossError, Preempted
 from trainer.metrics_logger import MetricsLogger
 from trainer.optim import build_optimizer, build_schedule
@@ -48,10 +48,11 @@ class Trainer:
         model = recipe.model.to(self.device)
         self.raw_model = model  # what checkpoints hold, whatever wraps it (DDP, compile, graphs)
         seed_rank_streams(cfg.seed, rt.rank)  # the model is built alike on every rank; the step's draws differ
-        self.train_loader = make_loader(recipe.data.train, data_cfg.batch_size, rt, kind=data_cfg.loader.value,
+        loader_kind = choose_loader(data_cfg.loader.value, recipe.data.train, recipe.data.test, rt.device)
+        self.train_loader = make_loader(recipe.data.train, data_cfg.batch_size, rt, kind=loader_kind,
                                         train=True, seed=cfg.seed, batches_per_step=loop.grad_accum,
                                         num_workers=data_cfg.num_workers)
-        self.eval_loader = make_loader(recipe.data.test, data_cfg.eval_batch_size, rt, kind=data_cfg.loader.value,
+        self.eval_loader = make_loader(recipe.data.test, data_cfg.eval_batch_size, rt, kind=loader_kind,
                                        train=False, seed=cfg.seed, num_workers=data_cfg.num_workers)
         self.steps_per_epoch = self.train_loader.steps
         total = loop.epochs * self.steps_per_epoch
@@ -74,6 +75,7 @@ class Trainer:
         self.config: Dict[str, Any] = resolved_config(cfg)
         # What this run actually uses, beside what was asked for.
         self.config["recipe"]["data"]["source_used"] = recipe.data.source
+        self.config["recipe"]["data"]["loader_used"] = loader_kind
         self.config["graph"]["mode_used"] = self.options.mode
         self.config["graph"]["capture_error_mode_used"] = self.executor.info["capture_error_mode"]
         self.config["world_size"] = rt.world_size

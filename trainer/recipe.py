@@ -13,7 +13,7 @@ work on static shapes, no ``.item()`` or other host syncs (see graphing/__init__
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Tuple
+from typing import Callable, Dict, Tuple, Union
 
 import torch
 
@@ -21,8 +21,8 @@ Batch = Dict[str, torch.Tensor]  # "x", "y", and for evaluation "mask" (False on
 
 
 @dataclass
-class Split:
-    """One split of a dataset: inputs (any dtype, first dim = sample) and int64 labels."""
+class Split(torch.utils.data.Dataset):
+    """One split held in memory as two tensors: inputs (any dtype, first dim = sample) and labels."""
 
     x: torch.Tensor
     y: torch.Tensor
@@ -30,12 +30,27 @@ class Split:
     def __len__(self) -> int:
         return self.x.shape[0]
 
+    def __getitem__(self, i: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        return self.x[i], self.y[i]
+
+    def to_split(self) -> "Split":
+        return self
+
+
+# A split is a ``Split`` or any map-style ``torch.utils.data.Dataset`` (a torchvision
+# dataset, a folder of images, a memory-mapped token file, your own) whose item ``i`` is
+# ``(x, y)``: ``x`` a tensor of the same shape and dtype for every sample, ``y`` an int or
+# a tensor. The host loader reads it through DataLoader workers; the device loader needs
+# it in device memory and asks ``dataset.to_split()`` for its tensors when the dataset has
+# that method (a fast path), otherwise it reads every item once.
+SplitLike = Union[Split, torch.utils.data.Dataset]
+
 
 @dataclass
 class Datasets:
-    train: Split
-    test: Split
-    source: str  # what was actually used: "mnist", "synthetic", ...
+    train: SplitLike
+    test: SplitLike
+    source: str  # what was actually used: "mnist", "synthetic", "folder", "tokens", ...
 
 
 @dataclass
