@@ -71,6 +71,14 @@ class Executor:
         stage()
         fn()
 
+    def _all_agree(self, flag: bool) -> bool:
+        """True on every rank iff ``flag`` is true on every rank."""
+        if not distributed():
+            return flag
+        votes = torch.tensor([0 if flag else 1], device=self.device)
+        dist.all_reduce(votes)
+        return int(votes.item()) == 0
+
     def _check_open(self) -> None:
         if self.closed:  # a step after close() would capture again, perhaps after the process group went
             raise RuntimeError("this executor was closed (its graphs released): build a new one to run more steps")

@@ -11,6 +11,7 @@ import logging
 
 import torch
 
+from graphing.capture import CaptureError, explain_capture_failure, reset_rng_capture_state
 from graphing.compat import make_graphed_callables_takes_capture_error_mode
 from graphing.executor import Executor, is_main_rank
 
@@ -36,11 +37,29 @@ class PartialGraphExecutor(Executor):
         args = tuple(a.detach() for a in sample_inputs())
         side = torch.cuda.Stream(device=self.device)
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), (autocast or contextlib.nullcontext)():
-            graphed = torch.cuda.make_graphed_callables(model, args, num_warmup_iters=self.warmup_iters, **kwargs)
+        graphed, failure = None, None
+        try:
+            with torch.cuda.stream(side), (autocast or contextlib.nullcontext)():
+                graphed = torch.cuda.make_graphed_callables(model, args, num_warmup_iters=self.warmup_iters,
+                                                            **kwargs)
+        except Exception as err:
+            # A failed capture leaves the CUDA generator in capture mode: every later random
+            # op would fail, so repair it before going on.
+            torch.cuda.synchronize(self.device)
+            reset_rng_capture_state(side)
+            failure = explain_capture_failure(err, self.info["capture_error_mode"], self.options.setting_prefix)
         torch.cuda.current_stream().wait_stream(side)
+        if not self._all_agree(failure is None):
+            message = failure or "CUDA graph capture failed on another rank; that rank's log says why."
+            if self.options.on_failure == "fail":
+                raise CaptureError(message)
+            self.info["fallback"] = message
+            self.info["mode"] = "eager (fallback)"
+            report = log.warning if is_main_rank() else log.info
+            report("%s\n%son_failure=eager: every rank continues eagerly.", message, self.options.setting_prefix)
+            graphed = model
         model.zero_grad(set_to_none=True)  # the warm-up passes left gradients behind
         return self._ddp(graphed)
 
     def phase(self, role: str) -> str:
-        return "graph" if role == "train" else "eager"
+        return "graph" if role == "train" and "fallback" not in self.info else "eager"

@@ -108,14 +108,6 @@ class WholeStepGraphExecutor(Executor):
         report("%s\n%son_failure=eager: every rank continues eagerly.", message, self.options.setting_prefix)
         return False
 
-    def _all_agree(self, flag: bool) -> bool:
-        """True on every rank iff ``flag`` is true on every rank."""
-        if not distributed():
-            return flag
-        votes = torch.tensor([0 if flag else 1], device=self.device)
-        dist.all_reduce(votes)
-        return int(votes.item()) == 0
-
     def close(self) -> None:
         # Graphs hold a private memory pool and captured NCCL work: release them before the
         # process group goes, or a graphed DDP job can hang at exit.
