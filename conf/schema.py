@@ -43,6 +43,12 @@ class Precision(Enum):
     bf16 = "bf16"
 
 
+class MemoryFormat(Enum):
+    auto = "auto"  # channels_last on CUDA for models with 2-D convolutions, else contiguous
+    channels_last = "channels_last"  # NHWC: what cuDNN's fast convolution kernels want
+    contiguous = "contiguous"
+
+
 class LoggerBackend(Enum):
     wandb = "wandb"
     none = "none"
@@ -102,6 +108,7 @@ class TrainLoopConfig:
     grad_clip: float = 0.0  # max global grad norm; 0 disables
     grad_accum: int = 1  # micro-batches per optimizer step, all inside one graph
     precision: Precision = Precision.fp32
+    memory_format: MemoryFormat = MemoryFormat.auto  # of the model and its 4-D inputs (set inside the step)
     progress: bool = True  # progress bar on rank 0
 
 

@@ -24,7 +24,7 @@ def options(group: str):
 def test_every_group_combination_composes_with_its_own_recipe_and_mode():
     # Every recipe × mode × experiment; the loggers (independent of the rest) alternate.
     combos = list(itertools.product(options("recipe"), options("graph"), [None, *options("experiment")]))
-    assert len(combos) == 3 * 6 * 3
+    assert len(combos) == 4 * 6 * 3  # mnist, cifar10_resnet18, gpt_tiny, gpt2_small
     loggers = itertools.cycle(options("logger"))
     for (recipe, graph, experiment), logger in zip(combos, loggers):
         overrides = [f"recipe={recipe}", f"graph={graph}", f"logger={logger}"]
@@ -59,7 +59,7 @@ def test_defaults_are_the_readme_defaults():
     ("graph.mode", "auto, eager, full, partial, compile"),
     ("graph.on_failure", "fail, eager"),
     ("device", "auto, cpu, cuda"),
-    ("recipe.data.loader", "device, host"),
+    ("recipe.data.loader", "auto, device, host"),
     ("train.precision", "fp32, bf16"),
     ("logger.backend", "wandb, none"),
     ("logger.wandb.mode", "offline, online, disabled"),

@@ -26,7 +26,7 @@ from trainer.perf import Perf
 from trainer.recipe import Recipe
 from trainer.runtime import Runtime, print_once, seed_rank_streams
 from trainer.state import TrainingState
-from trainer.step import EvalStep, TrainStep, autocast_factory
+from trainer.step import EvalStep, TrainStep, autocast_factory, model_input, resolve_memory_format
 from trainer.stop import StopAgreement
 from trainer.validate import graph_options, recipe_builder
 
@@ -45,7 +45,8 @@ class Trainer:
             raise ConfigError(f"recipe._target_={cfg.recipe._target_} returned a {type(recipe).__name__}, not a "
                               "trainer.recipe.Recipe: see trainer/recipe.py for the contract")
         self.recipe = recipe
-        model = recipe.model.to(self.device)
+        self.memory_format = resolve_memory_format(loop.memory_format.value, recipe.model, rt.device)
+        model = recipe.model.to(self.device, memory_format=self.memory_format)
         self.raw_model = model  # what checkpoints hold, whatever wraps it (DDP, compile, graphs)
         seed_rank_streams(cfg.seed, rt.rank)  # the model is built alike on every rank; the step's draws differ
         loader_kind = choose_loader(data_cfg.loader.value, recipe.data.train, recipe.data.test, rt.device)
@@ -65,9 +66,9 @@ class Trainer:
         self.model = self.executor.wrap_model(model, self._sample_inputs, self.autocast)
         self.train_step = TrainStep(recipe, self.model, self.optimizer, self.schedule, self.train_loader,
                                     grad_accum=loop.grad_accum, grad_clip=loop.grad_clip,
-                                    autocast=self.autocast, device=self.device)
+                                    autocast=self.autocast, device=self.device, memory_format=self.memory_format)
         self.eval_step = EvalStep(recipe, lambda: self.executor.eval_model, self.eval_loader,
-                                  autocast=self.autocast, device=self.device)
+                                  autocast=self.autocast, device=self.device, memory_format=self.memory_format)
         self.global_batch = data_cfg.batch_size * loop.grad_accum * rt.world_size
         self.perf = Perf(self.device, units_per_step=self.global_batch * recipe.units_per_sample, unit=recipe.unit,
                          world_size=rt.world_size, flops_per_unit=recipe.flops_per_unit,
@@ -77,6 +78,7 @@ class Trainer:
         self.config["recipe"]["data"]["source_used"] = recipe.data.source
         self.config["recipe"]["data"]["loader_used"] = loader_kind
         self.config["graph"]["mode_used"] = self.options.mode
+        self.config["train"]["memory_format_used"] = str(self.memory_format).replace("torch.", "")
         self.config["graph"]["capture_error_mode_used"] = self.executor.info["capture_error_mode"]
         self.config["world_size"] = rt.world_size
         self.state = TrainingState(rt, model=model, optimizer=self.optimizer, step_counter=self.train_step.step,
@@ -97,7 +99,7 @@ class Trainer:
     def _sample_inputs(self):
         """One preprocessed training input, for executors that trace the model ahead of time."""
         self.train_loader.stage()
-        x = self.recipe.preprocess(self.train_loader.next_batch(), True)["x"]
+        x = model_input(self.recipe.preprocess(self.train_loader.next_batch(), True), self.memory_format)
         self.train_loader.start_epoch(0)
         return (x,)
 

@@ -22,6 +22,20 @@ def accumulate(metrics: torch.Tensor, per_sample: torch.Tensor, correct: torch.T
     metrics += torch.stack([losses.sum(), (correct & mask).sum().double(), mask.sum().double()])
 
 
+def resolve_memory_format(setting: str, model: torch.nn.Module, device: torch.device) -> torch.memory_format:
+    """``train.memory_format`` as a torch memory format (auto: channels_last for conv nets on CUDA)."""
+    if setting == "auto":
+        has_conv = any(isinstance(m, torch.nn.Conv2d) for m in model.modules())
+        setting = "channels_last" if has_conv and device.type == "cuda" else "contiguous"
+    return torch.channels_last if setting == "channels_last" else torch.contiguous_format
+
+
+def model_input(batch, memory_format: torch.memory_format) -> torch.Tensor:
+    """The batch's input in the model's memory format (a device copy inside the step: shapes stay static)."""
+    x = batch["x"]
+    return x.contiguous(memory_format=memory_format) if x.dim() == 4 else x
+
+
 def autocast_factory(precision: str, device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
     if precision == "bf16":
         # No autocast weight cache: a cached cast made during capture would be stale on replay.
@@ -32,7 +46,9 @@ def autocast_factory(precision: str, device: torch.device) -> Callable[[], conte
 class TrainStep:
     def __init__(self, recipe: Recipe, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  schedule: LRSchedule, loader, *, grad_accum: int, grad_clip: float,
-                 autocast: Callable, device: torch.device):
+                 autocast: Callable, device: torch.device,
+                 memory_format: torch.memory_format = torch.contiguous_format):
+        self.memory_format = memory_format
         self.recipe, self.model, self.optimizer, self.schedule, self.loader = recipe, model, optimizer, schedule, loader
         self.grad_accum, self.grad_clip, self.autocast = grad_accum, grad_clip, autocast
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -54,7 +70,7 @@ class TrainStep:
             sync = contextlib.nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync()
             with sync:
                 with self.autocast():
-                    output = self.model(batch["x"])
+                    output = self.model(model_input(batch, self.memory_format))
                 per_sample, correct = self.recipe.criterion(output, batch["y"])
                 loss = per_sample.mean()
                 (loss / self.grad_accum if self.grad_accum > 1 else loss).backward()
@@ -71,7 +87,9 @@ class TrainStep:
 
 class EvalStep:
     def __init__(self, recipe: Recipe, model_fn: Callable[[], torch.nn.Module], loader, *,
-                 autocast: Callable, device: torch.device):
+                 autocast: Callable, device: torch.device,
+                 memory_format: torch.memory_format = torch.contiguous_format):
+        self.memory_format = memory_format
         self.recipe, self.model_fn, self.loader, self.autocast = recipe, model_fn, loader, autocast
         self.metrics = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, samples
 
@@ -79,6 +97,6 @@ class EvalStep:
     def __call__(self) -> None:
         batch = self.recipe.preprocess(self.loader.next_batch(), False)
         with self.autocast():
-            output = self.model_fn()(batch["x"])
+            output = self.model_fn()(model_input(batch, self.memory_format))
         per_sample, correct = self.recipe.criterion(output, batch["y"])
         accumulate(self.metrics, per_sample, correct, batch["mask"])
