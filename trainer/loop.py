@@ -24,7 +24,7 @@ from trainer.metrics_logger import MetricsLogger
 from trainer.optim import build_optimizer, build_schedule
 from trainer.perf import Perf
 from trainer.recipe import Recipe
-from trainer.runtime import Runtime, print_once, seed_rank_streams
+from trainer.runtime import Runtime, print_once, process_started_at, seed_rank_streams
 from trainer.state import TrainingState
 from trainer.step import EvalStep, TrainStep, autocast_factory, model_input, resolve_memory_format
 from trainer.stop import StopAgreement
@@ -176,6 +176,8 @@ class Trainer:
             bar = _progress(show, self.steps_per_epoch, f"epoch {epoch + 1}/{loop.epochs}")
             timer.restart()
             for i in range(begin, self.steps_per_epoch):
+                if "startup_s" not in self.clock:  # process start to the first step (imports, data, build)
+                    self.clock["startup_s"] = time.time() - process_started_at()
                 phase = self.executor.phase("train")
                 self.executor.run("train", self.train_loader.stage, self.train_step)
                 timer.step(phase)
@@ -223,6 +225,7 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         wall = time.perf_counter() - start
+        self.clock["total_s"] = time.time() - process_started_at()  # to the end of training, as results are written
         summary = self._summary(step, wall, last_train, eval_result)
         logger.summary(summary)
         return summary

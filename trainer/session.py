@@ -168,5 +168,7 @@ def _print_summary(summary) -> None:
     width = max(len(k) for k in keys) if keys else 0
     lines = [f"  {k:<{width}}  {summary[k]:.4g}" if isinstance(summary[k], float) else f"  {k:<{width}}  {summary[k]}"
              for k in keys]
-    print(f"done: {summary['steps']} steps in {summary['train_loop_s']:.2f} s ({summary['mode']})\n" + "\n".join(lines),
-          flush=True)
+    whole = (f"; since process start: first step {summary['time/startup_s']:.2f} s, done {summary['time/total_s']:.2f} s"
+             if "time/startup_s" in summary else "")
+    print(f"done: {summary['steps']} steps in {summary['train_loop_s']:.2f} s ({summary['mode']}){whole}\n"
+          + "\n".join(lines), flush=True)

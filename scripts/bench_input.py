@@ -1,0 +1,144 @@
+"""Input throughput: a PNG folder through the host loader next to the device loader.
+
+    python scripts/bench_input.py --folder /tmp/cifar_png                      # CIFAR-10 ResNet-18, bf16, graphed
+    python scripts/bench_input.py --folder /tmp/cifar_png --workers 4,8,14 --steps 300 --output bench.json
+    python scripts/bench_input.py --folder DIR recipe=mnist train.precision=fp32   # any train.py overrides
+
+Makes the folder first when it is missing (scripts/export_images.py, synthetic CIFAR-10
+unless overrides say otherwise). Then, in one process on one GPU, for the same images,
+precision and memory format: the device loader (the folder decoded once into GPU memory)
+and the host loader with each worker count (PNGs decoded by DataLoader workers every
+step). Each is warmed up and captured, then ``--steps`` graphed steps are timed by the
+wall clock from first to last (synchronized), so a step that waits for its batch counts.
+
+For the host loader it also reports where the host's time goes: the share of the
+step the loop spent waiting for a batch, and per batch the cost of decoding (one
+process), of collating, and of the copy into pinned memory.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from conf.schema import compose  # noqa: E402
+from trainer.data import collate  # noqa: E402
+from trainer.loop import Trainer  # noqa: E402
+from trainer.runtime import pick_device, seed_everything, start  # noqa: E402
+from trainer.validate import check_config  # noqa: E402
+
+DEFAULTS = ["recipe=cifar10_resnet18", "graph=full", "train.precision=bf16", "logger=none",
+            "train.progress=false", "train.eval=false"]
+
+
+def build(overrides, folder: Path, loader: str, workers: int):
+    cfg = compose([*DEFAULTS, *overrides, "recipe.data.source=folder", f"recipe.data.root={folder}",
+                   f"recipe.data.loader={loader}", f"recipe.data.num_workers={workers}"])
+    check_config(cfg)
+    seed_everything(cfg.seed, cfg.deterministic)
+    return cfg, Trainer(cfg, RUNTIME)
+
+
+def timed_steps(trainer: Trainer, steps: int):
+    """(seconds per step, seconds the host waited in stage() per step) over ``steps`` graphed steps."""
+    ex, loader, step = trainer.executor, trainer.train_loader, trainer.train_step
+    loader.start_epoch(0)
+    if loader.steps < steps + 2 * ex.warmup_iters:
+        sys.exit(f"the folder gives {loader.steps} steps per epoch: lower --steps to at most "
+                 f"{loader.steps - 2 * ex.warmup_iters}")
+    while ex.phase("train") in ("warmup", "capture"):
+        ex.run("train", loader.stage, step)
+    for _ in range(ex.warmup_iters):  # settle (the workers' queues fill)
+        ex.run("train", loader.stage, step)
+    waited = 0.0
+
+    def stage():
+        nonlocal waited
+        began = time.perf_counter()
+        loader.stage()
+        waited += time.perf_counter() - began
+
+    torch.cuda.synchronize()
+    began = time.perf_counter()
+    for _ in range(steps):
+        ex.run("train", stage, step)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - began) / steps, waited / steps
+
+
+def host_costs(trainer: Trainer, batches: int = 20):
+    """Per batch, in one process: decode (dataset items), collate (stack), copy into pinned memory."""
+    dataset, loader = trainer.recipe.data.train, trainer.train_loader
+    n = loader.rows_per_load
+    began = time.perf_counter()
+    items = [[dataset[(b * n + i) % len(dataset)] for i in range(n)] for b in range(batches)]
+    decode = (time.perf_counter() - began) / batches
+    began = time.perf_counter()
+    stacked = [collate(batch) for batch in items]
+    collate_s = (time.perf_counter() - began) / batches
+    pinned = torch.empty_like(stacked[0][0], pin_memory=True)
+    began = time.perf_counter()
+    for x, _ in stacked:
+        pinned.copy_(x)
+    copy = (time.perf_counter() - began) / batches
+    return {"decode_ms_per_batch": 1e3 * decode, "collate_ms_per_batch": 1e3 * collate_s,
+            "pinned_copy_ms_per_batch": 1e3 * copy}
+
+
+def main() -> None:
+    global RUNTIME
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--folder", type=Path, required=True, help="an image folder (made when missing)")
+    parser.add_argument("--workers", default="4,8,14", help="host-loader worker counts to try")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--output", type=Path, default=None, help="JSON file for the numbers")
+    args, overrides = parser.parse_known_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_input.py measures a graphed GPU step: run it on a machine with CUDA")
+    if not (args.folder / "train").is_dir():
+        recipe = next((o for o in [*DEFAULTS, *overrides][::-1] if o.startswith("recipe=")), DEFAULTS[0])
+        source = next((o for o in overrides if o.startswith("recipe.data.source=")), "recipe.data.source=synthetic")
+        print(f"exporting {recipe} ({source}) to {args.folder} ...", flush=True)
+        subprocess.run([sys.executable, str(REPO / "scripts" / "export_images.py"), recipe, source,
+                        "--output", str(args.folder)], check=True)
+    RUNTIME = start(pick_device("cuda"), "/tmp/bench_input", None, "bench_input")
+    rows = []
+    for loader, workers in [("device", 8)] + [("host", int(w)) for w in args.workers.split(",")]:
+        cfg, trainer = build(overrides, args.folder, loader, workers)
+        step_s, waited_s = timed_steps(trainer, args.steps)
+        samples = cfg.recipe.data.batch_size * cfg.train.grad_accum
+        row = {"loader": loader, "num_workers": workers if loader == "host" else None,
+               "samples_per_s": samples / step_s, "step_ms": 1e3 * step_s,
+               "host_wait_share": waited_s / step_s if loader == "host" else None}
+        if loader == "host":
+            row.update(host_costs(trainer))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        trainer.close()
+        del trainer
+        torch.cuda.empty_cache()
+    device_rate = rows[0]["samples_per_s"]
+    best = max(rows[1:], key=lambda r: r["samples_per_s"])
+    result = {
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "cpus": len(__import__("os").sched_getaffinity(0)),
+        "recipe": cfg.recipe.name, "precision": cfg.train.precision.value, "mode": cfg.graph.mode.value,
+        "batch_size": cfg.recipe.data.batch_size, "steps": args.steps, "folder": str(args.folder), "rows": rows,
+        "best_host": best, "host_vs_device": best["samples_per_s"] / device_rate,
+    }
+    print(f"device loader {device_rate:,.0f} samples/s; best host loader {best['samples_per_s']:,.0f} samples/s "
+          f"with {best['num_workers']} workers = {result['host_vs_device']:.1%} of the device loader")
+    if args.output:
+        args.output.write_text(json.dumps(result, indent=2) + "\n")
+    RUNTIME.close()
+
+
+if __name__ == "__main__":
+    main()
