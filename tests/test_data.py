@@ -4,6 +4,8 @@ masked so every sample counts once."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -178,3 +180,13 @@ def test_a_dataset_recipe_trains_under_two_gloo_ranks_alike_on_both_loaders(tmp_
     assert host["param_digests"] == device["param_digests"] and len(set(host["param_digests"])) == 1
     assert host["final/eval_samples"] == 333  # padded batches, masked: each sample once
     assert host["final/eval_accuracy"] > 0.9
+
+
+def test_a_host_loader_with_workers_exits_when_training_ends(out):
+    """Its workers inherit the blocked stop signals of train.py: they must still be shut down."""
+    repo = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, str(repo / "train.py"), "experiment=debug", "logger=none", "train.progress=false",
+                           "recipe.data.loader=host", "recipe.data.num_workers=2", f"output_root={out}"],
+                          capture_output=True, text=True, timeout=90, cwd=repo)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "done:" in done.stdout

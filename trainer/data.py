@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import signal
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -103,6 +104,9 @@ class DeviceLoader:
     def stage(self) -> None:
         """Nothing to do on the host: the batch is picked inside ``next_batch``."""
 
+    def close(self) -> None:
+        """Nothing to release."""
+
     def next_batch(self) -> Batch:
         pos = self.cursor + self.offsets
         idx = self.index.index_select(0, pos)
@@ -153,6 +157,12 @@ def _keep(batch):
     return batch  # BatchReader already made the batch (a module-level function: workers pickle it)
 
 
+def _worker_init(_worker_id: int) -> None:
+    """Workers fork from a process that blocks SIGINT/SIGTERM for its signal thread
+    (trainer/stop.py); unblocked here, so that shutting a worker down can end it."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+
+
 class _EpochBatches:
     """The batch sampler: this rank's epoch as rows of dataset indices, from a start row."""
 
@@ -194,6 +204,7 @@ class HostLoader:
         self.loader = torch.utils.data.DataLoader(
             BatchReader(dataset), batch_sampler=self.sampler, collate_fn=_keep, num_workers=num_workers,
             persistent_workers=num_workers > 0, prefetch_factor=prefetch_factor if num_workers > 0 else None,
+            worker_init_fn=_worker_init if num_workers > 0 else None,
             pin_memory=False,  # pinned here, in the loop's thread (see the module docstring)
             generator=torch.Generator().manual_seed(seed))  # its worker seeds must not draw from the global RNG
         self._micro = 0
@@ -236,6 +247,13 @@ class HostLoader:
             self.static[k].copy_(slot[k], non_blocking=True)
         done.record()
         self._slot ^= 1
+
+    def close(self) -> None:
+        """Ends the worker processes now (persistent workers would otherwise live until exit)."""
+        iterator = getattr(self.loader, "_iterator", None)  # persistent workers: the loader keeps one iterator
+        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+            iterator._shutdown_workers()
+        self.loader._iterator = self._it = None
 
     def next_batch(self) -> Batch:
         if not self.train or self.batches_per_step == 1:

@@ -274,6 +274,8 @@ class Trainer:
 
     def close(self) -> None:
         self.executor.close()
+        self.train_loader.close()
+        self.eval_loader.close()
 
 
 def _kill_for_test(step: int, rank: int) -> None:
