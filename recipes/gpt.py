@@ -1,14 +1,19 @@
-"""A small decoder-only transformer over bytes (vocabulary 256), trained on next-byte prediction.
+"""A decoder-only transformer trained on next-token prediction: gpt_tiny (bytes) and gpt2_small.
 
-The model is the GPT-2 layout at a small size: pre-norm blocks of causal self-attention
+The model is the GPT-2 layout: pre-norm blocks of causal self-attention
 (``F.scaled_dot_product_attention(is_causal=True)``) and a 4× MLP, learned positions,
-output head tied to the token embedding. Its settings come from ``recipe.model`` and
-are checked against ``GPTConfig``.
+output head tied to the token embedding, over a vocabulary of ``recipe.model.vocab``
+tokens (256: bytes). Its settings come from ``recipe.model``, checked against ``GPTConfig``.
 
-Data: the bytes of the text file ``recipe.data.path`` (first 90% train, last 10% test),
-or, without a path, a synthetic language generated from the seed. A sample is a window
-of ``context + 1`` bytes, stored as ``x = window[:-1]`` and ``y = window[1:]``, so the
-loaders gather whole windows by row like any other dataset.
+Data (``recipe.data.source``):
+- ``text``: the bytes of the file ``recipe.data.path`` (first 90% train, last 10% test);
+- ``tokens``: the token files in ``recipe.data.root`` (scripts/prepare_text.py writes them;
+  recipes/tokens.py reads them, memory-mapped);
+- ``synthetic``: a language generated from the seed; bytes of made-up words for vocab 256,
+  otherwise a Markov chain over token ids spread across the vocabulary;
+- ``auto``: text when a path is given, else synthetic.
+A sample is a window of ``context + 1`` tokens, stored as ``x = window[:-1]`` and
+``y = window[1:]``, so the loaders gather whole windows by row like any other dataset.
 """
 from __future__ import annotations
 
@@ -22,12 +27,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from recipes.tokens import dtype_for_vocab, input_dtype, token_splits, windows
 from trainer.errors import ConfigError
-from trainer.recipe import Batch, Recipe, Split
+from trainer.recipe import Batch, Datasets, Recipe, Split
 from trainer.runtime import Runtime
-from trainer.sources import resolve_source
 
-VOCAB = 256  # bytes
+BYTES = 256  # the vocabulary of byte-level text: one token per byte
+SOURCES = ("auto", "text", "tokens", "synthetic")
 SYNTHETIC_TRAIN_TOKENS, SYNTHETIC_TEST_TOKENS = 1_600_000, 160_000
 TEST_FRACTION = 0.1  # of a text file, taken from its end
 
@@ -38,6 +44,7 @@ class GPTConfig:
     n_head: int = 6
     d_model: int = 384
     context: int = 256  # tokens per sample
+    vocab: int = BYTES  # token ids are < vocab; embedding and output head rows
     dropout: float = 0.0  # attention and residual dropout while training
 
 
@@ -55,7 +62,7 @@ def model_config(settings) -> GPTConfig:
             raise ConfigError(f"recipe.model.{key}={value!r} must be {'an integer' if kind is int else 'a number'}")
         values[key] = kind(value)
     c = GPTConfig(**values)
-    for key in ("n_layer", "n_head", "d_model", "context"):
+    for key in ("n_layer", "n_head", "d_model", "context", "vocab"):
         if getattr(c, key) < 1:
             raise ConfigError(f"recipe.model.{key}={getattr(c, key)} must be at least 1")
     if c.d_model % c.n_head:
@@ -101,12 +108,12 @@ class GPT(nn.Module):
     def __init__(self, c: GPTConfig):
         super().__init__()
         self.config = c
-        self.tok_emb = nn.Embedding(VOCAB, c.d_model)
+        self.tok_emb = nn.Embedding(c.vocab, c.d_model)
         self.pos_emb = nn.Embedding(c.context, c.d_model)
         self.drop = nn.Dropout(c.dropout)
         self.blocks = nn.ModuleList(Block(c) for _ in range(c.n_layer))
         self.ln_f = nn.LayerNorm(c.d_model)
-        self.head = nn.Linear(c.d_model, VOCAB, bias=False)
+        self.head = nn.Linear(c.d_model, c.vocab, bias=False)
         self.head.weight = self.tok_emb.weight  # tied: one matrix embeds and un-embeds
         self.apply(self._init)
         for block in self.blocks:  # residual branches scaled down so the stream's variance stays put
@@ -121,7 +128,7 @@ class GPT(nn.Module):
             nn.init.zeros_(m.bias)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """Logits [B, T, 256] for token ids [B, T]."""
+        """Logits [B, T, vocab] for token ids [B, T]."""
         pos = torch.arange(idx.shape[1], device=idx.device)
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
         for block in self.blocks:
@@ -175,22 +182,59 @@ def synthetic_text(seed: int, n_bytes: int) -> bytes:
     return b"".join(out)[:n_bytes]
 
 
-def windows(tokens: torch.Tensor, context: int) -> Split:
-    """Consecutive windows of ``context + 1`` tokens (sharing their boundary token) as (x, y)."""
-    n = (len(tokens) - 1) // context
-    x = tokens[: n * context].view(n, context).clone()
-    y = tokens[1: n * context + 1].view(n, context).long()
-    return Split(x, y)
+def synthetic_token_ids(seed: int, n_tokens: int, vocab: int) -> np.ndarray:
+    """``n_tokens`` ids of a made-up language over a vocabulary of ``vocab`` tokens (int64).
+
+    Its words are single token ids drawn without replacement from the whole range
+    [0, vocab) (up to 4096 of them, one of which ends a sentence), so the embedding and
+    the head see rows across the vocabulary. Word order is the byte language's: a
+    first-order Markov chain in which each word has six possible successors, chosen with
+    Zipf-like popularity and taken with fixed, decreasing probabilities; a sentence ends
+    with probability 1/8. The best possible loss is about 1.75 nats per token, far below
+    chance (ln vocab). Deterministic in ``seed``; generated as many chains side by side.
+    """
+    rng = np.random.default_rng(seed)
+    n_words = min(vocab - 1, 4096)
+    if n_words < 2:
+        raise ConfigError(f"recipe.model.vocab={vocab} is too small for the synthetic language: use at least 3")
+    ids = rng.choice(vocab, size=n_words + 1, replace=False)  # ids[n_words] ends a sentence
+    end, n_next = n_words, min(6, n_words)
+    popularity = np.arange(1, n_words + 1) ** -0.7
+    successors = np.stack([rng.choice(n_words, size=n_next, replace=False, p=popularity / popularity.sum())
+                           for _ in range(n_words + 1)])
+    slot_p = 1.0 / np.arange(1, n_next + 1)
+    slot_cdf = np.cumsum(slot_p / slot_p.sum())
+
+    chain_length = 512
+    n_chains = -(-n_tokens // chain_length)
+    words = np.empty((n_chains, chain_length), dtype=np.int64)
+    word = np.full(n_chains, end)
+    words[:, 0] = word  # each chain starts a sentence: joined end to end, they read as one text
+    for t in range(1, chain_length):  # every chain steps at once
+        slot = np.minimum(np.searchsorted(slot_cdf, rng.random(n_chains)), n_next - 1)
+        stop = (rng.random(n_chains) < 1 / 8) & (word != end)
+        word = np.where(stop, end, successors[word, slot])
+        words[:, t] = word
+    return ids[words.reshape(-1)[:n_tokens]]
 
 
 def as_tokens(text: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(text), dtype=torch.uint8)  # byte-level: one token per byte
 
 
-def synthetic_splits(seed: int, context: int, train_size: int, test_size: int) -> Tuple[Split, Split]:
-    text = synthetic_text(seed, train_size * context + 1 + test_size * context + 1)
+def synthetic_splits(seed: int, context: int, train_size: int, test_size: int,
+                     vocab: int = BYTES) -> Tuple[Split, Split]:
+    """``train_size`` and ``test_size`` windows of the synthetic language for this vocabulary.
+
+    Bytes of made-up words for the byte vocabulary; token ids across the vocabulary otherwise.
+    """
+    n = train_size * context + 1 + test_size * context + 1
+    if vocab == BYTES:
+        tokens = as_tokens(synthetic_text(seed, n))
+    else:
+        tokens = torch.from_numpy(synthetic_token_ids(seed, n, vocab).astype(input_dtype(dtype_for_vocab(vocab))))
     cut = train_size * context + 1
-    return windows(as_tokens(text[:cut]), context), windows(as_tokens(text[cut:]), context)
+    return windows(tokens[:cut], context), windows(tokens[cut:], context)
 
 
 def check_text_file(path: str, context: int) -> None:
@@ -214,7 +258,7 @@ def text_file_splits(path: str, context: int) -> Tuple[Split, Split]:
 
 
 def preprocess(batch: Batch, train: bool) -> Batch:
-    return {**batch, "x": batch["x"].long()}  # stored as uint8 bytes: 8x less device memory
+    return {**batch, "x": batch["x"].long()}  # stored as uint8 bytes or int32 ids: 8x or 2x less memory
 
 
 def next_token_criterion(label_smoothing: float = 0.0):
@@ -231,23 +275,28 @@ def next_token_criterion(label_smoothing: float = 0.0):
 def build(cfg, rt: Runtime) -> Recipe:
     config = model_config(cfg.recipe.model)
     data_cfg = cfg.recipe.data
-    source = data_cfg.source
-    context = config.context
-    if data_cfg.path is None:
-        if source == "text":
+    source, context, vocab = data_cfg.source, config.context, config.vocab
+    if source not in SOURCES:
+        raise ConfigError(f"recipe.data.source={source!r} is not one of {', '.join(SOURCES)}: "
+                          "set recipe.data.source=auto")
+    if source == "auto":  # a file given: read it; none: the synthetic language, quietly
+        source = "synthetic" if data_cfg.path is None else "text"
+    if source == "tokens":
+        train, test = token_splits(data_cfg.root, context, vocab)
+    elif source == "text":
+        if data_cfg.path is None:
             raise ConfigError("recipe.data.source=text needs a file to read: set recipe.data.path=<text file> "
                               "(or recipe.data.source=synthetic)")
-        source = "synthetic" if source == "auto" else source  # no file given: the synthetic language, quietly
-    elif source != "synthetic":
         check_text_file(data_cfg.path, context)
-    train_size = data_cfg.train_size or SYNTHETIC_TRAIN_TOKENS // context
-    test_size = data_cfg.test_size or SYNTHETIC_TEST_TOKENS // context
-    data = resolve_source(
-        rt, source, "text", "recipe.data",
-        load_real=lambda download: text_file_splits(data_cfg.path, context),
-        make_synthetic=lambda: synthetic_splits(cfg.seed, context, train_size, test_size),
-    )
+        if vocab < BYTES:
+            raise ConfigError(f"recipe.data.path is read as bytes (token ids 0 to 255) but recipe.model.vocab={vocab}: "
+                              f"set recipe.model.vocab={BYTES} or more")
+        train, test = text_file_splits(data_cfg.path, context)
+    else:
+        train_size = data_cfg.train_size or SYNTHETIC_TRAIN_TOKENS // context
+        test_size = data_cfg.test_size or SYNTHETIC_TEST_TOKENS // context
+        train, test = synthetic_splits(cfg.seed, context, train_size, test_size, vocab)
     model = GPT(config)
-    return Recipe(name="gpt_tiny", model=model, data=data, preprocess=preprocess,
+    return Recipe(name=cfg.recipe.name, model=model, data=Datasets(train, test, source), preprocess=preprocess,
                   criterion=next_token_criterion(cfg.recipe.label_smoothing),
                   units_per_sample=context, unit="tokens", flops_per_unit=model.training_flops_per_token())

@@ -52,7 +52,7 @@ def test_gpt_tiny_config_has_the_model_and_optimizer_a_user_expects():
     cfg = composed("recipe=gpt_tiny")
     r = cfg.recipe
     assert OmegaConf.to_container(r.model) == {"n_layer": 6, "n_head": 6, "d_model": 384, "context": 256,
-                                               "dropout": 0.0}
+                                               "vocab": 256, "dropout": 0.0}
     assert r._target_ == "recipes.gpt.build"
     assert (r.optim._target_, r.optim.lr, list(r.optim.betas), r.optim.weight_decay) == \
         ("torch.optim.AdamW", 6e-4, [0.9, 0.95], 0.1)
@@ -236,6 +236,8 @@ def test_unknown_gpt_model_key_is_named_once_in_one_process(train_here):
 @pytest.mark.parametrize("recipe,override,named", [
     ("gpt_tiny", "recipe.model.n_head=5", "recipe.model.n_head"),  # 384 is not divisible by 5
     ("gpt_tiny", "recipe.model.dropout=1.5", "recipe.model.dropout"),
+    ("gpt2_small", "recipe.model.vocab=0", "recipe.model.vocab"),
+    ("gpt2_small", "recipe.data.source=webtext", "recipe.data.source"),
     ("cifar10_resnet18", "+recipe.model.width=32", "recipe.model"),
 ])
 def test_bad_model_settings_fail_before_any_data_is_made(recipe, override, named):

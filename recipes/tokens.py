@@ -1,0 +1,147 @@
+"""Token files: a directory of ``train.bin``, ``val.bin`` and ``meta.json``, read as windows.
+
+``scripts/prepare_text.py`` writes them. Each ``.bin`` is a flat array of token ids (no
+header, nanoGPT-style, readable by ``np.memmap``) of the dtype ``meta.json`` names: uint8
+for a vocabulary of at most 256, uint16 up to 65536, uint32 beyond. ``meta.json``::
+
+    {"tokenizer": "bytes", "vocab_size": 256, "dtype": "uint8",
+     "tokens": {"train.bin": 91234, "val.bin": 10137},
+     "val_fraction": 0.1, "sources": ["/abs/path/a.txt", ...]}
+
+A sample is the window of ``context + 1`` tokens starting at ``i * context``: consecutive
+windows share their boundary token, so every token is predicted exactly once per epoch.
+Which windows a step sees, and in what order, is the loader's business (a seeded
+permutation per epoch and rank); ``TokenWindows`` only maps an index to its window.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Dict, Tuple
+
+import numpy as np
+import torch
+
+from trainer.errors import ConfigError
+from trainer.recipe import Split
+
+META = "meta.json"
+SPLIT_FILES = ("train.bin", "val.bin")
+DTYPES = ("uint8", "uint16", "uint32")
+
+
+def dtype_for_vocab(vocab_size: int) -> str:
+    """The smallest unsigned dtype that holds every id of the vocabulary."""
+    for name in DTYPES:
+        if vocab_size <= np.iinfo(name).max + 1:
+            return name
+    raise ValueError(f"a vocabulary of {vocab_size} tokens does not fit in uint32")
+
+
+def input_dtype(file_dtype: str) -> np.dtype:
+    """How ``x`` is held: bytes stay uint8 (8x less memory than int64); wider ids as int32,
+    the smallest signed type torch indexes with. The recipe's preprocess makes them int64."""
+    return np.dtype(np.uint8) if file_dtype == "uint8" else np.dtype(np.int32)
+
+
+def windows(tokens: torch.Tensor, context: int) -> Split:
+    """Consecutive windows of ``context + 1`` tokens (sharing their boundary token) as (x, y)."""
+    n = (len(tokens) - 1) // context
+    x = tokens[: n * context].view(n, context).clone()
+    y = tokens[1: n * context + 1].view(n, context).long()
+    return Split(x, y)
+
+
+class TokenWindows(torch.utils.data.Dataset):
+    """Map-style dataset over one token file: item ``i`` is ``(x, y)`` of the window at ``i * context``.
+
+    ``x``: [context] of ``input_dtype`` (uint8 for bytes, else int32); ``y``: [context] int64,
+    ``x`` shifted by one. The file is memory-mapped lazily, once per process, so the dataset
+    pickles small into DataLoader workers and each worker maps the file itself.
+    ``to_split()`` reads all windows into two tensors, in item order (the device loader's path).
+    """
+
+    def __init__(self, path, dtype: str, context: int):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
+        self.path, self.dtype, self.context = Path(path), dtype, int(context)
+        self.n_tokens = self.path.stat().st_size // np.dtype(dtype).itemsize
+        self.x_dtype = input_dtype(dtype)
+        self._tokens = None  # np.memmap, opened on first use in each process
+
+    @property
+    def tokens(self) -> np.memmap:
+        if self._tokens is None:
+            self._tokens = np.memmap(self.path, dtype=self.dtype, mode="r", shape=(self.n_tokens,))
+        return self._tokens
+
+    def __getstate__(self) -> Dict:
+        state = dict(self.__dict__)
+        state["_tokens"] = None  # a memmap would pickle as a copy of the whole file
+        return state
+
+    def __len__(self) -> int:
+        return max(self.n_tokens - 1, 0) // self.context
+
+    def __getitem__(self, i: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"window {i} of {n}")
+        start = (i % n) * self.context
+        window = np.asarray(self.tokens[start: start + self.context + 1])
+        return (torch.from_numpy(window[:-1].astype(self.x_dtype)),
+                torch.from_numpy(window[1:].astype(np.int64)))
+
+    def to_split(self) -> Split:
+        tokens = np.asarray(self.tokens[: len(self) * self.context + 1]).astype(self.x_dtype)
+        return windows(torch.from_numpy(tokens), self.context)
+
+
+def read_header(root, context: int, vocab: int, data_key: str = "recipe.data.root") -> Dict:
+    """``root/meta.json``, checked against the files beside it and the model; ConfigError names what to fix.
+
+    Reads only the header and the files' sizes, so every rank can check before any trains.
+    """
+    directory = Path(root).expanduser()
+    prepare = f"run `python scripts/prepare_text.py TEXT_FILE... --output {root}`, or set {data_key}=<that directory>"
+    if not directory.is_dir():
+        raise ConfigError(f"{data_key}={str(root)!r} is not a directory of token files: {prepare}")
+    for name in (META, *SPLIT_FILES):
+        if not (directory / name).is_file():
+            raise ConfigError(f"{data_key}={str(root)!r} has no {name}: {prepare}")
+    meta_path = directory / META
+    try:
+        meta = json.loads(meta_path.read_text())
+        dtype, vocab_size, counts = meta["dtype"], meta["vocab_size"], meta["tokens"]
+        counts = {name: counts[name] for name in SPLIT_FILES}
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{meta_path} is not a token-file header (needs dtype, vocab_size and tokens for "
+                          f"{' and '.join(SPLIT_FILES)}; {type(e).__name__}: {e}): {prepare}") from None
+    if dtype not in DTYPES:
+        raise ConfigError(f"{meta_path} says dtype={dtype!r}, which is not one of {', '.join(DTYPES)}: "
+                          f"re-create the files ({prepare})")
+    if not isinstance(vocab_size, int) or vocab_size < 1:
+        raise ConfigError(f"{meta_path} says vocab_size={vocab_size!r}, not a positive integer: {prepare}")
+    if vocab_size > vocab:
+        raise ConfigError(f"{meta_path} says vocab_size={vocab_size} but the model has recipe.model.vocab={vocab}: "
+                          f"set recipe.model.vocab={vocab_size} or more (a multiple of 64 runs faster)")
+    itemsize = np.dtype(dtype).itemsize
+    for name in SPLIT_FILES:
+        size = (directory / name).stat().st_size
+        if size % itemsize or size // itemsize != counts[name]:
+            raise ConfigError(f"{directory / name} holds {size} bytes ({size / itemsize:g} tokens of {dtype}) but "
+                              f"{meta_path} says {counts[name]} tokens: the files are truncated or from different "
+                              f"runs; re-create them ({prepare})")
+        if counts[name] < context + 1:
+            raise ConfigError(f"{directory / name} has {counts[name]} tokens, too few for one window of "
+                              f"recipe.model.context={context} + 1: use more text (or a larger "
+                              f"--val-fraction for val.bin), or a smaller recipe.model.context")
+    return meta
+
+
+def token_splits(root, context: int, vocab: int, data_key: str = "recipe.data.root") -> Tuple[TokenWindows,
+                                                                                              TokenWindows]:
+    """(train, test) windows of the token files in ``root``, after ``read_header``'s checks."""
+    meta = read_header(root, context, vocab, data_key)
+    directory = Path(root).expanduser()
+    return tuple(TokenWindows(directory / name, meta["dtype"], context) for name in SPLIT_FILES)
