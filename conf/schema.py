@@ -68,7 +68,7 @@ class DataConfig:
     batch_size: int = 64  # per rank
     eval_batch_size: int = 1000  # per rank; the last batch is padded and masked
     num_workers: int = 0  # DataLoader worker processes (host loader; device loader: for reading the data once)
-    train_size: Optional[int] = None  # how many samples to use (a seeded subset of real data); None: all
+    train_size: Optional[int] = None  # synthetic: how many to draw; folder: a seeded subset; None: all
     test_size: Optional[int] = None
     path: Optional[str] = None  # text recipes: a file to tokenize
 

@@ -123,6 +123,7 @@ def make_preprocess(device: torch.device):
 
 def build(cfg, rt: Runtime) -> Recipe:
     data = image_datasets(cfg, rt, recipe="cifar10_resnet18", real_name="cifar10", sizes=(TRAIN_SIZE, TEST_SIZE),
+                          image_shape=(3, SIZE, SIZE), num_classes=10,
                           load_real=load_torchvision_cifar10, make_synthetic=synthetic_cifar10)
     return Recipe(name="cifar10_resnet18", model=resnet18_cifar(), data=data, preprocess=make_preprocess(rt.device),
                   criterion=classification_criterion(log_probs_given=False,

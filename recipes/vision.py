@@ -6,6 +6,7 @@ from typing import Callable, Tuple
 import torch
 import torch.nn.functional as F
 
+from recipes.image_folder import folder_datasets
 from trainer.errors import ConfigError
 from trainer.recipe import Datasets, Split
 from trainer.runtime import Runtime
@@ -28,22 +29,28 @@ def classification_criterion(log_probs_given: bool, label_smoothing: float = 0.0
 
 
 def image_datasets(cfg, rt: Runtime, *, recipe: str, real_name: str, sizes: Tuple[int, int],
+                   image_shape: Tuple[int, int, int], num_classes: int,
                    load_real: Callable[[str, bool], Tuple[Split, Split]],
                    make_synthetic: Callable[[int, int, int], Tuple[Split, Split]]) -> Datasets:
     """The data of a torchvision image recipe whose model takes no options.
 
     ``load_real(root, download)`` reads the real set; ``make_synthetic(seed, train_size,
     test_size)`` draws the stand-in, at the real set's ``sizes`` unless
-    ``recipe.data.train_size``/``test_size`` say otherwise.
+    ``recipe.data.train_size``/``test_size`` say otherwise. ``source=folder`` reads images
+    of ``image_shape`` (C, H, W) and at most ``num_classes`` classes from ``recipe.data.root``
+    (recipes/image_folder.py); train_size/test_size then pick a seeded subset.
     """
     data_cfg = cfg.recipe.data
     if cfg.recipe.model:
         raise ConfigError(f"recipe.model has keys {sorted(cfg.recipe.model)} but the {recipe} model takes "
                           "none: remove them")
+    if data_cfg.source == "folder":
+        return folder_datasets(data_cfg.root, recipe=recipe, shape=image_shape, num_classes=num_classes,
+                               seed=cfg.seed, train_size=data_cfg.train_size, test_size=data_cfg.test_size)
     train_size = data_cfg.train_size or sizes[0]
     test_size = data_cfg.test_size or sizes[1]
     return resolve_source(
-        rt, data_cfg.source, real_name, "recipe.data",
+        rt, data_cfg.source, real_name, "recipe.data", handled_before=("folder",),
         load_real=lambda download: load_real(data_cfg.root, download),
         make_synthetic=lambda: make_synthetic(cfg.seed, train_size, test_size),
     )

@@ -12,16 +12,19 @@ from trainer.runtime import Runtime
 
 def resolve_source(rt: Runtime, requested: str, real_name: str, data_key: str,
                    load_real: Callable[[bool], Tuple[Split, Split]],
-                   make_synthetic: Callable[[], Tuple[Split, Split]]) -> Datasets:
+                   make_synthetic: Callable[[], Tuple[Split, Split]],
+                   handled_before: Tuple[str, ...] = ()) -> Datasets:
     """Loads ``real_name`` or the synthetic stand-in, as ``requested`` says.
 
     auto: the real set when present under data.root or downloadable, otherwise the
     synthetic one with a loud warning. Rank 0 decides (and downloads); every rank
     then loads what rank 0 decided, so all ranks train on the same data.
+    ``handled_before``: the sources the recipe takes care of before calling this one
+    (the image recipes' ``folder``), listed in the message for a source that is not known.
     """
     allowed = ("auto", real_name, "synthetic")
     if requested not in allowed:
-        raise ConfigError(f"{data_key}.source={requested!r} is not one of {', '.join(allowed)}: "
+        raise ConfigError(f"{data_key}.source={requested!r} is not one of {', '.join(allowed + handled_before)}: "
                           f"set {data_key}.source=auto")
     decision = None
     if rt.is_main:
