@@ -86,21 +86,21 @@ class DeviceLoader:
         self.x = split.x.to(rt.device)
         self.y = split.y.to(rt.device)
         self.steps, self.length = plan_epoch(len(split), rt.world_size, batch_size, batches_per_step, train)
-        self.index = torch.zeros(self.length, dtype=torch.long, device=rt.device)
-        self.mask = torch.zeros(self.length, dtype=torch.bool, device=rt.device)
-        self.cursor = torch.zeros((), dtype=torch.long, device=rt.device)
-        self.offsets = torch.arange(batch_size, device=rt.device)
+        # The epoch's indices as rows of one micro-batch; the cursor is the row to read next.
+        self.rows = torch.zeros(self.length // batch_size, batch_size, dtype=torch.long, device=rt.device)
+        self.mask_rows = torch.zeros(self.length // batch_size, batch_size, dtype=torch.bool, device=rt.device)
+        self.cursor = torch.zeros(1, dtype=torch.long, device=rt.device)
         self.start_epoch(0)
 
     def start_epoch(self, epoch: int) -> None:
         index, mask = epoch_index(len(self.y), self.length, self.rt, train=self.train, seed=self.seed, epoch=epoch)
-        self.index.copy_(index)
-        self.mask.copy_(mask)
+        self.rows.copy_(index.view_as(self.rows))
+        self.mask_rows.copy_(mask.view_as(self.mask_rows))
         self.cursor.zero_()
 
     def skip(self, steps: int) -> None:
         """Moves past the first ``steps`` steps of the epoch (resuming mid-epoch)."""
-        self.cursor.fill_(steps * self.batch_size * self.batches_per_step)
+        self.cursor.fill_(steps * self.batches_per_step)
 
     def stage(self) -> None:
         """Nothing to do on the host: the batch is picked inside ``next_batch``."""
@@ -109,12 +109,12 @@ class DeviceLoader:
         """Nothing to release."""
 
     def next_batch(self) -> Batch:
-        pos = self.cursor + self.offsets
-        idx = self.index.index_select(0, pos)
-        self.cursor.add_(self.batch_size)
+        # Four small kernels per batch inside the graph: the row of indices, two gathers, the cursor.
+        idx = self.rows.index_select(0, self.cursor).view(-1)
         batch = {"x": self.x.index_select(0, idx), "y": self.y.index_select(0, idx)}
         if not self.train:
-            batch["mask"] = self.mask.index_select(0, pos)
+            batch["mask"] = self.mask_rows.index_select(0, self.cursor).view(-1)
+        self.cursor.add_(1)
         return batch
 
 
