@@ -12,8 +12,9 @@ step). Each is warmed up and captured, then ``--steps`` graphed steps are timed 
 wall clock from first to last (synchronized), so a step that waits for its batch counts.
 
 For the host loader it also reports where the host's time goes: the share of the
-step the loop spent waiting for a batch, and per batch the cost of decoding (one
-process), of collating, and of the copy into pinned memory.
+step the loop spent waiting for its workers' next batch (near 0: the GPU bounds the
+step), and per batch the cost of decoding (one process), of collating, and of the copy
+into pinned memory.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from conf.schema import compose  # noqa: E402
-from trainer.data import collate  # noqa: E402
+from trainer.data import collate, host_copy  # noqa: E402
 from trainer.loop import Trainer  # noqa: E402
 from trainer.runtime import pick_device, seed_everything, start  # noqa: E402
 from trainer.validate import check_config  # noqa: E402
@@ -48,7 +49,7 @@ def build(overrides, folder: Path, loader: str, workers: int):
 
 
 def timed_steps(trainer: Trainer, steps: int):
-    """(seconds per step, seconds the host waited in stage() per step) over ``steps`` graphed steps."""
+    """(seconds per step, seconds per step the host loader waited for its workers) over ``steps`` graphed steps."""
     ex, loader, step = trainer.executor, trainer.train_loader, trainer.train_step
     loader.start_epoch(0)
     if loader.steps < steps + 2 * ex.warmup_iters:
@@ -58,20 +59,13 @@ def timed_steps(trainer: Trainer, steps: int):
         ex.run("train", loader.stage, step)
     for _ in range(ex.warmup_iters):  # settle (the workers' queues fill)
         ex.run("train", loader.stage, step)
-    waited = 0.0
-
-    def stage():
-        nonlocal waited
-        began = time.perf_counter()
-        loader.stage()
-        waited += time.perf_counter() - began
-
     torch.cuda.synchronize()
+    waited = getattr(loader, "waited_s", 0.0)
     began = time.perf_counter()
     for _ in range(steps):
-        ex.run("train", stage, step)
+        ex.run("train", loader.stage, step)
     torch.cuda.synchronize()
-    return (time.perf_counter() - began) / steps, waited / steps
+    return (time.perf_counter() - began) / steps, (getattr(loader, "waited_s", 0.0) - waited) / steps
 
 
 def host_costs(trainer: Trainer, batches: int = 20):
@@ -87,7 +81,7 @@ def host_costs(trainer: Trainer, batches: int = 20):
     pinned = torch.empty_like(stacked[0][0], pin_memory=True)
     began = time.perf_counter()
     for x, _ in stacked:
-        pinned.copy_(x)
+        host_copy(pinned, x)  # as the loader copies
     copy = (time.perf_counter() - began) / batches
     return {"decode_ms_per_batch": 1e3 * decode, "collate_ms_per_batch": 1e3 * collate_s,
             "pinned_copy_ms_per_batch": 1e3 * copy}
@@ -117,7 +111,7 @@ def main() -> None:
         samples = cfg.recipe.data.batch_size * cfg.train.grad_accum
         row = {"loader": loader, "num_workers": workers if loader == "host" else None,
                "samples_per_s": samples / step_s, "step_ms": 1e3 * step_s,
-               "host_wait_share": waited_s / step_s if loader == "host" else None}
+               "batch_wait_share": waited_s / step_s if loader == "host" else None}
         if loader == "host":
             row.update(host_costs(trainer))
         rows.append(row)

@@ -21,6 +21,7 @@ import logging
 import math
 import os
 import signal
+import time
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -210,6 +211,7 @@ class HostLoader:
             generator=torch.Generator().manual_seed(seed))  # its worker seeds must not draw from the global RNG
         self._micro = 0
         self._it = None
+        self.waited_s = 0.0  # time stage() spent waiting for a batch from the workers
         self.start_epoch(0)
 
     def start_epoch(self, epoch: int) -> None:
@@ -232,7 +234,9 @@ class HostLoader:
     def stage(self) -> None:
         if self._it is None:
             self._it = iter(self.loader)
+        began = time.perf_counter()
         x, y = next(self._it)
+        self.waited_s += time.perf_counter() - began  # the loop waiting for its workers
         batch = {"x": x, "y": y}
         if not self.train:
             batch["mask"] = self.mask[self._row]
