@@ -40,10 +40,12 @@ from graphing.options import (DDP_MIN_WARMUP, CaptureErrorMode, GraphConfigError
 # which conf/schema.py types its settings with) stays free of torch.
 _LAZY = {
     "CaptureError": "graphing.capture",
+    "DoctorReport": "graphing.doctor",
     "Executor": "graphing.executor",
     "GraphedStep": "graphing.graphed_step",
     "StepTimer": "graphing.timing",
     "build_executor": "graphing.factory",
+    "diagnose": "graphing.doctor",
     "float_learning_rate": "graphing.optimizers",
     "graph_safe_optimizer_kwargs": "graphing.optimizers",
     "optimizer_capture_problem": "graphing.optimizers",

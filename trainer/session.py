@@ -73,7 +73,7 @@ def run(cfg) -> int:
                                       (NonFiniteLossError, EXIT_NONFINITE)) if isinstance(e, kind))
         print_once(f"Error: {e}", file=sys.stderr)
         if env_rank() == 0:  # the same on every rank: once in the report too
-            _tell_torchrun(f"Error: {e}")
+            tell_torchrun(f"Error: {e}")
     except Preempted as e:  # every rank agreed on the step and the checkpoint is written: an orderly end
         code = EXIT_PREEMPTED
         print_once(str(e), file=sys.stderr)
@@ -83,7 +83,7 @@ def run(cfg) -> int:
         log.error("crashed:\n%s", text)  # the rank's log file; rank 0's console too
         if rt is None or not rt.is_main:
             print(f"[rank {env_rank()}] {text}", file=sys.stderr, flush=True)
-        _tell_torchrun(text)
+        tell_torchrun(text)
     finally:
         if trainer is not None:
             trainer.close()  # graphs before the process group, or exit can hang
@@ -105,7 +105,7 @@ def run(cfg) -> int:
     return code
 
 
-def _tell_torchrun(message: str) -> None:
+def tell_torchrun(message: str) -> None:
     """Puts ``message`` in torchrun's failure report (its per-worker error file), in place of
     "To enable traceback see ...": the report then names the cause, not only an exit code."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")

@@ -1,0 +1,96 @@
+"""A gallery of small training steps, each broken in one way the graph doctor must name.
+
+Each module has ``build(device) -> Case``. The line that causes a problem carries a marker
+comment ``# doctor: <kind>``: the tests read the expected kind and line from the source, so
+moving code never breaks them. A module without markers is a step the doctor must call ready.
+``EXPECT`` in each module says what really happens when the step runs through
+``graphing.GraphedStep`` on CUDA (tests/test_doctor_gpu.py checks it): "fails", "differs"
+(captures, then replays something other than eager does) or "matches".
+"""
+from __future__ import annotations
+
+import importlib
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+import torch.nn as nn
+
+CASES = [
+    "sync_item", "sync_print", "sync_tensor_if", "sync_mask", "sync_cpu", "sync_linalg", "shape_change",
+    "host_to_device", "lr_float", "optimizer_not_capturable", "grad_scaler", "autocast_outer",
+    "autocast_inside", "ddp_find_unused", "sync_batchnorm", "generator", "memory_growth", "control_flow",
+    "python_scalar", "two_defects", "clean",
+]
+MARKER = re.compile(r"#\s*doctor:\s*([a-z_]+)")
+VERDICT_OF = {"blocks": "blocked", "wrong": "captures-but-wrong"}
+
+
+@dataclass
+class Case:
+    step: Callable[..., Any]  # step_fn(model, *inputs), as GraphedStep and diagnose take it
+    model: nn.Module
+    optimizer: Optional[torch.optim.Optimizer]
+    inputs: Callable[[], Any]  # each call: the next step's inputs
+    verdict: str  # what the doctor must say: ready, blocked, captures-but-wrong
+    expect: str  # what GraphedStep really does on CUDA: fails, differs, matches
+    needs_cuda: bool = False  # only CUDA's own checks can see it
+    needs_process_group: bool = False
+    ddp_kwargs: Optional[Dict[str, Any]] = None
+    # The user's loop around the steps (an outer autocast, say): around(run) calls run() inside it.
+    around: Callable[[Callable[[], Any]], Any] = field(default=lambda run: run())
+    # What a step leaves behind besides the parameters, compared between eager and graphed runs.
+    extra: Callable[[], List[float]] = field(default=lambda: [])
+
+
+def load(name: str, device: torch.device) -> Case:
+    return importlib.import_module(f"doctor_gallery.{name}").build(torch.device(device))
+
+
+def marked(name: str) -> Dict[str, List[int]]:
+    """{kind: [line, ...]} from the module's ``# doctor: <kind>`` comments."""
+    path = Path(__file__).with_name(f"{name}.py")
+    out: Dict[str, List[int]] = {}
+    for number, text in enumerate(path.read_text().splitlines(), start=1):
+        match = MARKER.search(text)
+        if match:
+            out.setdefault(match.group(1), []).append(number)
+    return out
+
+
+def source(name: str) -> str:
+    return str(Path(__file__).with_name(f"{name}.py").resolve())
+
+
+def small_model(device: torch.device, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1)).to(device)
+
+
+def batches(device: torch.device, batch_size: int = 8, count: int = 6, last: Optional[int] = None,
+            seed: int = 1) -> Callable[[], Any]:
+    """A loader of ``count`` fixed batches, cycled; ``last`` makes the final batch of each round partial."""
+    g = torch.Generator().manual_seed(seed)
+    data = []
+    for i in range(count):
+        n = last if last is not None and i == count - 1 else batch_size
+        x = torch.randn(n, 4, generator=g)
+        data.append((x.to(device), (x.sum(1, keepdim=True) * 0.5).to(device)))
+    position = [0]
+
+    def next_batch():
+        batch = data[position[0] % count]
+        position[0] += 1
+        return batch
+
+    return next_batch
+
+
+def sgd(model: nn.Module, device: torch.device, lr: float = 0.05) -> torch.optim.Optimizer:
+    """SGD as a graphed user builds it: a device-tensor lr, fused on CUDA."""
+    import graphing
+
+    kwargs = graphing.graph_safe_optimizer_kwargs(torch.optim.SGD, device, {"momentum": 0.9})
+    return torch.optim.SGD(model.parameters(), lr=torch.tensor(lr, device=device), momentum=0.9, **kwargs)

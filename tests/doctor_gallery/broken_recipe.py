@@ -1,0 +1,25 @@
+"""A user's recipe whose loss reads a value on the host: scripts/doctor.py must name the line.
+
+    python scripts/doctor.py recipe._target_=doctor_gallery.broken_recipe.build recipe.name=broken
+    (with tests/ on PYTHONPATH)
+"""
+from __future__ import annotations
+
+import torch.nn.functional as F
+
+from recipes.mnist import Net, preprocess, synthetic_mnist
+from trainer.recipe import Datasets, Recipe
+
+WORST = [0.0]
+
+
+def build(cfg, runtime):
+    train, test = synthetic_mnist(cfg.seed, cfg.recipe.data.train_size or 512, cfg.recipe.data.test_size or 128)
+
+    def criterion(output, target):
+        per_sample = F.nll_loss(output, target, reduction="none")
+        WORST[0] = max(WORST[0], per_sample.max().item())  # doctor: host_sync
+        return per_sample, output.argmax(-1) == target
+
+    return Recipe(name=cfg.recipe.name, model=Net(), data=Datasets(train, test, "synthetic"),
+                  preprocess=preprocess, criterion=criterion)

@@ -1,0 +1,21 @@
+"""The last batch of each round is partial: the step's shapes change, and a graph replays one shape."""
+from __future__ import annotations
+
+import torch.nn.functional as F
+
+from doctor_gallery import Case, batches, sgd, small_model
+
+
+def build(device):
+    model = small_model(device)
+    optimizer = sgd(model, device)
+
+    def step(model, x, y):
+        optimizer.zero_grad(set_to_none=True)
+        out = model(x)  # doctor: shape_change
+        loss = F.mse_loss(out, y)
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+    return Case(step, model, optimizer, batches(device, count=4, last=5), verdict="blocked", expect="fails")

@@ -1,0 +1,182 @@
+"""The graph doctor on the CPU: what a user sees when they ask whether their step can be graphed.
+
+Every gallery step (tests/doctor_gallery/) whose problem shows without CUDA is diagnosed with
+the right kind at the line its marker comment names, and nothing else; the built-in recipes
+are ready in every precision; scripts/doctor.py names a recipe's line, writes doctor.json and
+logs the table to W&B (offline). tests/test_doctor_gpu.py checks the same gallery on CUDA
+against what graphing.GraphedStep really does.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import graphing
+from conftest import ROOT, free_port
+from doctor_gallery import CASES, load, marked, source
+from graphing.doctor import SKIPPED_WITHOUT_CUDA
+from wandb_offline import find_runs, read_run
+
+CPU_CASES = [name for name in CASES if not load(name, "cpu").needs_cuda]
+CHECKED_STEPS = 5  # enough to compare steps (from the third on) and to see tensors kept from two steps
+
+
+@pytest.fixture
+def process_group():
+    """A real one-rank gloo process group: diagnose wraps the model in DDP, as under torchrun."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def diagnose_case(name: str, device="cpu", **kwargs):
+    case = load(name, device)
+    kwargs = {"warmup_iters": CHECKED_STEPS, "timing_steps": 1, **kwargs}
+    report = case.around(lambda: graphing.diagnose(case.step, case.model, case.optimizer, case.inputs,
+                                                   ddp_kwargs=case.ddp_kwargs, **kwargs))
+    return case, report
+
+
+def test_importing_the_doctor_loads_no_trainer_recipe_or_config_code():
+    probe = ("import graphing, sys; graphing.diagnose; graphing.DoctorReport; "
+             "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+             "('recipes', 'trainer', 'conf', 'hydra', 'omegaconf', 'wandb')))")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("name", CPU_CASES)
+def test_each_gallery_step_is_diagnosed_with_its_kind_at_the_marked_line(name, request):
+    if load(name, "cpu").needs_process_group:
+        request.getfixturevalue("process_group")
+    case, report = diagnose_case(name)
+    found = {(f.kind, f.file, f.line) for f in report.findings}
+    expected = {(kind, source(name), line) for kind, lines in marked(name).items() for line in lines}
+    assert found == expected, report.table()
+    assert report.verdict == case.verdict, report.table()
+    assert report.exit_code == {"ready": 0, "blocked": 5, "captures-but-wrong": 6}[case.verdict]
+    for finding in report.findings:  # every finding says what it saw and the fix, in a sentence
+        assert finding.what and finding.fix.endswith("."), finding
+
+
+@pytest.mark.fast
+def test_a_step_with_two_defects_gets_both_named_in_one_table():
+    _, report = diagnose_case("two_defects")
+    lines = marked("two_defects")
+    table = report.table()
+    assert f"tests/doctor_gallery/two_defects.py:{lines['host_sync'][0]}" in table
+    assert f"tests/doctor_gallery/two_defects.py:{lines['lr_frozen'][0]}" in table
+    assert "(0.05 then 0.025)" in table  # the lr the graph would freeze, as the user wrote it
+    # A capture would fail, which is what the user meets first: blocked wins over wrong.
+    assert "verdict: blocked (exit 5)" in table and report.exit_code == 5
+    assert [f.effect for f in report.findings] == ["blocks", "wrong"]
+
+
+@pytest.mark.fast
+def test_without_cuda_the_report_names_the_checks_it_skipped():
+    _, report = diagnose_case("clean")
+    assert report.verdict == "ready" and report.findings == []
+    assert report.skipped == SKIPPED_WITHOUT_CUDA
+    table = report.table()
+    assert "skipped without CUDA: capture attempt (torch.cuda.graph); CUDA's own sync detection" in table
+    assert "capture: skipped (needs CUDA)" in table
+    assert report.eager_step_ms > 0 and report.gpu_busy_ms is None
+
+
+@pytest.mark.fast
+def test_ddp_own_host_syncs_are_left_out(process_group):
+    """Under a process group the step runs in DDP, whose early iterations sync from torch's own code."""
+    _, report = diagnose_case("clean", warmup_iters=12)
+    assert report.world_size == 1 and report.findings == [], report.table()
+    assert report.verdict == "ready"
+
+
+SMALL = {
+    "mnist": ["recipe=mnist", "recipe.data.train_size=256", "recipe.data.test_size=64"],
+    "cifar10_resnet18": ["recipe=cifar10_resnet18", "recipe.data.batch_size=2", "recipe.data.train_size=32",
+                         "recipe.data.test_size=16", "graph.warmup_iters=6"],  # the full ResNet-18: fewer steps
+    "gpt_tiny": ["recipe=gpt_tiny", "recipe.model.n_layer=1", "recipe.model.n_head=2", "recipe.model.d_model=32",
+                 "recipe.model.context=16", "recipe.data.train_size=128", "recipe.data.test_size=16"],
+}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("recipe", sorted(SMALL))
+def test_the_built_in_recipes_are_ready_in_every_precision(recipe, precision, tmp_path, capsys):
+    from scripts.doctor import main
+
+    code = main([*SMALL[recipe], "recipe.data.source=synthetic", f"train.precision={precision}", "logger=none",
+                 f"output_root={tmp_path}"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    [path] = tmp_path.rglob("doctor.json")
+    report = json.loads(path.read_text())
+    assert report["verdict"] == "ready" and report["findings"] == [], out
+    steps = 6 if recipe == "cifar10_resnet18" else 11
+    assert (report["recipe"], report["precision"], report["checked_steps"]) == (recipe, precision, steps)
+    assert "no findings" in out and "verdict: ready (exit 0)" in out
+
+
+def test_the_script_names_a_recipes_line_writes_doctor_json_and_logs_the_table_to_wandb(tmp_path):
+    """One real launch, as a user runs it, with the default (offline) W&B logger."""
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_MODE"}
+    env.update(PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), env.get("PYTHONPATH", "")]), WANDB_SILENT="true",
+               OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "scripts/doctor.py", "recipe._target_=doctor_gallery.broken_recipe.build",
+                           "recipe.name=broken", "recipe.data.train_size=256", f"output_root={tmp_path}",
+                           "device=cpu"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    [line] = marked("broken_recipe")["host_sync"]
+    where = f"tests/doctor_gallery/broken_recipe.py:{line}"
+    assert done.returncode == 5, done.stdout + done.stderr[-3000:]
+    assert where in done.stdout and "verdict: blocked (exit 5)" in done.stdout
+    assert "skipped without CUDA: capture attempt" in done.stdout  # device=cpu: the GPU checks are named
+    [path] = tmp_path.rglob("doctor.json")
+    report = json.loads(path.read_text())
+    assert report["verdict"] == "blocked" and report["exit_code"] == 5 and report["recipe"] == "broken"
+    assert [(f["kind"], f["where"], f["effect"]) for f in report["findings"]] == [("host_sync", where, "blocks")]
+    assert report["skipped"] == SKIPPED_WITHOUT_CUDA
+
+    [run_file] = find_runs(path.parent)
+    run = read_run(run_file)
+    assert run.job_type == "doctor" and run.exit_code == 0
+    assert run.summary["doctor/verdict"] == "blocked" and run.summary["doctor/finding_count"] == 1
+    [row] = [r for r in run.history if r.get("doctor/findings/_type") == "table-file"]
+    table = json.loads((run_file.parent / "files" / row["doctor/findings/path"]).read_text())
+    assert table["columns"] == ["kind", "effect", "where", "what", "fix"]
+    assert [r[:3] for r in table["data"]] == [["host_sync", "blocks", where]]
+
+
+@pytest.mark.fast
+def test_a_bad_setting_is_a_config_error_named_once(tmp_path, capsys):
+    from scripts.doctor import main
+
+    assert main(["train.grad_accum=0", "logger=none", f"output_root={tmp_path}"]) == 2
+    assert capsys.readouterr().err.count("train.grad_accum=0 must be at least 1") == 1
+    assert not list(tmp_path.rglob("doctor.json"))
+
+
+@pytest.mark.fast
+def test_torch_internal_calls_are_not_blamed_on_the_user():
+    """AdamW on the CPU reads its host-side step counter with .item() inside torch.optim: not the user's sync."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3), foreach=False)
+
+    def step(model, x, y):
+        optimizer.zero_grad(set_to_none=True)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+
+    report = graphing.diagnose(step, model, optimizer, (torch.randn(8, 4), torch.randn(8, 1)), warmup_iters=4,
+                               timing_steps=0)
+    assert [f.kind for f in report.findings] == ["optimizer"], report.table()  # capturable=False, and only that
+    assert report.verdict == "blocked" and report.eager_step_ms is None
