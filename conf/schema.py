@@ -40,7 +40,8 @@ class LoaderKind(Enum):
 
 class Precision(Enum):
     fp32 = "fp32"
-    bf16 = "bf16"
+    bf16 = "bf16"  # autocast to bfloat16 (weights, grads and optimizer state stay fp32)
+    auto = "auto"  # bf16 on CUDA, fp32 elsewhere
 
 
 class MemoryFormat(Enum):

@@ -84,14 +84,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         trainer = Trainer(cfg, rt)
         rt.make_run_dir()
         print_once(f"graph doctor: recipe {cfg.recipe.name} ({trainer.recipe.data.source} data) | "
-                   f"precision {cfg.train.precision.value} | {rt.world_size} x {device.type} | run {rt.run_dir}")
+                   f"precision {trainer.precision} | {rt.world_size} x {device.type} | run {rt.run_dir}")
         report = diagnose_trainer(trainer)
         code = report.exit_code
         logger = MetricsLogger(cfg.logger, rt.run_dir, trainer.config, rank=rt.rank, job_type="doctor")
         if rt.is_main:
             print(report, flush=True)
             write_json(rt.run_dir / "doctor.json", {"recipe": cfg.recipe.name, "overrides": overrides,
-                                                    "precision": cfg.train.precision.value, **report.to_dict()})
+                                                    "precision": trainer.precision, **report.to_dict()})
             logger.table("doctor/findings", COLUMNS, report.rows())
             logger.summary({"doctor/verdict": report.verdict, "doctor/exit_code": report.exit_code,
                             "doctor/finding_count": len(report.findings),

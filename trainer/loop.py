@@ -26,7 +26,8 @@ from trainer.perf import Perf
 from trainer.recipe import Recipe
 from trainer.runtime import Runtime, print_once, process_started_at, seed_rank_streams
 from trainer.state import TrainingState
-from trainer.step import EvalStep, TrainStep, autocast_factory, model_input, resolve_memory_format
+from trainer.step import (EvalStep, TrainStep, autocast_factory, model_input, resolve_memory_format,
+                          resolve_precision)
 from trainer.stop import StopAgreement
 from trainer.validate import graph_options, recipe_builder
 
@@ -62,7 +63,8 @@ class Trainer:
         self.optimizer = build_optimizer(cfg.recipe.optim, model.parameters(), self.device,
                                          captured=self.executor.captures_optimizer)
         self.schedule = build_schedule(cfg.recipe.schedule, float(cfg.recipe.optim.lr), self.total_steps)
-        self.autocast = autocast_factory(loop.precision.value, self.device)
+        self.precision = resolve_precision(loop.precision.value, self.device)
+        self.autocast = autocast_factory(self.precision, self.device)
         self.model = self.executor.wrap_model(model, self._sample_inputs, self.autocast)
         self.train_step = TrainStep(recipe, self.model, self.optimizer, self.schedule, self.train_loader,
                                     grad_accum=loop.grad_accum, grad_clip=loop.grad_clip,
@@ -72,12 +74,13 @@ class Trainer:
         self.global_batch = data_cfg.batch_size * loop.grad_accum * rt.world_size
         self.perf = Perf(self.device, units_per_step=self.global_batch * recipe.units_per_sample, unit=recipe.unit,
                          world_size=rt.world_size, flops_per_unit=recipe.flops_per_unit,
-                         precision=loop.precision.value)
+                         precision=self.precision)
         self.config: Dict[str, Any] = resolved_config(cfg)
         # What this run actually uses, beside what was asked for.
         self.config["recipe"]["data"]["source_used"] = recipe.data.source
         self.config["recipe"]["data"]["loader_used"] = loader_kind
         self.config["graph"]["mode_used"] = self.options.mode
+        self.config["train"]["precision_used"] = self.precision
         self.config["train"]["memory_format_used"] = str(self.memory_format).replace("torch.", "")
         self.config["graph"]["capture_error_mode_used"] = self.executor.info["capture_error_mode"]
         self.config["world_size"] = rt.world_size

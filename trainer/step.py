@@ -36,6 +36,13 @@ def model_input(batch, memory_format: torch.memory_format) -> torch.Tensor:
     return x.contiguous(memory_format=memory_format) if x.dim() == 4 else x
 
 
+def resolve_precision(setting: str, device: torch.device) -> str:
+    """``train.precision`` as fp32 or bf16 (auto: bf16 on CUDA, where it is fast; fp32 on the CPU)."""
+    if setting == "auto":
+        return "bf16" if device.type == "cuda" else "fp32"
+    return setting
+
+
 def autocast_factory(precision: str, device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
     if precision == "bf16":
         # No autocast weight cache: a cached cast made during capture would be stale on replay.
