@@ -20,16 +20,23 @@ def _torchrun(max_restarts: int):
             f"--max-restarts={max_restarts}"]
 
 
-def test_a_killed_rank_restarts_resumes_and_matches_an_uninterrupted_run(tmp_path):
-    clean = launch(ARGS, tmp_path / "clean", nproc=2, torchrun_args=_torchrun(0), timeout=240)
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    clean = launch(ARGS, tmp_path_factory.mktemp("clean"), nproc=2, torchrun_args=_torchrun(0), timeout=240)
     assert clean.returncode == 0, clean.stderr[-3000:]
+    return clean
+
+
+# The host loader (DataLoader workers) resumes at the exact batch too: the same end as the device loader's run.
+@pytest.mark.parametrize("loader", ["recipe.data.loader=device", "recipe.data.loader=host recipe.data.num_workers=2"])
+def test_a_killed_rank_restarts_resumes_and_matches_an_uninterrupted_run(tmp_path, uninterrupted, loader):
     # Rank 1 dies hard at step 25 (mid-epoch, 5 steps after the step-20 checkpoint).
-    crashed = launch(ARGS, tmp_path / "crashed", nproc=2, torchrun_args=_torchrun(1), timeout=240,
-                     env={KILL_AT_STEP_ENV: "25:1"})
+    crashed = launch([*ARGS, *loader.split()], tmp_path / "crashed", nproc=2, torchrun_args=_torchrun(1),
+                     timeout=240, env={KILL_AT_STEP_ENV: "25:1"})
     assert crashed.returncode == 0, crashed.stderr[-3000:]
     text = crashed.stdout + crashed.stderr
     assert "killing this rank" in text and "resumed from" in text and "step_00000020.pt" in text
-    a, b = clean.results(), crashed.results()
+    a, b = uninterrupted.results(), crashed.results()
     assert b["steps"] == a["steps"] == 64
     assert len(set(a["param_digests"])) == 1
     assert a["param_digests"] == b["param_digests"], "resumed run must equal the uninterrupted one bit for bit"
