@@ -180,3 +180,23 @@ def test_torch_internal_calls_are_not_blamed_on_the_user():
                                timing_steps=0)
     assert [f.kind for f in report.findings] == ["optimizer"], report.table()  # capturable=False, and only that
     assert report.verdict == "blocked" and report.eager_step_ms is None
+
+
+def test_under_torchrun_each_rank_checks_and_rank_0_prints_one_merged_report(tmp_path):
+    """Two gloo ranks, the user's way: one table, one doctor.json, and torchrun's report names the verdict."""
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_MODE"}
+    env.update(PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), env.get("PYTHONPATH", "")]), WANDB_SILENT="true",
+               OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv-backend=c10d",
+                           f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=doctor", "scripts/doctor.py",
+                           "recipe._target_=doctor_gallery.broken_recipe.build", "recipe.name=broken",
+                           "recipe.data.train_size=256", f"output_root={tmp_path}", "device=cpu", "logger=none"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    [line] = marked("broken_recipe")["host_sync"]
+    assert done.returncode != 0, done.stdout + done.stderr[-3000:]
+    assert done.stdout.count("verdict: blocked (exit 5)") == 1, done.stdout + done.stderr[-3000:]
+    assert f"tests/doctor_gallery/broken_recipe.py:{line}" in done.stdout
+    assert "graph doctor: blocked (exit 5)" in done.stderr  # torchrun's failure report says why
+    [path] = tmp_path.rglob("doctor.json")
+    report = json.loads(path.read_text())
+    assert report["world_size"] == 2 and report["verdict"] == "blocked"
