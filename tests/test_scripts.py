@@ -196,3 +196,32 @@ def test_scaling_rows_give_speedup_over_eager_and_efficiency_per_gpu_count():
     assert full2["efficiency"] == pytest.approx(0.9)
     eager2 = next(r for r in rows if r["mode"] == "eager" and r["gpus"] == 2)
     assert eager2["efficiency"] == pytest.approx(0.75)
+
+
+def _point(nproc, batch, mode, ms):
+    return {"recipe": "mnist", "nproc": nproc, "batch_size": batch, "mode": mode, "step_ms_median": ms, "status": "ok"}
+
+
+@pytest.mark.fast
+def test_the_scaling_projection_follows_its_stated_model(tmp_path):
+    from scripts.project_scaling import main
+
+    points = [_point(1, b, "eager", ms) for b, ms in ((16, 2.0), (64, 2.4), (256, 3.0))]
+    points += [_point(1, b, "full", ms) for b, ms in ((16, 0.15), (64, 0.25), (256, 0.6))]
+    points += [_point(2, 64, "eager", 2.6)]
+    (tmp_path / "sweep.json").write_text(json.dumps({"points": points}))
+    assert main(["--sweep", str(tmp_path / "sweep.json"), "--recipe", "mnist", "--global-batch", "256",
+                 "--gpus", "1,2,512", "--params", "1000000", "--output", str(tmp_path)]) == 0
+    out = json.loads((tmp_path / "projection.json").read_text())
+    one, two, many = out["rows"]
+    assert (one["eager_step_ms"], one["full_step_ms"], one["allreduce_ms"]) == (3.0, 0.6, 0.0)  # measured, no comm
+    # 2 GPUs: batch 128, log-log between 64 and 256; a ring of 2 over NVLink for 4 MB: 2*(1/2)*4e6/360e9 + 2*5e-6 s
+    assert two["eager_step_ms"] == pytest.approx((2.4 * 3.0) ** 0.5 + 0.021111, rel=1e-4)
+    # 512 GPUs: batch 0.5 stays at the smallest measured (16); 8 GPUs a node, then 64 nodes over InfiniBand,
+    # where a tree (6 levels) beats a ring (63 steps) for 0.5 MB shards
+    comm = 1e3 * (2 * 7 / 8 * 4e6 / 360e9 + 2 * 7 * 5e-6 + 2 * 4e6 / 8 / 45e9 + 2 * 6 * 10e-6)
+    assert many["allreduce_ms"] == pytest.approx(comm, rel=1e-6)
+    assert many["graph_speedup"] == pytest.approx((2.0 + comm) / (0.15 + comm), rel=1e-6)
+    [check] = out["two_gpu_check"]
+    assert check["predicted_ms"] == pytest.approx(2.4 + 0.021111, rel=1e-4) and check["error"] < 0
+    assert "| 512 | 0.5 |" in (tmp_path / "projection.md").read_text()

@@ -1,0 +1,191 @@
+"""Strong scaling, projected: at a fixed global batch, what do 8, 64 and 512 GPUs give, eager vs graphed?
+
+    python scripts/sweep.py --recipes mnist --nprocs 1,2 --batch-sizes 8,16,32,64,128,256,512 --output /tmp/sw
+    python scripts/project_scaling.py --sweep /tmp/sw/sweep.json --recipe mnist --global-batch 4096
+
+More GPUs at a fixed global batch mean a smaller batch per GPU: the step gets shorter but
+no cheaper to launch, so launch overhead (what a CUDA graph removes) grows as a share of
+it, while the gradient all-reduce stays. The model, with every assumption a flag:
+
+- compute: the 1-GPU step time of each mode at batch ``global / N`` per GPU, interpolated
+  log-log between the measured batch sizes of the sweep; below the smallest one it stays
+  at that one's time (a launch-bound step does not get faster with fewer samples); above
+  the largest it grows linearly in the batch.
+- all-reduce of the fp32 gradients (4 bytes per parameter; DDP reduces fp32 gradients in
+  bf16 runs too): inside a node of ``--gpus-per-node`` GPUs a ring over NVLink,
+  ``2 (g-1)/g * bytes / nvlink_bw + 2 (g-1) * nvlink_latency``; across ``n`` nodes, on each
+  GPU's shard ``s = bytes / g``, the faster of a ring, ``2 (n-1)/n * s / ib_bw + 2 (n-1) *
+  ib_latency``, and a tree, ``2 s / ib_bw + 2 ceil(log2 n) * ib_latency``, as NCCL picks
+  (a hierarchical all-reduce: reduce-scatter and all-gather inside the node).
+- no overlap of the all-reduce with backward (DDP overlaps buckets with backward, so
+  this is an upper bound on the exposed time), and the same all-reduce time in both modes.
+- step(N, mode) = compute + all-reduce; graph speedup = step(N, eager) / step(N, graph).
+
+The check: for every 2-GPU point of the sweep, the model's step next to the measured one.
+Prints markdown and writes ``projection.json`` / ``projection.md`` into ``--output``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+@dataclass
+class Links:
+    nvlink_gb_s: float = 360.0  # NCCL bus bandwidth of an all-reduce inside an H100/H200 NVLink node
+    nvlink_latency_us: float = 5.0  # per ring step
+    ib_gb_s: float = 45.0  # one 400 Gb/s NIC per GPU, at about 90% of line rate
+    ib_latency_us: float = 10.0  # per ring step, across nodes
+    gpus_per_node: int = 8
+
+
+def allreduce_s(nbytes: float, gpus: int, links: Links) -> float:
+    """Seconds for one all-reduce of ``nbytes`` over ``gpus`` GPUs (hierarchical ring; see the module docstring)."""
+    if gpus <= 1:
+        return 0.0
+    g = min(gpus, links.gpus_per_node)
+    nodes = math.ceil(gpus / g)
+    t = 2 * (g - 1) / g * nbytes / (links.nvlink_gb_s * 1e9) + 2 * (g - 1) * links.nvlink_latency_us * 1e-6
+    if nodes > 1:  # NCCL takes the faster of a ring and a (double binary) tree across nodes
+        shard, alpha, bw = nbytes / g, links.ib_latency_us * 1e-6, links.ib_gb_s * 1e9
+        ring = 2 * (nodes - 1) / nodes * shard / bw + 2 * (nodes - 1) * alpha
+        tree = 2 * shard / bw + 2 * math.ceil(math.log2(nodes)) * alpha
+        t += min(ring, tree)
+    return t
+
+
+def step_ms_at(curve: Dict[int, float], batch: float) -> float:
+    """The 1-GPU step time at ``batch`` from measured (batch -> ms) points (see the module docstring)."""
+    sizes = sorted(curve)
+    if batch <= sizes[0]:
+        return curve[sizes[0]]
+    if batch >= sizes[-1]:
+        if len(sizes) == 1:
+            return curve[sizes[0]] * batch / sizes[0]
+        a, b = sizes[-2], sizes[-1]
+        slope = (curve[b] - curve[a]) / (b - a)
+        return curve[b] + slope * (batch - b)
+    hi = next(s for s in sizes if s >= batch)
+    lo = sizes[sizes.index(hi) - 1]
+    t = (math.log(batch) - math.log(lo)) / (math.log(hi) - math.log(lo))
+    return math.exp(math.log(curve[lo]) + t * (math.log(curve[hi]) - math.log(curve[lo])))
+
+
+def curves(points: Sequence[dict], recipe: str, nproc: int) -> Dict[str, Dict[int, float]]:
+    """mode -> {batch size per GPU: median step ms} of the sweep's ``nproc``-GPU points that ran."""
+    out: Dict[str, Dict[int, float]] = {}
+    for p in points:
+        if p["recipe"] == recipe and p["nproc"] == nproc and p.get("step_ms_median") and p["status"].startswith("ok"):
+            out.setdefault(p["mode"], {})[int(p["batch_size"])] = float(p["step_ms_median"])
+    return out
+
+
+def project(one_gpu: Dict[str, Dict[int, float]], global_batch: int, gpus: Sequence[int], grad_bytes: float,
+            links: Links, graph_mode: str = "full") -> List[dict]:
+    rows = []
+    for n in gpus:
+        per_gpu = global_batch / n
+        comm_ms = 1e3 * allreduce_s(grad_bytes, n, links)
+        row = {"gpus": n, "batch_per_gpu": per_gpu, "allreduce_ms": comm_ms}
+        for mode, curve in one_gpu.items():
+            row[f"{mode}_step_ms"] = step_ms_at(curve, per_gpu) + comm_ms
+        if "eager" in one_gpu and graph_mode in one_gpu:
+            row["graph_speedup"] = row["eager_step_ms"] / row[f"{graph_mode}_step_ms"]
+        rows.append(row)
+    return rows
+
+
+def check_two_gpus(points: Sequence[dict], recipe: str, one_gpu: Dict[str, Dict[int, float]], grad_bytes: float,
+                   links: Links) -> List[dict]:
+    """The model against every measured 2-GPU point: predicted vs measured step."""
+    rows = []
+    for mode, curve in curves(points, recipe, 2).items():
+        for batch, measured in sorted(curve.items()):
+            if mode not in one_gpu or batch not in one_gpu[mode]:
+                continue
+            predicted = one_gpu[mode][batch] + 1e3 * allreduce_s(grad_bytes, 2, links)
+            rows.append({"mode": mode, "batch_per_gpu": batch, "measured_ms": measured, "predicted_ms": predicted,
+                         "error": predicted / measured - 1})
+    return rows
+
+
+def parameter_count(recipe: str, overrides: Sequence[str]) -> int:
+    """The recipe's trainable parameters, from its own builder on tiny synthetic data on the CPU."""
+    import torch
+
+    from conf.schema import compose
+    from trainer.runtime import Runtime
+    from trainer.validate import recipe_builder
+
+    cfg = compose([f"recipe={recipe}", "recipe.data.source=synthetic", "recipe.data.train_size=64",
+                   "recipe.data.test_size=16", *overrides])
+    rt = Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), distributed=False, run_dir=Path("."))
+    model = recipe_builder(cfg)(cfg, rt).model
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def markdown(recipe: str, global_batch: int, grad_bytes: float, rows: List[dict], check: List[dict],
+             links: Links, modes: Sequence[str]) -> str:
+    lines = [f"### {recipe}: global batch {global_batch}, {grad_bytes / 2**20:.1f} MiB of fp32 gradients", "",
+             "| GPUs | batch/GPU | all-reduce ms | " + " | ".join(f"{m} step ms" for m in modes)
+             + " | graph speedup |", "|" + "---|" * (4 + len(modes))]
+    for r in rows:
+        cells = [str(r["gpus"]), f"{r['batch_per_gpu']:g}", f"{r['allreduce_ms']:.3f}",
+                 *(f"{r[f'{m}_step_ms']:.3f}" for m in modes), f"{r.get('graph_speedup', float('nan')):.2f}x"]
+        lines.append("| " + " | ".join(cells) + " |")
+    if check:
+        lines += ["", "Model vs measured, 2 GPUs:", "", "| mode | batch/GPU | measured ms | model ms | error |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {c['mode']} | {c['batch_per_gpu']} | {c['measured_ms']:.3f} | {c['predicted_ms']:.3f} | "
+                  f"{100 * c['error']:+.0f}% |" for c in check]
+    lines += ["", "Assumptions: " + ", ".join(f"{k}={v}" for k, v in asdict(links).items())
+              + "; no overlap of the all-reduce with backward; compute from the 1-GPU sweep."]
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sweep", type=Path, required=True, help="sweep.json from scripts/sweep.py")
+    parser.add_argument("--recipe", required=True)
+    parser.add_argument("--global-batch", type=int, required=True, help="samples (sequences) per optimizer step")
+    parser.add_argument("--gpus", default="1,2,8,64,512")
+    parser.add_argument("--graph-mode", default="full", help="the graph mode the speedup is for")
+    parser.add_argument("--params", type=int, default=None, help="trainable parameters (default: build the recipe)")
+    parser.add_argument("--output", type=Path, default=None)
+    for name, value in asdict(Links()).items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
+    args, overrides = parser.parse_known_args(argv)
+    links = Links(**{k: getattr(args, k) for k in asdict(Links())})
+    points = json.loads(args.sweep.read_text())
+    points = points["points"] if isinstance(points, dict) else points
+    one_gpu = curves(points, args.recipe, 1)
+    if "eager" not in one_gpu or args.graph_mode not in one_gpu:
+        sys.exit(f"{args.sweep} has no 1-GPU eager and {args.graph_mode} points for recipe {args.recipe}: "
+                 f"run scripts/sweep.py --recipes {args.recipe} --nprocs 1 (with modes eager,{args.graph_mode})")
+    params = args.params or parameter_count(args.recipe, overrides)
+    grad_bytes = 4.0 * params
+    gpus = [int(g) for g in args.gpus.split(",")]
+    rows = project(one_gpu, args.global_batch, gpus, grad_bytes, links, args.graph_mode)
+    check = check_two_gpus(points, args.recipe, one_gpu, grad_bytes, links)
+    text = markdown(args.recipe, args.global_batch, grad_bytes, rows, check, links, list(one_gpu))
+    print(text)
+    if args.output:
+        args.output.mkdir(parents=True, exist_ok=True)
+        (args.output / "projection.md").write_text(text + "\n")
+        (args.output / "projection.json").write_text(json.dumps(
+            {"recipe": args.recipe, "global_batch": args.global_batch, "params": params, "links": asdict(links),
+             "rows": rows, "two_gpu_check": check}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
