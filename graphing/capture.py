@@ -53,13 +53,13 @@ def capture(fn: Callable[[], None], stream: torch.cuda.Stream, pool, capture_err
         with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode):
             fn()
     except Exception as err:  # a failed capture is reported and agreed on, not fatal here
-        _leave_capture(stream)
+        leave_capture(stream)
         return None, time.perf_counter() - start, explain_capture_failure(err, capture_error_mode, prefix)
     torch.cuda.synchronize()
     return graph, time.perf_counter() - start, None
 
 
-def _leave_capture(stream: torch.cuda.Stream) -> None:
+def leave_capture(stream: torch.cuda.Stream) -> None:
     """After a failed capture (``torch.cuda.graph`` has ended it), wait for the device to idle."""
     try:
         stream.synchronize()

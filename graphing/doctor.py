@@ -38,8 +38,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from graphing.capture import _leave_capture, explain_capture_failure, reset_rng_capture_state
-from graphing.doctor_checks import (BLOCKS, WRONG, Checks, Finding, _classify_file, enclosing_autocast_with,
+from graphing.capture import leave_capture, explain_capture_failure, reset_rng_capture_state
+from graphing.doctor_checks import (BLOCKS, WRONG, Checks, Finding, classify_file, enclosing_autocast_with,
                                     model_findings, optimizer_findings, user_site)
 from graphing.executor import distributed
 from graphing.optimizers import float_learning_rate, optimizer_capture_problem
@@ -430,7 +430,7 @@ def _outer_autocast(frame, device: torch.device) -> Optional[Tuple[str, int]]:
         return None
     first = None
     while frame is not None:
-        if _classify_file(frame.f_code.co_filename)[0] == "user":
+        if classify_file(frame.f_code.co_filename)[0] == "user":
             file = os.path.abspath(frame.f_code.co_filename)
             first = first or (file, frame.f_lineno)
             line = enclosing_autocast_with(file, frame.f_lineno)
@@ -470,7 +470,7 @@ def _capture_once(step_fn, model, optimizers, produce, device, side, static, mod
         with torch.cuda.graph(graph, stream=side, capture_error_mode=mode):
             step_fn(model, *staged)
     except Exception as err:  # what the doctor is here to explain
-        _leave_capture(side)
+        leave_capture(side)
         try:
             reset_rng_capture_state(side)
         except Exception:
@@ -487,7 +487,7 @@ def _capture_once(step_fn, model, optimizers, produce, device, side, static, mod
 def _capture_failed(err: BaseException, explanation: str) -> Finding:
     file, line = "", 0
     for entry in reversed(traceback.extract_tb(err.__traceback__)):
-        if _classify_file(entry.filename)[0] == "user":
+        if classify_file(entry.filename)[0] == "user":
             file, line = os.path.abspath(entry.filename), entry.lineno or 0
             break
     cause = explanation.split("failed: ", 1)[-1].split("\n")[0]

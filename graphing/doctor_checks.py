@@ -192,7 +192,7 @@ def syncbn_syncs_while_capturing() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _classify_file(filename: str) -> Tuple[str, Optional[str]]:
+def classify_file(filename: str) -> Tuple[str, Optional[str]]:
     """("user" | "doctor" | "library", tag) where tag is "ignore", "scaler", "quiet" or None."""
     if filename.startswith("<frozen"):
         return "library", None
@@ -219,7 +219,7 @@ def user_site(frame) -> Tuple[Optional[Any], Optional[str]]:
     """(innermost user frame at or above ``frame``, tag of the innermost tagged library frame below it)."""
     tag = None
     while frame is not None:
-        kind, frame_tag = _classify_file(frame.f_code.co_filename)
+        kind, frame_tag = classify_file(frame.f_code.co_filename)
         if kind == "user":
             return frame, tag
         if tag is None and frame_tag is not None:
@@ -483,7 +483,7 @@ class Checks(TorchFunctionMode):
     # -- line tracing: who writes the learning rate ----------------------------------------------
     def tracer(self, frame, event, arg):
         """A ``sys.settrace`` function: user frames only, each line checked for a changed lr."""
-        if event != "call" or _classify_file(frame.f_code.co_filename)[0] != "user":
+        if event != "call" or classify_file(frame.f_code.co_filename)[0] != "user":
             return None
         last = [frame.f_lineno]
 

@@ -115,7 +115,7 @@ def main() -> None:
         if loader == "host":
             row.update(host_costs(trainer))
         rows.append(row)
-        trainer_precision = trainer.precision
+        precision = trainer.precision  # as resolved (train.precision=auto)
         print(json.dumps(row), flush=True)
         trainer.close()
         del trainer
@@ -124,7 +124,7 @@ def main() -> None:
     best = max(rows[1:], key=lambda r: r["samples_per_s"])
     result = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "cpus": len(__import__("os").sched_getaffinity(0)),
-        "recipe": cfg.recipe.name, "precision": trainer_precision, "mode": cfg.graph.mode.value,
+        "recipe": cfg.recipe.name, "precision": precision, "mode": cfg.graph.mode.value,
         "batch_size": cfg.recipe.data.batch_size, "steps": args.steps, "folder": str(args.folder), "rows": rows,
         "best_host": best, "host_vs_device": best["samples_per_s"] / device_rate,
     }
