@@ -10,6 +10,7 @@ executors; their caller never asks which mode it has.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections import Counter
 from typing import Any, Callable, Dict, Optional, Tuple
 
@@ -17,7 +18,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from graphing.capture import CaptureError
 from graphing.options import GraphOptions
+
+log = logging.getLogger(__name__)
 
 SampleInputs = Callable[[], Tuple[torch.Tensor, ...]]
 
@@ -70,6 +74,20 @@ class Executor:
         self.calls[role] += 1
         stage()
         fn()
+
+    def _agree_on_capture(self, failure: Optional[str]) -> bool:
+        """True when every rank captured. Otherwise every rank stops with the reason
+        (``on_failure=fail``: CaptureError) or records the fallback and goes on eagerly (False)."""
+        if self._all_agree(failure is None):
+            return True
+        message = failure or "CUDA graph capture failed on another rank; that rank's log says why."
+        if self.options.on_failure == "fail":
+            raise CaptureError(message)
+        self.info["fallback"] = message
+        self.info["mode"] = "eager (fallback)"
+        report = log.warning if is_main_rank() else log.info  # the same on every rank: say it once
+        report("%s\n%son_failure=eager: every rank continues eagerly.", message, self.options.setting_prefix)
+        return False
 
     def _all_agree(self, flag: bool) -> bool:
         """True on every rank iff ``flag`` is true on every rank."""

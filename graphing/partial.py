@@ -11,7 +11,7 @@ import logging
 
 import torch
 
-from graphing.capture import CaptureError, explain_capture_failure, reset_rng_capture_state
+from graphing.capture import explain_capture_failure, reset_rng_capture_state
 from graphing.compat import make_graphed_callables_takes_capture_error_mode
 from graphing.executor import Executor, is_main_rank
 
@@ -49,14 +49,7 @@ class PartialGraphExecutor(Executor):
             reset_rng_capture_state(side)
             failure = explain_capture_failure(err, self.info["capture_error_mode"], self.options.setting_prefix)
         torch.cuda.current_stream().wait_stream(side)
-        if not self._all_agree(failure is None):
-            message = failure or "CUDA graph capture failed on another rank; that rank's log says why."
-            if self.options.on_failure == "fail":
-                raise CaptureError(message)
-            self.info["fallback"] = message
-            self.info["mode"] = "eager (fallback)"
-            report = log.warning if is_main_rank() else log.info
-            report("%s\n%son_failure=eager: every rank continues eagerly.", message, self.options.setting_prefix)
+        if not self._agree_on_capture(failure):
             graphed = model
         model.zero_grad(set_to_none=True)  # the warm-up passes left gradients behind
         return self._ddp(graphed)

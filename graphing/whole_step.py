@@ -5,16 +5,14 @@ graph per rank, and evaluation as a forward-only graph sharing its memory pool.
 from __future__ import annotations
 
 import gc
-import logging
 from typing import Callable, Dict
 
 import torch
 import torch.distributed as dist
 
-from graphing.capture import CaptureError, capture, pool_mib, reset_rng_capture_state
-from graphing.executor import Executor, distributed, is_main_rank
+from graphing.capture import capture, pool_mib, reset_rng_capture_state
+from graphing.executor import Executor, distributed
 
-log = logging.getLogger(__name__)
 
 
 class WholeStepGraphExecutor(Executor):
@@ -87,26 +85,17 @@ class WholeStepGraphExecutor(Executor):
         torch.cuda.synchronize()
         graph, seconds, failure = capture(fn, self.side, self.pool, self.options.capture_error_mode,
                                            self.options.setting_prefix)
-        ok = self._all_agree(failure is None)
-        if ok:
-            self.graphs[role] = graph
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.info[f"{role}_capture_s"] = seconds
-            self.info["graph_pool_mib"] = pool_mib(self.pool)
-            return True
-        message = failure or "CUDA graph capture failed on another rank; that rank's log says why."
-        del graph
         if failure is not None:  # a rank whose own capture succeeded has nothing to repair
             reset_rng_capture_state(self.side)
-        if self.options.on_failure == "fail":
-            raise CaptureError(message)
-        self.fallen_back = True
-        self.info["fallback"] = message
-        self.info["mode"] = "eager (fallback)"
-        report = log.warning if is_main_rank() else log.info  # the same on every rank: say it once
-        report("%s\n%son_failure=eager: every rank continues eagerly.", message, self.options.setting_prefix)
-        return False
+        if not self._agree_on_capture(failure):
+            self.fallen_back = True
+            return False
+        self.graphs[role] = graph
+        if self.pool is None:
+            self.pool = graph.pool()
+        self.info[f"{role}_capture_s"] = seconds
+        self.info["graph_pool_mib"] = pool_mib(self.pool)
+        return True
 
     def close(self) -> None:
         # Graphs hold a private memory pool and captured NCCL work: release them before the
