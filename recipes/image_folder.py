@@ -22,6 +22,7 @@ from typing import List, Optional, Tuple
 import numpy as np
 import torch
 
+from trainer.data import read_every_item
 from trainer.errors import ConfigError
 from trainer.recipe import Datasets, Split
 
@@ -61,15 +62,7 @@ class ImageFolderDataset(torch.utils.data.Dataset):
 
     def to_split(self, workers: Optional[int] = None) -> Split:
         """Every image decoded, in parallel worker processes: x uint8 [N, C, H, W], y int64 [N]."""
-        workers = default_workers() if workers is None else workers
-        x = torch.empty((len(self), *self.shape), dtype=torch.uint8)
-        loader = torch.utils.data.DataLoader(self, batch_size=512, num_workers=workers if len(self) > 512 else 0,
-                                             generator=torch.Generator())  # leaves the global RNG (dropout) alone
-        done = 0
-        for images, _ in loader:
-            x[done:done + len(images)] = images
-            done += len(images)
-        return Split(x, torch.from_numpy(self.labels.copy()))
+        return read_every_item(self, default_workers() if workers is None else workers)
 
 
 def default_workers() -> int:

@@ -17,7 +17,6 @@ the epoch's sampler at the exact batch; nothing before it is read.
 """
 from __future__ import annotations
 
-import logging
 import math
 import os
 import signal
@@ -31,7 +30,6 @@ from trainer.errors import ConfigError
 from trainer.recipe import Batch, Split, SplitLike
 from trainer.runtime import Runtime
 
-log = logging.getLogger(__name__)
 DEVICE_MEMORY_SHARE = 0.3  # loader=auto keeps a split on the device when it takes at most this share of free memory
 
 
@@ -81,7 +79,6 @@ class DeviceLoader:
 
     def __init__(self, split: Split, batch_size: int, rt: Runtime, *, train: bool, seed: int,
                  batches_per_step: int = 1):
-        self.kind = "device"
         self.train, self.seed, self.rt, self.batch_size = train, seed, rt, batch_size
         self.batches_per_step = batches_per_step
         self.x = split.x.to(rt.device)
@@ -185,7 +182,6 @@ class HostLoader:
 
     def __init__(self, dataset: SplitLike, batch_size: int, rt: Runtime, *, train: bool, seed: int,
                  batches_per_step: int = 1, num_workers: int = 0, prefetch_factor: int = 4):
-        self.kind = "host"
         self.dataset, self.rt, self.train, self.seed = dataset, rt, train, seed
         self.batch_size, self.batches_per_step, self.num_workers = batch_size, batches_per_step, num_workers
         self.steps, self.length = plan_epoch(len(dataset), rt.world_size, batch_size, batches_per_step, train)
@@ -293,17 +289,24 @@ def split_bytes(dataset: SplitLike) -> int:
     return len(dataset) * (x.numel() * x.element_size() + y.numel() * y.element_size())
 
 
+def read_every_item(dataset: SplitLike, num_workers: int, batch: int = 512) -> Split:
+    """Every item of ``dataset`` read once, ``batch`` at a time by ``num_workers`` processes
+    (none for a dataset of one batch), stacked into one ``Split`` in item order."""
+    loader = torch.utils.data.DataLoader(
+        BatchReader(dataset), collate_fn=_keep, num_workers=num_workers if len(dataset) > batch else 0,
+        generator=torch.Generator(),  # leaves the global RNG (dropout) alone
+        batch_sampler=[list(range(i, min(i + batch, len(dataset)))) for i in range(0, len(dataset), batch)])
+    xs, ys = zip(*loader)
+    return Split(torch.cat(xs), torch.cat(ys))
+
+
 def read_all(dataset: SplitLike, num_workers: int) -> Split:
     """The whole dataset as one ``Split``: its own ``to_split()``, or every item read once."""
     if isinstance(dataset, Split):
         return dataset
     if hasattr(dataset, "to_split"):
         return dataset.to_split()
-    loader = torch.utils.data.DataLoader(
-        BatchReader(dataset), collate_fn=_keep, num_workers=num_workers, generator=torch.Generator(),
-        batch_sampler=[list(range(i, min(i + 1024, len(dataset)))) for i in range(0, len(dataset), 1024)])
-    xs, ys = zip(*loader)
-    return Split(torch.cat(xs), torch.cat(ys))
+    return read_every_item(dataset, num_workers)
 
 
 def fits_on_device(nbytes: int, device: torch.device) -> bool:
