@@ -17,7 +17,9 @@ from graphing import GraphConfigError, GraphedStep, GraphOptions, graph_safe_opt
 
 
 def test_importing_graphing_loads_no_trainer_recipe_or_config_code():
-    probe = ("import graphing, sys; graphing.GraphedStep; graphing.build_executor; "
+    # Its lazy parts too: the graphed step, the executors and the graph doctor.
+    probe = ("import graphing, sys; graphing.GraphedStep; graphing.build_executor; graphing.diagnose; "
+             "graphing.DoctorReport; "
              "print(sorted(m for m in sys.modules if m.split('.')[0] in "
              "('recipes', 'trainer', 'conf', 'hydra', 'omegaconf', 'wandb')))")
     done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=60)
