@@ -40,12 +40,12 @@ DEFAULTS = ["recipe=cifar10_resnet18", "graph=full", "train.precision=bf16", "lo
             "train.progress=false", "train.eval=false"]
 
 
-def build(overrides, folder: Path, loader: str, workers: int):
+def build(rt, overrides, folder: Path, loader: str, workers: int):
     cfg = compose([*DEFAULTS, *overrides, "recipe.data.source=folder", f"recipe.data.root={folder}",
                    f"recipe.data.loader={loader}", f"recipe.data.num_workers={workers}"])
     check_config(cfg)
     seed_everything(cfg.seed, cfg.deterministic)
-    return cfg, Trainer(cfg, RUNTIME)
+    return cfg, Trainer(cfg, rt)
 
 
 def timed_steps(trainer: Trainer, steps: int):
@@ -88,7 +88,6 @@ def host_costs(trainer: Trainer, batches: int = 20):
 
 
 def main() -> None:
-    global RUNTIME
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--folder", type=Path, required=True, help="an image folder (made when missing)")
     parser.add_argument("--workers", default="4,8,14", help="host-loader worker counts to try")
@@ -103,10 +102,10 @@ def main() -> None:
         print(f"exporting {recipe} ({source}) to {args.folder} ...", flush=True)
         subprocess.run([sys.executable, str(REPO / "scripts" / "export_images.py"), recipe, source,
                         "--output", str(args.folder)], check=True)
-    RUNTIME = start(pick_device("cuda"), "/tmp/bench_input", None, "bench_input")
+    rt = start(pick_device("cuda"), "/tmp/bench_input", None, "bench_input")
     rows = []
     for loader, workers in [("device", 8)] + [("host", int(w)) for w in args.workers.split(",")]:
-        cfg, trainer = build(overrides, args.folder, loader, workers)
+        cfg, trainer = build(rt, overrides, args.folder, loader, workers)
         step_s, waited_s = timed_steps(trainer, args.steps)
         samples = cfg.recipe.data.batch_size * cfg.train.grad_accum
         row = {"loader": loader, "num_workers": workers if loader == "host" else None,
@@ -132,7 +131,7 @@ def main() -> None:
           f"with {best['num_workers']} workers = {result['host_vs_device']:.1%} of the device loader")
     if args.output:
         args.output.write_text(json.dumps(result, indent=2) + "\n")
-    RUNTIME.close()
+    rt.close()
 
 
 if __name__ == "__main__":
