@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from recipes.vision import classification_criterion, image_datasets
-from trainer.recipe import Batch, Recipe, Split
+from trainer.recipe import Batch, Recipe, Split, top1_correct
 from trainer.runtime import Runtime
 
 MEAN = (0.4914, 0.4822, 0.4465)  # per channel, of the CIFAR-10 training set
@@ -128,4 +128,4 @@ def build(cfg, rt: Runtime) -> Recipe:
     return Recipe(name="cifar10_resnet18", model=resnet18_cifar(), data=data, preprocess=make_preprocess(rt.device),
                   criterion=classification_criterion(log_probs_given=False,
                                                      label_smoothing=cfg.recipe.label_smoothing),
-                  flops_per_unit=training_flops_per_sample(resnet18_cifar))
+                  correct=top1_correct, flops_per_unit=training_flops_per_sample(resnet18_cifar))

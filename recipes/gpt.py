@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from recipes.tokens import dtype_for_vocab, input_dtype, token_splits, windows
 from trainer.errors import ConfigError
-from trainer.recipe import Batch, Datasets, Recipe, Split
+from trainer.recipe import Batch, Datasets, Recipe, Split, top1_correct
 from trainer.runtime import Runtime
 
 BYTES = 256  # the vocabulary of byte-level text: one token per byte
@@ -262,12 +262,12 @@ def preprocess(batch: Batch, train: bool) -> Batch:
 
 
 def next_token_criterion(label_smoothing: float = 0.0):
-    def criterion(logits: torch.Tensor, target: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Per-token loss and correctness, both [B, T]."""
-        logits = logits.float()
-        loss = F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="none",
-                               label_smoothing=label_smoothing).view_as(target)
-        return loss, logits.argmax(dim=-1) == target
+    """Cross-entropy of each next token, from logits [B, T, vocab] computed in fp32."""
+
+    def criterion(logits: torch.Tensor, target: torch.Tensor, reduction: str = "none") -> torch.Tensor:
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), target.flatten(), reduction=reduction,
+                               label_smoothing=label_smoothing)
+        return loss.view_as(target) if reduction == "none" else loss
 
     return criterion
 
@@ -298,5 +298,5 @@ def build(cfg, rt: Runtime) -> Recipe:
         train, test = synthetic_splits(cfg.seed, context, train_size, test_size, vocab)
     model = GPT(config)
     return Recipe(name=cfg.recipe.name, model=model, data=Datasets(train, test, source), preprocess=preprocess,
-                  criterion=next_token_criterion(cfg.recipe.label_smoothing),
+                  criterion=next_token_criterion(cfg.recipe.label_smoothing), correct=top1_correct,
                   units_per_sample=context, unit="tokens", flops_per_unit=model.training_flops_per_token())

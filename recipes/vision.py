@@ -14,16 +14,12 @@ from trainer.sources import resolve_source
 
 
 def classification_criterion(log_probs_given: bool, label_smoothing: float = 0.0):
-    """Per-sample loss and correctness for a classifier (logits or log-probabilities)."""
+    """The classifier's loss (of logits or log-probabilities), computed in fp32."""
 
-    def criterion(output: torch.Tensor, target: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        output = output.float()
+    def criterion(output: torch.Tensor, target: torch.Tensor, reduction: str = "none") -> torch.Tensor:
         if log_probs_given:
-            per_sample = F.nll_loss(output, target, reduction="none")
-        else:
-            per_sample = F.cross_entropy(output, target, reduction="none", label_smoothing=label_smoothing)
-        correct = (output.argmax(dim=-1) == target)
-        return per_sample, correct
+            return F.nll_loss(output.float(), target, reduction=reduction)
+        return F.cross_entropy(output.float(), target, reduction=reduction, label_smoothing=label_smoothing)
 
     return criterion
 

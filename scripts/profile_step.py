@@ -6,7 +6,9 @@
 Builds the trainer as train.py does, warms up (and captures, in graph modes), then
 profiles ``--steps`` steps: the step's wall time from CUDA events, the summed time of
 the kernels and copies it ran (CUPTI), their ratio (how busy the GPU was), and the
-kernel count per step. Prints a line and writes JSON to --output.
+kernel count per step, throughput and MFU. ``--top N`` adds the N kernels that took the
+most time per step, with their counts (where the time goes, and where each op comes from).
+Prints a line and writes JSON to --output.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--output", type=Path, default=None, help="JSON file for the numbers")
+    parser.add_argument("--top", type=int, default=0, help="list the N kernels with the most time per step")
     args, overrides = parser.parse_known_args()
     if not torch.cuda.is_available():
         sys.exit("profile_step.py measures GPU kernels: run it on a machine with CUDA")
@@ -64,17 +67,37 @@ def main() -> None:
         torch.cuda.synchronize()
     gpu_events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
     busy_ms = sum(e.device_time for e in gpu_events) / 1e3 / args.steps
+    mode = ex.info["mode"] + ("+compile_model" if cfg.graph.compile_model else "")
     result = {
-        "device": torch.cuda.get_device_name(), "mode": ex.info["mode"] + ("+compile_model" if cfg.graph.compile_model else ""), "recipe": cfg.recipe.name,
-        "batch_size": cfg.recipe.data.batch_size, "step_ms": wall_ms, "gpu_busy_ms": busy_ms,
-        "gpu_busy_fraction": busy_ms / wall_ms, "gpu_ops_per_step": len(gpu_events) / args.steps,
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "mode": mode, "recipe": cfg.recipe.name,
+        "batch_size": cfg.recipe.data.batch_size, "precision": trainer.precision, "step_ms": wall_ms,
+        "gpu_busy_ms": busy_ms, "gpu_busy_fraction": busy_ms / wall_ms, "gpu_ops_per_step": len(gpu_events) / args.steps,
     }
-    print(json.dumps(result))
+    units_per_s = trainer.global_batch * trainer.recipe.units_per_sample * 1e3 / wall_ms
+    result[f"{trainer.recipe.unit}_per_s"] = units_per_s
+    peak = trainer.perf.peak()
+    if peak is not None and trainer.recipe.flops_per_unit > 0:
+        result["mfu_pct"] = 100 * units_per_s * trainer.recipe.flops_per_unit / (peak[1] * 1e12)
+    if args.top:
+        result["top_kernels"] = top_kernels(gpu_events, args.steps, args.top)
+    print(json.dumps({k: v for k, v in result.items() if k != "top_kernels"}))
+    for row in result.get("top_kernels", []):
+        print(f"  {row['ms_per_step']:8.4f} ms  {row['per_step']:6.1f}x  {row['name'][:110]}")
     if args.output:
         args.output.write_text(json.dumps(result, indent=2) + "\n")
     trainer.close()
     rt.close()
 
+
+
+def top_kernels(events, steps: int, n: int):
+    """The ``n`` GPU ops with the most time per step: name, ms per step, launches per step."""
+    by_name = {}
+    for e in events:
+        ms, count = by_name.get(e.name, (0.0, 0))
+        by_name[e.name] = (ms + e.device_time / 1e3, count + 1)
+    rows = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:n]
+    return [{"name": name, "ms_per_step": ms / steps, "per_step": count / steps} for name, (ms, count) in rows]
 
 if __name__ == "__main__":
     main()

@@ -156,11 +156,12 @@ class Blobs(torch.utils.data.Dataset):
 def build(cfg, runtime):
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
 
-    def criterion(output, target):
-        return F.cross_entropy(output.float(), target, reduction="none"), output.argmax(-1) == target
+    def criterion(output, target):  # per sample, without a reduction keyword: training takes the mean
+        return F.cross_entropy(output.float(), target, reduction="none")
 
     return Recipe(name="blobs", model=model, data=Datasets(Blobs(2048, 1), Blobs(333, 2), "blobs"),
-                  preprocess=lambda batch, train: batch, criterion=criterion)
+                  preprocess=lambda batch, train: batch, criterion=criterion,
+                  correct=lambda output, target: output.argmax(-1) == target)
 '''
 
 

@@ -68,7 +68,8 @@ class Trainer:
         self.model = self.executor.wrap_model(model, self._sample_inputs, self.autocast)
         self.train_step = TrainStep(recipe, self.model, self.optimizer, self.schedule, self.train_loader,
                                     grad_accum=loop.grad_accum, grad_clip=loop.grad_clip,
-                                    autocast=self.autocast, device=self.device, memory_format=self.memory_format)
+                                    autocast=self.autocast, device=self.device, memory_format=self.memory_format,
+                                    wrap_loss=self.executor.wrap_loss)
         self.eval_step = EvalStep(recipe, lambda: self.executor.eval_model, self.eval_loader,
                                   autocast=self.autocast, device=self.device, memory_format=self.memory_format)
         self.global_batch = data_cfg.batch_size * loop.grad_accum * rt.world_size
@@ -120,9 +121,9 @@ class Trainer:
 
     def _read_train_metrics(self, step: int, steps_in_window: int) -> Dict[str, float]:
         due = torch.tensor([1.0 if self._checkpoint_time_due() else 0.0], dtype=torch.float64, device=self.device)
-        loss_sum, correct, due = self._global(torch.cat([self.train_step.metrics, due]))
+        loss_sum, correct, due = self._global(torch.cat([self.train_step.totals(), due]))
         self._checkpoint_due_by_time = due > 0
-        self.train_step.metrics.zero_()
+        self.train_step.reset_totals()
         micro_batches = steps_in_window * self.cfg.train.grad_accum * self.rt.world_size
         count = steps_in_window * self.train_step.items_per_step * self.rt.world_size
         if not math.isfinite(loss_sum):

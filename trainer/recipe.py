@@ -60,8 +60,19 @@ class Recipe:
     data: Datasets
     # Device-side batch transform (normalize, augment); runs inside the step.
     preprocess: Callable[[Batch, bool], Batch]
-    # (per-sample loss, per-sample correct) from model outputs and labels.
-    criterion: Callable[[torch.Tensor, torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]
+    # The loss from model outputs and labels, one value per sample (or token). Written like
+    # torch's functional losses (``F.cross_entropy`` itself fits): when it takes a ``reduction``
+    # keyword, training asks for "mean" and evaluation for "none" (the fused mean saves
+    # kernels in every step); without one, training takes the mean of what it returns.
+    criterion: Callable[..., torch.Tensor]
+    # Which predictions are right (bool, shaped like the per-sample loss): the accuracy metrics.
+    # Training runs it beside the backward pass, off the step's critical path.
+    correct: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     units_per_sample: int = 1  # tokens per sample for language models
     unit: str = "samples"
     flops_per_unit: float = 0.0  # training FLOPs per sample (or token), for MFU; 0: unknown
+
+
+def top1_correct(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """``Recipe.correct`` for classifiers and language models: the top-scoring class (or token) is the label."""
+    return output.argmax(dim=-1) == target

@@ -7,7 +7,8 @@ results land in device accumulators that the loop reads at its log interval.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+import inspect
+from typing import Callable, Optional
 
 import torch
 
@@ -50,21 +51,50 @@ def autocast_factory(precision: str, device: torch.device) -> Callable[[], conte
     return contextlib.nullcontext
 
 
+def takes_reduction(criterion: Callable) -> bool:
+    """Whether a criterion takes torch's ``reduction`` keyword ("none" | "mean")."""
+    try:
+        return "reduction" in inspect.signature(criterion).parameters
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
+
+
+def mean_loss(criterion: Callable) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The micro-batch's mean loss: fused by the criterion where it can reduce, else the mean of its values."""
+    if takes_reduction(criterion):
+        return lambda output, target: criterion(output, target, reduction="mean")
+    return lambda output, target: criterion(output, target).mean()
+
+
+def per_sample_loss(criterion: Callable) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    if takes_reduction(criterion):
+        return lambda output, target: criterion(output, target, reduction="none")
+    return criterion
+
+
 class TrainStep:
     def __init__(self, recipe: Recipe, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  schedule: LRSchedule, loader, *, grad_accum: int, grad_clip: float,
                  autocast: Callable, device: torch.device,
-                 memory_format: torch.memory_format = torch.contiguous_format):
+                 memory_format: torch.memory_format = torch.contiguous_format,
+                 wrap_loss: Callable[[Callable], Callable] = lambda fn: fn):
         self.memory_format = memory_format
         self.recipe, self.model, self.optimizer, self.schedule, self.loader = recipe, model, optimizer, schedule, loader
         self.grad_accum, self.grad_clip, self.autocast = grad_accum, grad_clip, autocast
+        self.loss = wrap_loss(mean_loss(recipe.criterion))  # graph.compile_model compiles it with the model
         self.params = [p for p in model.parameters() if p.requires_grad]
-        # Kept lean, since these kernels run every step: [sum of micro-batch mean losses, correct].
-        # Counts are static (steps × items_per_step) and known on the host; a NaN/Inf loss
-        # shows up as a non-finite sum.
-        self.metrics = torch.zeros(2, dtype=torch.float64, device=device)
+        # Kept lean, since these kernels run every step: the sum of micro-batch mean losses
+        # and a correct count per item position (one add, no reduction). Counts are static
+        # (steps × items_per_step) and known on the host; a NaN/Inf loss shows up as a
+        # non-finite sum.
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        self.correct_count: Optional[torch.Tensor] = None  # shaped like recipe.correct's output; made by step 1
         self.items_per_step = 0  # loss terms (samples or tokens) per optimizer step, on this rank
         self.step = torch.zeros((), dtype=torch.int64, device=device)  # optimizer steps taken
+        self.advance_step = not schedule.is_constant  # only a schedule reads the counter: skip its kernel
+        # The metrics run on their own stream, beside the backward pass; inside a CUDA graph
+        # they are a parallel branch, off the step's critical path.
+        self.metrics_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         # The last step's global gradient norm before clipping; only computed when clipping.
         self.grad_norm = torch.zeros((), dtype=torch.float32, device=device) if grad_clip > 0 else None
 
@@ -78,18 +108,43 @@ class TrainStep:
             with sync:
                 with self.autocast():
                     output = self.model(model_input(batch, self.memory_format))
-                per_sample, correct = self.recipe.criterion(output, batch["y"])
-                loss = per_sample.mean()
+                loss = self.loss(output, batch["y"])
+                joined = self._count(loss, output, batch["y"])
                 (loss / self.grad_accum if self.grad_accum > 1 else loss).backward()
-            self.metrics[0] += loss.detach()
-            self.metrics[1] += correct.sum()
-        self.items_per_step = per_sample.numel() * self.grad_accum
+            joined()  # before output and labels can be freed and their memory reused
         if self.grad_clip > 0:
             norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip, foreach=True)
             self.grad_norm.copy_(norm)
         self.schedule.apply(self.step, self.optimizer)
         self.optimizer.step()
-        self.step += 1
+        if self.advance_step:
+            self.step += 1
+
+    @torch.no_grad()
+    def _count(self, loss: torch.Tensor, output: torch.Tensor, target: torch.Tensor) -> Callable[[], None]:
+        """Adds a micro-batch to the metrics, on the metrics stream; returns the join to call after backward."""
+        stream = self.metrics_stream
+        main = torch.cuda.current_stream() if stream is not None else None
+        if stream is not None:
+            stream.wait_stream(main)
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            correct = self.recipe.correct(output, target)
+            if self.correct_count is None:
+                self.correct_count = torch.zeros(correct.shape, dtype=torch.int64, device=correct.device)
+            self.correct_count += correct
+            self.loss_sum += loss.detach()
+        self.items_per_step = correct.numel() * self.grad_accum
+        return (lambda: main.wait_stream(stream)) if stream is not None else (lambda: None)
+
+    def totals(self) -> torch.Tensor:
+        """[sum of micro-batch mean losses, correct count] since the last reset (float64, on the device)."""
+        correct = self.correct_count.sum() if self.correct_count is not None else self.loss_sum.new_zeros(())
+        return torch.stack([self.loss_sum, correct.double()])
+
+    def reset_totals(self) -> None:
+        self.loss_sum.zero_()
+        if self.correct_count is not None:
+            self.correct_count.zero_()
 
 
 class EvalStep:
@@ -98,6 +153,7 @@ class EvalStep:
                  memory_format: torch.memory_format = torch.contiguous_format):
         self.memory_format = memory_format
         self.recipe, self.model_fn, self.loader, self.autocast = recipe, model_fn, loader, autocast
+        self.loss = per_sample_loss(recipe.criterion)
         self.metrics = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, samples
 
     @torch.no_grad()
@@ -105,5 +161,5 @@ class EvalStep:
         batch = self.recipe.preprocess(self.loader.next_batch(), False)
         with self.autocast():
             output = self.model_fn()(model_input(batch, self.memory_format))
-        per_sample, correct = self.recipe.criterion(output, batch["y"])
-        accumulate(self.metrics, per_sample, correct, batch["mask"])
+        accumulate(self.metrics, self.loss(output, batch["y"]), self.recipe.correct(output, batch["y"]),
+                   batch["mask"])
