@@ -60,9 +60,9 @@ class Executor:
         self.eval_model = model
         return self._ddp(model)
 
-    def wrap_loss(self, loss_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-        """The loss function the training step calls on the model's output (as given, here)."""
-        return loss_fn
+    def wrap_output_fn(self, fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        """A function the training step applies to the model's output (its loss, its metrics): as given, here."""
+        return fn
 
     def _ddp(self, model: torch.nn.Module) -> torch.nn.Module:
         if not distributed():

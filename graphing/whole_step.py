@@ -42,10 +42,10 @@ class WholeStepGraphExecutor(Executor):
         torch.cuda.current_stream().wait_stream(self.side)
         return wrapped
 
-    def wrap_loss(self, loss_fn):
-        # Compiled too when the model is: the loss reads the whole output (a language
-        # model's logits: batch x context x vocabulary), and fused kernels read it once.
-        return torch.compile(loss_fn, mode="default") if self.options.compile_model else loss_fn
+    def wrap_output_fn(self, fn):
+        # Compiled too when the model is: the loss and the metrics read the whole output (a
+        # language model's logits: batch x context x vocabulary); fused kernels read it once.
+        return torch.compile(fn, mode="default") if self.options.compile_model else fn
 
     def phase(self, role: str) -> str:
         if role in self.graphs:

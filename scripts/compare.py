@@ -219,6 +219,7 @@ def comparison_rows(outcomes: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
             "unit": unit,
             "step_ms_median": r.get("perf/step_ms_median"),
             "step_ms_p90": r.get("perf/step_ms_p90"),
+            "mfu_pct": r.get("perf/mfu_pct"),
             "speedup": None,
             "capture_s": r.get("graph/train_capture_s"),
             "graph_pool_mib": r.get("graph/graph_pool_mib"),

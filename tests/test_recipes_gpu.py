@@ -18,7 +18,7 @@ COMMON = ["experiment=debug", "logger=none", "train.progress=false", "train.log_
 # Deterministic kernels (cuDNN, cuBLAS workspace) for the eager-vs-graph comparison.
 SAME_RUNS = [*COMMON, "deterministic=true", f"train.max_steps={STEPS}"]
 RECIPES = {
-    # fp32; 64 steps per epoch, so all STEPS fall in one epoch; 4 eval batches (the last
+    # bf16 (precision=auto on CUDA), channels_last; 64 steps per epoch, so all STEPS fall in one epoch; 4 eval batches (the last
     # three replay the eval graph).
     "cifar10_resnet18": ["recipe=cifar10_resnet18", "recipe.data.train_size=4096", "recipe.data.test_size=512",
                          "recipe.data.batch_size=64", "recipe.data.eval_batch_size=128",
@@ -67,7 +67,8 @@ def test_full_graph_trains_like_eager_from_the_same_seed(out, recipe):
     losses = [loss for _, loss in _train_losses(graph)]
     assert min(losses[1:]) < losses[0], f"no training progress: {why}"
 
-    peak = peak_tflops(torch.cuda.get_device_name(0), "bf16" if recipe == "gpt_tiny" else "fp32")
+    assert g["precision"] == e["precision"] == "bf16"  # both recipes' default on CUDA
+    peak = peak_tflops(torch.cuda.get_device_name(0), g["precision"])
     if peak is not None:  # a GPU in the MFU table: MFU is reported, against the named peak
         assert g["perf/mfu_peak"] == peak[0] and g["perf/mfu_peak_tflops"] == peak[1]
         assert 0 < g["perf/mfu_pct"] < 100 and 0 < e["perf/mfu_pct"] < 100

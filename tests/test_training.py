@@ -22,7 +22,7 @@ def ddp_run(tmp_path_factory):
 def test_two_rank_gloo_run_keeps_replicas_identical(ddp_run):
     results = ddp_run.results()
     assert results["world_size"] == 2 and results["steps"] == 2 * (4096 // 2 // 64)
-    assert results["mode"] == "eager"  # graph=auto without CUDA
+    assert results["mode"] == "eager" and results["precision"] == "fp32"  # graph=auto, precision=auto: no CUDA
     digests = results["param_digests"]
     assert len(digests) == 2 and digests[0] == digests[1]
     assert results["final/eval_samples"] == 1000  # every test sample counted once, across both ranks

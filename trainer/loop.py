@@ -69,7 +69,7 @@ class Trainer:
         self.train_step = TrainStep(recipe, self.model, self.optimizer, self.schedule, self.train_loader,
                                     grad_accum=loop.grad_accum, grad_clip=loop.grad_clip,
                                     autocast=self.autocast, device=self.device, memory_format=self.memory_format,
-                                    wrap_loss=self.executor.wrap_loss)
+                                    wrap_output_fn=self.executor.wrap_output_fn)
         self.eval_step = EvalStep(recipe, lambda: self.executor.eval_model, self.eval_loader,
                                   autocast=self.autocast, device=self.device, memory_format=self.memory_format)
         self.global_batch = data_cfg.batch_size * loop.grad_accum * rt.world_size
@@ -254,7 +254,8 @@ class Trainer:
         out: Dict[str, Any] = {
             "mode": self.executor.info["mode"], "recipe": self.recipe.name, "data_source": self.recipe.data.source,
             "capture_error_mode": self.executor.info["capture_error_mode"],
-            "world_size": self.rt.world_size, "global_batch": self.global_batch, "steps": steps,
+            "precision": self.precision, "world_size": self.rt.world_size, "global_batch": self.global_batch,
+            "steps": steps,
             "train_loop_s": wall, **{f"time/{k}": v for k, v in self.clock.items()},
             "timed_phase": headline_phase,
             **self.perf.run_summary(headline_phase),

@@ -77,11 +77,12 @@ class TrainStep:
                  schedule: LRSchedule, loader, *, grad_accum: int, grad_clip: float,
                  autocast: Callable, device: torch.device,
                  memory_format: torch.memory_format = torch.contiguous_format,
-                 wrap_loss: Callable[[Callable], Callable] = lambda fn: fn):
+                 wrap_output_fn: Callable[[Callable], Callable] = lambda fn: fn):
         self.memory_format = memory_format
         self.recipe, self.model, self.optimizer, self.schedule, self.loader = recipe, model, optimizer, schedule, loader
         self.grad_accum, self.grad_clip, self.autocast = grad_accum, grad_clip, autocast
-        self.loss = wrap_loss(mean_loss(recipe.criterion))  # graph.compile_model compiles it with the model
+        # graph.compile_model compiles these with the model
+        self.loss, self.correct = wrap_output_fn(mean_loss(recipe.criterion)), wrap_output_fn(recipe.correct)
         self.params = [p for p in model.parameters() if p.requires_grad]
         # Kept lean, since these kernels run every step: the sum of micro-batch mean losses
         # and a correct count per item position (one add, no reduction). Counts are static
@@ -128,7 +129,7 @@ class TrainStep:
         if stream is not None:
             stream.wait_stream(main)
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            correct = self.recipe.correct(output, target)
+            correct = self.correct(output, target)
             if self.correct_count is None:
                 self.correct_count = torch.zeros(correct.shape, dtype=torch.int64, device=correct.device)
             self.correct_count += correct
