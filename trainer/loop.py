@@ -59,7 +59,9 @@ class Trainer:
         self.steps_per_epoch = self.train_loader.steps
         total = loop.epochs * self.steps_per_epoch
         self.total_steps = min(total, loop.max_steps) if loop.max_steps else total
-        self.executor = build_executor(self.options, self.device)
+        # Gradients as views into DDP's all-reduce buckets: after the all-reduce nothing is
+        # copied back into them (one copy kernel per parameter less in every step).
+        self.executor = build_executor(self.options, self.device, ddp_kwargs={"gradient_as_bucket_view": True})
         self.optimizer = build_optimizer(cfg.recipe.optim, model.parameters(), self.device,
                                          captured=self.executor.captures_optimizer)
         self.schedule = build_schedule(cfg.recipe.schedule, float(cfg.recipe.optim.lr), self.total_steps)
