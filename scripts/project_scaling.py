@@ -10,7 +10,8 @@ it, while the gradient all-reduce stays. The model, with every assumption a flag
 - compute: the 1-GPU step time of each mode at batch ``global / N`` per GPU, interpolated
   log-log between the measured batch sizes of the sweep; below the smallest one it stays
   at that one's time (a launch-bound step does not get faster with fewer samples); above
-  the largest it grows linearly in the batch.
+  the largest nothing is projected ("beyond the sweep"): a flat, launch-bound eager curve
+  says nothing about the batch where it turns GPU-bound. Sweep larger batches to fill it.
 - all-reduce of the fp32 gradients (4 bytes per parameter; DDP reduces fp32 gradients in
   bf16 runs too): inside a node of ``--gpus-per-node`` GPUs a ring over NVLink,
   ``2 (g-1)/g * bytes / nvlink_bw + 2 (g-1) * nvlink_latency``; across ``n`` nodes, on each
@@ -63,17 +64,15 @@ def allreduce_s(nbytes: float, gpus: int, links: Links) -> float:
     return t
 
 
-def step_ms_at(curve: Dict[int, float], batch: float) -> float:
+def step_ms_at(curve: Dict[int, float], batch: float) -> Optional[float]:
     """The 1-GPU step time at ``batch`` from measured (batch -> ms) points (see the module docstring)."""
     sizes = sorted(curve)
     if batch <= sizes[0]:
         return curve[sizes[0]]
-    if batch >= sizes[-1]:
-        if len(sizes) == 1:
-            return curve[sizes[0]] * batch / sizes[0]
-        a, b = sizes[-2], sizes[-1]
-        slope = (curve[b] - curve[a]) / (b - a)
-        return curve[b] + slope * (batch - b)
+    if batch > sizes[-1]:
+        return None  # beyond the sweep: a launch-bound curve says nothing about where it turns GPU-bound
+    if batch == sizes[-1]:
+        return curve[batch]
     hi = next(s for s in sizes if s >= batch)
     lo = sizes[sizes.index(hi) - 1]
     t = (math.log(batch) - math.log(lo)) / (math.log(hi) - math.log(lo))
@@ -97,9 +96,11 @@ def project(one_gpu: Dict[str, Dict[int, float]], global_batch: int, gpus: Seque
         comm_ms = 1e3 * allreduce_s(grad_bytes, n, links)
         row = {"gpus": n, "batch_per_gpu": per_gpu, "allreduce_ms": comm_ms}
         for mode, curve in one_gpu.items():
-            row[f"{mode}_step_ms"] = step_ms_at(curve, per_gpu) + comm_ms
-        if "eager" in one_gpu and graph_mode in one_gpu:
-            row["graph_speedup"] = row["eager_step_ms"] / row[f"{graph_mode}_step_ms"]
+            compute = step_ms_at(curve, per_gpu)
+            row[f"{mode}_step_ms"] = None if compute is None else compute + comm_ms
+        eager, graph = row.get("eager_step_ms"), row.get(f"{graph_mode}_step_ms")
+        if eager is not None and graph is not None:
+            row["graph_speedup"] = eager / graph
         rows.append(row)
     return rows
 
@@ -139,8 +140,11 @@ def markdown(recipe: str, global_batch: int, grad_bytes: float, rows: List[dict]
              "| GPUs | batch/GPU | all-reduce ms | " + " | ".join(f"{m} step ms" for m in modes)
              + " | graph speedup |", "|" + "---|" * (4 + len(modes))]
     for r in rows:
+        step = [r[f"{m}_step_ms"] for m in modes]
+        speedup = r.get("graph_speedup")
         cells = [str(r["gpus"]), f"{r['batch_per_gpu']:g}", f"{r['allreduce_ms']:.3f}",
-                 *(f"{r[f'{m}_step_ms']:.3f}" for m in modes), f"{r.get('graph_speedup', float('nan')):.2f}x"]
+                 *("beyond the sweep" if v is None else f"{v:.3f}" for v in step),
+                 "—" if speedup is None else f"{speedup:.2f}x"]
         lines.append("| " + " | ".join(cells) + " |")
     if check:
         lines += ["", "Model vs measured, 2 GPUs:", "", "| mode | batch/GPU | measured ms | model ms | error |",

@@ -225,3 +225,17 @@ def test_the_scaling_projection_follows_its_stated_model(tmp_path):
     [check] = out["two_gpu_check"]
     assert check["predicted_ms"] == pytest.approx(2.4 + 0.021111, rel=1e-4) and check["error"] < 0
     assert "| 512 | 0.5 |" in (tmp_path / "projection.md").read_text()
+
+
+@pytest.mark.fast
+def test_the_projection_does_not_extrapolate_beyond_the_sweep(tmp_path):
+    from scripts.project_scaling import main
+
+    points = [_point(1, b, mode, ms) for b in (16, 64) for mode, ms in (("eager", 2.0), ("full", b / 100))]
+    (tmp_path / "sweep.json").write_text(json.dumps({"points": points}))
+    assert main(["--sweep", str(tmp_path / "sweep.json"), "--recipe", "mnist", "--global-batch", "128",
+                 "--gpus", "1,2", "--params", "1000", "--output", str(tmp_path)]) == 0
+    one, two = json.loads((tmp_path / "projection.json").read_text())["rows"]
+    assert one["eager_step_ms"] is None and one["full_step_ms"] is None and "graph_speedup" not in one
+    assert two["full_step_ms"] == pytest.approx(0.64 + two["allreduce_ms"])
+    assert "| 1 | 128 | 0.000 | beyond the sweep | beyond the sweep | — |" in (tmp_path / "projection.md").read_text()
