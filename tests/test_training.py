@@ -90,6 +90,17 @@ def test_a_broken_wandb_never_stops_training(out):
     assert any("train/loss" in r for r in done.metrics())  # the JSONL still has everything
 
 
+def test_a_trainer_that_dies_still_leaves_its_wandb_run_closed_and_marked_failed(out):
+    # The W&B sidecar sees its pipe close without a finish: it finishes the run itself, failed.
+    done = launch([*SMALL, "train.log_every=2", "train.eval=false"], out,
+                  env={"GRAPHED_DDP_TEST_KILL_AT_STEP": "5:0"})
+    assert done.returncode == 13, done.stderr[-3000:]
+    [path] = find_runs(done.run_dir)
+    run = read_run(path)
+    assert run.exit_code == 1
+    assert [r["step"] for r in run.history if "train/loss" in r] == [2, 4]
+
+
 @pytest.mark.fast
 def test_log_interval_and_max_steps(train_here):
     done = train_here([*SMALL, "train.max_steps=10", "train.log_every=3", "train.eval=false", "logger=none"])

@@ -1,0 +1,88 @@
+"""The training step's own bookkeeping, on the CPU: how it asks the criterion for the loss,
+what it counts, and when it advances its device step counter."""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from trainer.recipe import Datasets, Recipe, Split, top1_correct
+from trainer.schedules import Constant, Cosine
+from trainer.step import TrainStep, mean_loss, per_sample_loss, takes_reduction
+
+pytestmark = pytest.mark.fast
+
+
+class FixedBatches:
+    """A loader that hands out the same batch every time (the step only calls next_batch)."""
+
+    def __init__(self, x, y):
+        self.batch = {"x": x, "y": y}
+
+    def next_batch(self):
+        return dict(self.batch)
+
+
+def make_step(criterion, schedule, grad_accum=1):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    x, y = torch.randn(8, 4), torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
+    recipe = Recipe(name="t", model=model, data=Datasets(Split(x, y), Split(x, y), "t"),
+                    preprocess=lambda batch, train: batch, criterion=criterion, correct=top1_correct)
+    optimizer = torch.optim.SGD(model.parameters(), lr=torch.tensor(0.1))
+    step = TrainStep(recipe, model, optimizer, schedule, FixedBatches(x, y), grad_accum=grad_accum, grad_clip=0.0,
+                     autocast=contextlib.nullcontext, device=torch.device("cpu"))
+    return step, model, x, y
+
+
+def test_a_criterion_with_torchs_reduction_keyword_is_asked_for_the_mean():
+    calls = []
+
+    def criterion(output, target, reduction="none"):
+        calls.append(reduction)
+        return F.cross_entropy(output, target, reduction=reduction)
+
+    assert takes_reduction(criterion) and takes_reduction(F.cross_entropy)
+    out, target = torch.randn(5, 3), torch.tensor([0, 1, 2, 1, 0])
+    assert mean_loss(criterion)(out, target).shape == () and calls == ["mean"]
+    assert per_sample_loss(criterion)(out, target).shape == (5,) and calls == ["mean", "none"]
+
+
+def test_a_per_sample_criterion_without_reduction_is_averaged():
+    def criterion(output, target):
+        return F.cross_entropy(output, target, reduction="none")
+
+    assert not takes_reduction(criterion)
+    out, target = torch.randn(5, 3), torch.tensor([0, 1, 2, 1, 0])
+    assert mean_loss(criterion)(out, target) == pytest.approx(F.cross_entropy(out, target).item())
+    assert per_sample_loss(criterion) is criterion
+
+
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_the_step_sums_micro_batch_losses_and_counts_correct_items(grad_accum):
+    step, model, x, y = make_step(F.cross_entropy, Constant(base_lr=0.1, total_steps=10), grad_accum)
+    expected_loss, expected_correct = 0.0, 0
+    for _ in range(3):
+        with torch.no_grad():
+            out = model(x)
+        expected_loss += grad_accum * F.cross_entropy(out, y).item()
+        expected_correct += grad_accum * int((out.argmax(-1) == y).sum())
+        step()
+    loss_sum, correct = step.totals().tolist()
+    assert loss_sum == pytest.approx(expected_loss, rel=1e-6) and correct == expected_correct
+    assert step.items_per_step == 8 * grad_accum
+    step.reset_totals()
+    assert step.totals().tolist() == [0.0, 0.0]
+
+
+def test_the_step_counter_advances_only_for_a_schedule_that_reads_it():
+    constant, _, _, _ = make_step(F.cross_entropy, Constant(base_lr=0.1, total_steps=10))
+    cosine, _, _, _ = make_step(F.cross_entropy, Cosine(base_lr=0.1, total_steps=10, warmup_steps=2))
+    for _ in range(3):
+        constant()
+        cosine()
+    assert int(constant.step) == 0 and int(cosine.step) == 3
+    lr_after_3 = Cosine(base_lr=0.1, total_steps=10, warmup_steps=2).value(torch.tensor(2)).item()
+    assert cosine.optimizer.param_groups[0]["lr"].item() == pytest.approx(lr_after_3)
