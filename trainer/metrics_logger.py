@@ -28,7 +28,10 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-SIDECAR = Path(__file__).with_name("wandb_sidecar.py")
+from trainer import wandb_sidecar
+from trainer.wandb_sidecar import FAILURE_HINT
+
+SIDECAR = Path(wandb_sidecar.__file__)  # run as a script: it imports the standard library and wandb only
 FINISH_GRACE_S = 60.0  # beyond the start timeout: writing and closing the run's files
 
 
@@ -76,14 +79,18 @@ class MetricsLogger:
 
 def wandb_init_kwargs(cfg, run_dir: Path, config: Dict[str, Any], job_type: str, rank: int, run_id: str,
                       resuming: bool) -> Dict[str, Any]:
-    """``wandb.init``'s arguments for this rank (offline unless logger.wandb.mode or WANDB_MODE say otherwise)."""
-    mode = cfg.mode.value if cfg.mode is not None else os.environ.get("WANDB_MODE") or "offline"
+    """``wandb.init``'s arguments for this rank."""
     name, group = cfg.name, cfg.group
     if cfg.all_ranks:  # one run per rank, grouped by job
         name, group = f"{cfg.name or run_dir.name}-rank{rank}", cfg.group or run_dir.name
     return dict(project=cfg.project, entity=cfg.entity, group=group, name=name, tags=list(cfg.tags),
-                job_type=cfg.job_type or job_type, config=config, dir=str(run_dir), mode=mode, id=run_id,
+                job_type=cfg.job_type or job_type, config=config, dir=str(run_dir), mode=wandb_mode(cfg), id=run_id,
                 resume="allow" if resuming else None, init_timeout_s=float(cfg.init_timeout_s))
+
+
+def wandb_mode(cfg) -> str:
+    """``logger.wandb.mode``, else WANDB_MODE, else offline: nothing waits for a network or a key."""
+    return cfg.mode.value if cfg.mode is not None else os.environ.get("WANDB_MODE") or "offline"
 
 
 class WandbSidecar:
@@ -145,8 +152,7 @@ class WandbSidecar:
     def _report(self, what: str) -> None:
         if not self._failed:
             self._failed = True
-            print(f"[logger] W&B could not {what}; training continues, metrics go to metrics.jsonl. "
-                  "Set logger=none to skip W&B.", file=sys.stderr, flush=True)
+            print(f"[logger] W&B could not {what}; {FAILURE_HINT}", file=sys.stderr, flush=True)
 
 
 def new_run_id() -> str:

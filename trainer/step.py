@@ -121,21 +121,26 @@ class TrainStep:
         if self.advance_step:
             self.step += 1
 
-    @torch.no_grad()
     def _count(self, loss: torch.Tensor, output: torch.Tensor, target: torch.Tensor) -> Callable[[], None]:
         """Adds a micro-batch to the metrics, on the metrics stream; returns the join to call after backward."""
         stream = self.metrics_stream
-        main = torch.cuda.current_stream() if stream is not None else None
-        if stream is not None:
-            stream.wait_stream(main)
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            correct = self.correct(output, target)
-            if self.correct_count is None:
-                self.correct_count = torch.zeros(correct.shape, dtype=torch.int64, device=correct.device)
-            self.correct_count += correct
-            self.loss_sum += loss.detach()
+        if stream is None:
+            self._add(loss, output, target)
+            return lambda: None
+        main = torch.cuda.current_stream()
+        stream.wait_stream(main)
+        with torch.cuda.stream(stream):
+            self._add(loss, output, target)
+        return lambda: main.wait_stream(stream)
+
+    @torch.no_grad()
+    def _add(self, loss: torch.Tensor, output: torch.Tensor, target: torch.Tensor) -> None:
+        correct = self.correct(output, target)
+        if self.correct_count is None:
+            self.correct_count = torch.zeros(correct.shape, dtype=torch.int64, device=correct.device)
+        self.correct_count += correct
+        self.loss_sum += loss.detach()
         self.items_per_step = correct.numel() * self.grad_accum
-        return (lambda: main.wait_stream(stream)) if stream is not None else (lambda: None)
 
     def totals(self) -> torch.Tensor:
         """[sum of micro-batch mean losses, correct count] since the last reset (float64, on the device)."""

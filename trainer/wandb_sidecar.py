@@ -23,8 +23,7 @@ import sys
 from typing import Any, Dict, List, Optional
 
 FAILURE_HINT = "training continues, metrics go to metrics.jsonl. Set logger=none to skip W&B."
-WHAT = {"start": "start", "log": "log", "summary": "write the summary", "table": "log a table",
-        "finish": "finish"}
+WHAT = {"summary": "write the summary", "table": "log a table"}  # the other calls say themselves
 
 
 def report(what: str, err: BaseException) -> None:
