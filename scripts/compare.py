@@ -338,13 +338,14 @@ def log_to_wandb(cfg_logger, directory: Path, *, group: str, job_type: str, name
     """
     if cfg_logger.backend.value != "wandb":
         return None
+    from trainer.metrics_logger import wandb_mode
+
     wcfg = cfg_logger.wandb
     try:
         import wandb
 
         run = wandb.init(project=wcfg.project, entity=wcfg.entity, group=group, job_type=job_type, name=name,
-                         tags=list(wcfg.tags), config=config, dir=str(directory),
-                         mode=wcfg.mode or os.environ.get("WANDB_MODE") or "offline",
+                         tags=list(wcfg.tags), config=config, dir=str(directory), mode=wandb_mode(wcfg),
                          settings=wandb.Settings(init_timeout=wcfg.init_timeout_s, console="off", silent=True))
         try:
             columns = list(rows[0]) if rows else []

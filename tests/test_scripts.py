@@ -93,6 +93,20 @@ def test_compare_groups_its_runs_in_wandb(comparison):
     assert summary_run.summary["speedup/eager"] == 1.0 and summary_run.exit_code == 0
 
 
+def test_a_scripts_wandb_run_honours_an_explicit_logger_wandb_mode(tmp_path, capsys):
+    # The mode comes from the config as an Enum; W&B must get its value, not the Enum.
+    from conf.schema import compose
+    from scripts.compare import log_to_wandb
+
+    cfg = compose(["logger.wandb.mode=offline"])
+    run_dir = log_to_wandb(cfg.logger, tmp_path, group="g", job_type="compare", name="n", config={},
+                           table_key="rows", rows=[{"mode": "eager", "speedup": 1.0}], images={}, summary={"x": 1})
+    assert run_dir is not None, capsys.readouterr().err
+    [run_file] = find_runs(tmp_path)
+    run = read_run(run_file)
+    assert run.job_type == "compare" and run.summary["x"] == 1 and "rows/_type" in run.keys()
+
+
 @cpu_only
 def test_compare_with_two_processes_launches_torchrun(tmp_path):
     proc = script("compare.py", "--modes", "eager", "--nproc", "2", "--timeout", "90", "--output", str(tmp_path),
