@@ -6,7 +6,7 @@ time with Hydra's own message (``Key 'epochz' is not in struct``, ``Value 'abc' 
 not be converted to Integer``, ``Invalid value 'tpu', expected one of [auto, cpu,
 cuda]``), even under ``--cfg job``. Every choice the framework owns is an Enum here; the
 choices of graphing come from graphing/options.py. Checks that need more than a type
-(ranges, combinations, the machine) live in trainer/validate.py. Choices a recipe owns
+(ranges, combinations, the machine) live in trainer/plan.py. Choices a recipe owns
 (its data sources, its model options) are the recipe's to check when it is built.
 
 Components come in by ``_target_``: the recipe's builder, the optimizer class

@@ -34,15 +34,17 @@ from __future__ import annotations
 import importlib
 
 from graphing.options import (DDP_MIN_WARMUP, CaptureErrorMode, GraphConfigError, GraphMode, GraphOptions,
-                              OnCaptureFailure)
+                              OnCaptureFailure, SettingMessage)
 
 # The rest loads torch: imported on first use, so that `graphing.options` (the choices,
 # which conf/schema.py types its settings with) stays free of torch.
 _LAZY = {
     "CaptureError": "graphing.capture",
     "DoctorReport": "graphing.doctor",
+    "ExecutionReport": "graphing.executor",
     "Executor": "graphing.executor",
     "GraphedStep": "graphing.graphed_step",
+    "StepRole": "graphing.executor",
     "StepTimer": "graphing.timing",
     "build_executor": "graphing.factory",
     "diagnose": "graphing.doctor",
@@ -59,4 +61,4 @@ def __getattr__(name: str):
 
 
 __all__ = ["DDP_MIN_WARMUP", "CaptureErrorMode", "GraphConfigError", "GraphMode", "GraphOptions",
-           "OnCaptureFailure", *_LAZY]
+           "OnCaptureFailure", "SettingMessage", *_LAZY]

@@ -2,17 +2,32 @@
 from __future__ import annotations
 
 import time
-from typing import Callable, Optional, Tuple
+from typing import Callable, Optional, Tuple, TypeVar
 
 import torch
 
+from graphing.options import SettingMessage, literal
 
-class CaptureError(RuntimeError):
+T = TypeVar("T")
+
+
+class CaptureError(SettingMessage, RuntimeError):
     """A capture failed on at least one rank; the message says why and what to change."""
 
 
-def explain_capture_failure(err: BaseException, capture_error_mode: str, prefix: str = "") -> str:
-    """Turns CUDA's capture errors into a cause a user can act on."""
+def run_on_stream(fn: Callable[[], T], stream: torch.cuda.Stream) -> T:
+    """``fn()`` on ``stream``, ordered after the current stream's work and before its next."""
+    current = torch.cuda.current_stream()
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream):
+        result = fn()
+    current.wait_stream(stream)
+    return result
+
+
+def explain_capture_failure(err: BaseException, capture_error_mode: str) -> str:
+    """Turns CUDA's capture errors into a cause a user can act on: a message template
+    (``CaptureError``'s) naming the settings as {capture_error_mode}, {on_failure}, {mode}."""
     text = f"{type(err).__name__}: {err}"
     chain = err.__context__ or err.__cause__
     if chain is not None:
@@ -24,14 +39,14 @@ def explain_capture_failure(err: BaseException, capture_error_mode: str, prefix:
                  "`.cpu()`, `print(tensor)`, `bool(tensor)` in an `if`, or a tensor used as a Python number. "
                  "Keep values on the device inside the step (accumulate metrics in device tensors)")
         if capture_error_mode == "global":
-            cause += (f". If the call came from another thread (a pinned-memory loader thread), "
-                      f"{prefix}capture_error_mode=thread_local tolerates it")
+            cause += (". If the call came from another thread (a pinned-memory loader thread), "
+                      "{capture_error_mode}=thread_local tolerates it")
     elif ("invalidated" in low or "cudaerrorstreamcaptureimplicit" in low or "other thread" in low
           or "previous error during capture" in low):
         cause = ("a CUDA call from another thread (a pinned-memory DataLoader thread, the NCCL watchdog) "
                  "or an implicit sync on the legacy stream invalidated the capture")
         if capture_error_mode == "global":
-            cause += f"; {prefix}capture_error_mode=thread_local tolerates calls from other threads"
+            cause += "; {capture_error_mode}=thread_local tolerates calls from other threads"
     elif "capturable" in low:
         cause = ("the optimizer is not capture-safe: build it with capturable=True (or fused=True) on CUDA; "
                  "graphing.graph_safe_optimizer_kwargs gives the arguments")
@@ -39,14 +54,16 @@ def explain_capture_failure(err: BaseException, capture_error_mode: str, prefix:
         cause = "the step's shapes changed between warm-up and capture; every batch must have the same shape"
     else:
         cause = "an operation in the step cannot be captured"
-    return (f"CUDA graph capture failed: {cause}.\n  underlying error: {text.strip()[:600]}\n"
-            f"  to try: fix the step, or set {prefix}on_failure=eager to fall back to eager execution, "
-            f"or {prefix}mode=eager")
+    return (f"CUDA graph capture failed: {cause}.\n  underlying error: {literal(text.strip()[:600])}\n"
+            "  to try: fix the step, or set {on_failure}=eager to fall back to eager execution, "
+            "or {mode}=eager")
 
 
-def capture(fn: Callable[[], None], stream: torch.cuda.Stream, pool, capture_error_mode: str, prefix: str = ""
+def capture(fn: Callable[[], None], stream: torch.cuda.Stream, pool, capture_error_mode: str
             ) -> Tuple[Optional[torch.cuda.CUDAGraph], float, Optional[str]]:
-    """Captures ``fn`` on ``stream``: (graph or None, seconds, failure explanation or None)."""
+    """Captures ``fn`` on ``stream``: (graph or None, seconds, failure explanation or None).
+
+    The explanation is a ``CaptureError`` message template (see ``explain_capture_failure``)."""
     graph = torch.cuda.CUDAGraph()
     start = time.perf_counter()
     try:
@@ -54,7 +71,7 @@ def capture(fn: Callable[[], None], stream: torch.cuda.Stream, pool, capture_err
             fn()
     except Exception as err:  # a failed capture is reported and agreed on, not fatal here
         leave_capture(stream)
-        return None, time.perf_counter() - start, explain_capture_failure(err, capture_error_mode, prefix)
+        return None, time.perf_counter() - start, explain_capture_failure(err, capture_error_mode)
     torch.cuda.synchronize()
     return graph, time.perf_counter() - start, None
 

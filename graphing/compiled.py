@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import torch
 
-from graphing.executor import Executor
+from graphing.executor import Executor, StepRole
 
 
 class CompiledExecutor(Executor):
-    def __init__(self, options, device, ddp_kwargs=None):
-        super().__init__(options, device, ddp_kwargs)
-        self.info["capture_error_mode"] = "inductor"  # torch.compile's CUDA graph trees decide
+    def __init__(self, options, device, ddp_kwargs=None, **kwargs):
+        super().__init__(options, device, ddp_kwargs, **kwargs)
+        self.report.capture_error_mode = "inductor"  # torch.compile's CUDA graph trees decide
 
     def wrap_model(self, model, sample_inputs=None, autocast=None):
         self.eval_model = model
@@ -21,6 +21,6 @@ class CompiledExecutor(Executor):
         return torch.compile(self._ddp(model), mode="reduce-overhead")
 
     def run(self, role, stage, fn):
-        if role == "train":
+        if role is StepRole.train:
             torch.compiler.cudagraph_mark_step_begin()  # outputs of the last replay may be overwritten
         super().run(role, stage, fn)

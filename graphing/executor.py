@@ -1,17 +1,20 @@
 """The eager executor, and the interface every mode implements.
 
-An executor decides how one step runs. The caller hands it two callables per role
-("train" or "eval"): ``stage``, host work that fills the step's static inputs, and
-``fn``, the device work of the step itself. ``run(role, stage, fn)`` executes one step;
-``phase(role)`` names what the next step will be (warmup, eager, capture, graph) so
-that timings are filed honestly. Everything that differs between modes lives in the
-executors; their caller never asks which mode it has.
+An executor decides how one step runs. The caller hands it two callables per
+``StepRole`` (train or eval): ``stage``, host work that fills the step's static inputs,
+and ``fn``, the device work of the step itself. ``run(role, stage, fn)`` executes one
+step; ``phase(role)`` names what the next step will be (warmup, eager, capture, graph)
+so that timings are filed honestly; ``report`` says what ran (``ExecutionReport``).
+Everything that differs between modes lives in the executors; their caller never asks
+which mode it has.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
 from collections import Counter
+from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
@@ -26,6 +29,39 @@ log = logging.getLogger(__name__)
 SampleInputs = Callable[[], Tuple[torch.Tensor, ...]]
 
 
+class StepRole(Enum):
+    """Which step a call runs; each role gets its own graph (eval's forward-only one shares
+    the train graph's memory pool)."""
+    train = "train"
+    eval = "eval"
+
+
+@dataclass
+class ExecutionReport:
+    """What an executor ran: filled in as it goes, read for results and logs.
+
+    ``mode``: the mode in force ("eager (fallback)" after a failed capture);
+    ``capture_error_mode``: the one a capture of ours used (None: no capture of ours,
+    "inductor": torch.compile's own graphs); ``capture_s``: seconds each role's capture took;
+    ``graph_pool_mib``: the graphs' memory pool; ``fallback``: why capture was given up.
+    """
+    mode: str
+    capture_error_mode: Optional[str] = None
+    compile_model: bool = False
+    capture_s: Dict[StepRole, float] = field(default_factory=dict)
+    graph_pool_mib: Optional[float] = None
+    fallback: Optional[str] = None
+
+    def as_results(self) -> Dict[str, Any]:
+        """The graph numbers of a run's results: ``train_capture_s``, ``graph_pool_mib``, ..."""
+        out: Dict[str, Any] = {f"{role.value}_capture_s": s for role, s in self.capture_s.items()}
+        if self.graph_pool_mib is not None:
+            out["graph_pool_mib"] = self.graph_pool_mib
+        if self.fallback is not None:
+            out["fallback"] = self.fallback
+        return out
+
+
 def distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
@@ -34,18 +70,29 @@ def is_main_rank() -> bool:
     return not distributed() or dist.get_rank() == 0
 
 
+def log_fallback(failure: CaptureError) -> None:
+    """The default word on a capture given up under ``on_failure=eager``, said once."""
+    say = log.warning if is_main_rank() else log.info  # the same on every rank
+    say("%s\non_failure=eager: every rank continues eagerly.", failure)
+
+
 class Executor:
-    """Plain eager execution (under DDP when a process group is up)."""
+    """Plain eager execution (under DDP when a process group is up).
+
+    ``on_fallback`` is told when a failed capture is given up for eager execution
+    (``on_failure="eager"``); a caller with its own names for the settings words it.
+    """
 
     captures_optimizer = False  # whether optimizer.step() runs inside a captured graph
 
-    def __init__(self, options: GraphOptions, device: torch.device, ddp_kwargs: Optional[Dict[str, Any]] = None):
+    def __init__(self, options: GraphOptions, device: torch.device, ddp_kwargs: Optional[Dict[str, Any]] = None,
+                 on_fallback: Callable[[CaptureError], None] = log_fallback):
         self.options, self.device = options, torch.device(device)
         self.ddp_kwargs = dict(ddp_kwargs or {})
+        self.on_fallback = on_fallback
         self.warmup_iters = options.warmup_iters
         self.calls: Counter = Counter()
-        # What ran, for results and logs; capture_error_mode is the one in force (None: no capture of ours).
-        self.info: Dict[str, object] = {"mode": options.mode, "capture_error_mode": None}
+        self.report = ExecutionReport(mode=options.mode.value)
         self.eval_model: Optional[torch.nn.Module] = None
         self.closed = False
 
@@ -70,10 +117,10 @@ class Executor:
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         return DDP(model, device_ids=device_ids, **self.ddp_kwargs)
 
-    def phase(self, role: str) -> str:
+    def phase(self, role: StepRole) -> str:
         return "warmup" if self.calls[role] < self.warmup_iters else "eager"
 
-    def run(self, role: str, stage: Callable[[], None], fn: Callable[[], None]) -> None:
+    def run(self, role: StepRole, stage: Callable[[], None], fn: Callable[[], None]) -> None:
         self._check_open()
         self.calls[role] += 1
         stage()
@@ -81,16 +128,16 @@ class Executor:
 
     def _agree_on_capture(self, failure: Optional[str]) -> bool:
         """True when every rank captured. Otherwise every rank stops with the reason
-        (``on_failure=fail``: CaptureError) or records the fallback and goes on eagerly (False)."""
+        (``on_failure=fail``: CaptureError) or records the fallback and goes on eagerly (False).
+        ``failure``: this rank's ``CaptureError`` template, or None."""
         if self._all_agree(failure is None):
             return True
-        message = failure or "CUDA graph capture failed on another rank; that rank's log says why."
+        error = CaptureError(failure or "CUDA graph capture failed on another rank; that rank's log says why.")
         if self.options.on_failure == "fail":
-            raise CaptureError(message)
-        self.info["fallback"] = message
-        self.info["mode"] = "eager (fallback)"
-        report = log.warning if is_main_rank() else log.info  # the same on every rank: say it once
-        report("%s\n%son_failure=eager: every rank continues eagerly.", message, self.options.setting_prefix)
+            raise error
+        self.report.fallback = str(error)
+        self.report.mode = "eager (fallback)"
+        self.on_fallback(error)
         return False
 
     def _all_agree(self, flag: bool) -> bool:

@@ -29,10 +29,10 @@ from typing import Any, Callable, Dict, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from graphing.executor import Executor, is_main_rank
+from graphing.executor import ExecutionReport, Executor, StepRole, is_main_rank
 from graphing.factory import build_executor
 from graphing.optimizers import float_learning_rate, optimizer_capture_problem
-from graphing.options import GraphConfigError, GraphOptions
+from graphing.options import STEP_MODES, GraphConfigError, GraphMode, GraphOptions
 
 log = logging.getLogger(__name__)
 
@@ -66,10 +66,11 @@ class GraphedStep:
         self.options = GraphOptions(mode=mode, warmup_iters=warmup_iters, capture_error_mode=capture_error_mode,
                                     on_failure=on_failure, compile_model=compile_model
                                     ).resolved(device.type, world_size, torch.cuda.is_available())
-        if self.options.mode not in ("eager", "full"):
-            raise GraphConfigError(f"mode={self.options.mode!r}: GraphedStep runs 'full' or 'eager' "
+        if self.options.mode not in STEP_MODES:
+            raise GraphConfigError(f"{{mode}}={self.options.mode.value!r}: GraphedStep runs "
+                                   f"{' or '.join(repr(m.value) for m in STEP_MODES)} "
                                    "(partial and compile graph the model, not a step)")
-        if optimizer is not None and self.options.mode == "full":
+        if optimizer is not None and self.options.mode is GraphMode.full:
             problem = optimizer_capture_problem(optimizer)
             if problem:
                 raise GraphConfigError(problem)
@@ -87,12 +88,12 @@ class GraphedStep:
     @property
     def phase(self) -> str:
         """What the next call will be: "warmup", "eager", "capture" or "graph"."""
-        return self.executor.phase("train")
+        return self.executor.phase(StepRole.train)
 
     @property
-    def info(self) -> Dict[str, object]:
+    def report(self) -> ExecutionReport:
         """Mode in force, capture seconds, graph pool MiB, the fallback reason if any."""
-        return self.executor.info
+        return self.executor.report
 
     def __call__(self, *inputs: Any) -> Any:
         if self._static is None:
@@ -102,7 +103,7 @@ class GraphedStep:
         self._inputs = inputs
         if self.optimizer is not None and self.phase == "capture":
             self.optimizer.zero_grad(set_to_none=True)  # backward then allocates .grad in the graph's pool
-        self.executor.run("train", self._stage, self._run)
+        self.executor.run(StepRole.train, self._stage, self._run)
         return self._outputs
 
     def _stage(self) -> None:

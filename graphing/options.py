@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from enum import Enum
+from typing import Callable
 
 DDP_MIN_WARMUP = 11  # DDP samples stats with host syncs and rebuilds buckets in its first 10 iterations
 
@@ -34,10 +35,39 @@ class OnCaptureFailure(Enum):
     eager = "eager"  # every rank continues eagerly
 
 
-CAPTURING_MODES = ("full", "partial", "compile")
+CAPTURING_MODES = (GraphMode.full, GraphMode.partial, GraphMode.compile)
+STEP_MODES = (GraphMode.eager, GraphMode.full)  # what GraphedStep runs: a whole step, graphed or not
 
 
-class GraphConfigError(ValueError):
+class SettingMessage:
+    """An error whose message names graphing's settings by their own names (``mode``,
+    ``warmup_iters``, ...). A caller that calls them something else (a config path) words
+    the message itself with ``render``; ``str()`` uses graphing's names."""
+
+    def __init__(self, template: str):
+        self.template = template  # str.format placeholders: {setting_name}
+        super().__init__(self.render())
+
+    def render(self, name: Callable[[str], str] = str) -> str:
+        """The message, each setting named by ``name(setting)``."""
+        return self.template.format_map(_Names(name))
+
+
+class _Names(dict):
+    def __init__(self, name: Callable[[str], str]):
+        super().__init__()
+        self.name = name
+
+    def __missing__(self, setting: str) -> str:
+        return self.name(setting)
+
+
+def literal(text: str) -> str:
+    """``text`` safe inside a message template (an underlying error's braces stay braces)."""
+    return text.replace("{", "{{").replace("}", "}}")
+
+
+class GraphConfigError(SettingMessage, ValueError):
     """A graph setting that cannot work; the message names the setting to change."""
 
 
@@ -47,21 +77,20 @@ def _value(choice) -> str:
 
 @dataclass(frozen=True)
 class GraphOptions:
-    """How a step executes. Strings or the Enums above are accepted for the choices.
+    """How a step executes. Strings or the Enums above are accepted for the choices;
+    ``mode`` is held as a ``GraphMode``, the other choices as their string values.
 
     ``warmup_iters``: eager steps before capture (at least 11 under DDP).
     ``eager_steps_before_capture``: further eager steps after warm-up (timed as "eager",
-    for a same-process comparison). ``setting_prefix`` is how error messages name these
-    settings: "" for keyword arguments, "graph." under train.py's config.
+    for a same-process comparison).
     """
 
-    mode: str = "full"
+    mode: GraphMode = GraphMode.full
     warmup_iters: int = DDP_MIN_WARMUP
     capture_error_mode: str = "global"
     on_failure: str = "fail"
     compile_model: bool = False  # full mode: torch.compile(mode="default") inside the graph
     eager_steps_before_capture: int = 0
-    setting_prefix: str = ""
 
     def __post_init__(self):
         for name, kind in (("mode", GraphMode), ("capture_error_mode", CaptureErrorMode),
@@ -69,31 +98,36 @@ class GraphOptions:
             value = _value(getattr(self, name))
             choices = [member.value for member in kind]
             if value not in choices:
-                raise GraphConfigError(f"{self.setting_prefix}{name}={value!r} is not one of {', '.join(choices)}")
-            object.__setattr__(self, name, value)
+                raise GraphConfigError(f"{{{name}}}={literal(repr(value))} is not one of {', '.join(choices)}")
+            object.__setattr__(self, name, GraphMode(value) if kind is GraphMode else value)
+
+    @property
+    def captures(self) -> bool:
+        """Whether this mode captures CUDA graphs (and so needs a GPU)."""
+        return self.mode in CAPTURING_MODES
 
     def resolved(self, device_type: str, world_size: int, cuda_available: bool = True) -> "GraphOptions":
         """These options with ``auto`` resolved for the device, after checking they can work there."""
-        p = self.setting_prefix
         mode = self.mode
-        if mode == "auto":
-            mode = "full" if device_type == "cuda" else "eager"
+        if mode is GraphMode.auto:
+            mode = GraphMode.full if device_type == "cuda" else GraphMode.eager
+        m = mode.value
         if mode in CAPTURING_MODES and device_type != "cuda":
             why = "this machine has no usable CUDA GPU" if not cuda_available else f"the device is {device_type}"
-            raise GraphConfigError(f"{p}mode={mode} needs a CUDA GPU but {why}: set {p}mode=eager "
-                                   f"({p}mode=auto picks eager without a GPU)")
-        if self.compile_model and mode != "full":
-            raise GraphConfigError(f"{p}compile_model=true applies to {p}mode=full, not {mode}: "
-                                   f"set {p}mode=full or {p}compile_model=false")
-        if mode in ("full", "partial"):
+            raise GraphConfigError(f"{{mode}}={m} needs a CUDA GPU but {why}: set {{mode}}=eager "
+                                   "({mode}=auto picks eager without a GPU)")
+        if self.compile_model and mode is not GraphMode.full:
+            raise GraphConfigError(f"{{compile_model}}=true applies to {{mode}}=full, not {m}: "
+                                   "set {mode}=full or {compile_model}=false")
+        if mode in (GraphMode.full, GraphMode.partial):
             if world_size > 1 and self.warmup_iters < DDP_MIN_WARMUP:
                 raise GraphConfigError(
-                    f"{p}warmup_iters={self.warmup_iters} is too few under DDP: DistributedDataParallel runs "
+                    f"{{warmup_iters}}={self.warmup_iters} is too few under DDP: DistributedDataParallel runs "
                     "host-synchronizing bookkeeping in its first 10 iterations and rebuilds its buckets, which "
-                    f"cannot happen inside a CUDA graph; set {p}warmup_iters={DDP_MIN_WARMUP} or more")
+                    f"cannot happen inside a CUDA graph; set {{warmup_iters}}={DDP_MIN_WARMUP} or more")
             if self.warmup_iters < 1:
-                raise GraphConfigError(f"{p}warmup_iters={self.warmup_iters} must be at least 1 (cuBLAS, cuDNN and "
-                                       f"the optimizer state must exist before capture): set {p}warmup_iters=11")
+                raise GraphConfigError(f"{{warmup_iters}}={self.warmup_iters} must be at least 1 (cuBLAS, cuDNN "
+                                       "and the optimizer state must exist before capture): set {warmup_iters}=11")
         if self.eager_steps_before_capture < 0:
             raise GraphConfigError(f"eager_steps_before_capture={self.eager_steps_before_capture} must be >= 0")
         return replace(self, mode=mode)

@@ -11,9 +11,9 @@ import logging
 
 import torch
 
-from graphing.capture import explain_capture_failure, reset_rng_capture_state
+from graphing.capture import explain_capture_failure, reset_rng_capture_state, run_on_stream
 from graphing.compat import make_graphed_callables_takes_capture_error_mode
-from graphing.executor import Executor, is_main_rank
+from graphing.executor import Executor, StepRole, is_main_rank
 
 log = logging.getLogger(__name__)
 
@@ -27,32 +27,33 @@ class PartialGraphExecutor(Executor):
         wanted = self.options.capture_error_mode
         if make_graphed_callables_takes_capture_error_mode():
             kwargs["capture_error_mode"] = wanted
-            self.info["capture_error_mode"] = wanted
+            self.report.capture_error_mode = wanted
         else:  # this torch captures with its default, "global"
-            self.info["capture_error_mode"] = "global"
+            self.report.capture_error_mode = "global"
             if wanted != "global" and is_main_rank():
-                log.warning("%scapture_error_mode=%s is ignored in mode=partial: torch %s's "
+                log.warning("capture_error_mode=%s is ignored in mode=partial: torch %s's "
                             "make_graphed_callables has no capture_error_mode and captures with 'global'",
-                            self.options.setting_prefix, wanted, torch.__version__)
+                            wanted, torch.__version__)
         args = tuple(a.detach() for a in sample_inputs())
         side = torch.cuda.Stream(device=self.device)
-        side.wait_stream(torch.cuda.current_stream())
+
+        def make_graphed():
+            with (autocast or contextlib.nullcontext)():
+                return torch.cuda.make_graphed_callables(model, args, num_warmup_iters=self.warmup_iters, **kwargs)
+
         graphed, failure = None, None
         try:
-            with torch.cuda.stream(side), (autocast or contextlib.nullcontext)():
-                graphed = torch.cuda.make_graphed_callables(model, args, num_warmup_iters=self.warmup_iters,
-                                                            **kwargs)
+            graphed = run_on_stream(make_graphed, side)
         except Exception as err:
             # A failed capture leaves the CUDA generator in capture mode: every later random
             # op would fail, so repair it before going on.
             torch.cuda.synchronize(self.device)
             reset_rng_capture_state(side)
-            failure = explain_capture_failure(err, self.info["capture_error_mode"], self.options.setting_prefix)
-        torch.cuda.current_stream().wait_stream(side)
+            failure = explain_capture_failure(err, self.report.capture_error_mode)
         if not self._agree_on_capture(failure):
             graphed = model
         model.zero_grad(set_to_none=True)  # the warm-up passes left gradients behind
         return self._ddp(graphed)
 
-    def phase(self, role: str) -> str:
-        return "graph" if role == "train" and "fallback" not in self.info else "eager"
+    def phase(self, role: StepRole) -> str:
+        return "graph" if role is StepRole.train and self.report.fallback is None else "eager"

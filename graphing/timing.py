@@ -1,26 +1,82 @@
-"""Step timing without host syncs: CUDA events recorded per step, read lazily.
+"""Step timing without host syncs: CUDA events recorded per step, read lazily, kept bounded.
 
 Each ``step(phase)`` records an event (or a host clock on CPU); the interval since the
 previous mark is that step's time, filed under the phase of the step that ended.
 Events are resolved only in ``collect()``, which the loop calls at its log interval,
 where it synchronizes anyway. ``restart()`` after an interruption (evaluation,
 logging) keeps that time out of the next step's interval.
+
+Memory stays bounded however long the run: each phase keeps its first
+``StepTimes.EXACT_LIMIT`` times exactly, then folds them into a histogram of
+logarithmic buckets 1% wide, whose quantiles are within 0.5% of the exact ones (the
+mean, count, min and max stay exact).
 """
 from __future__ import annotations
 
+import math
 import statistics
 import time
-from collections import defaultdict
-from typing import Dict, List
+from collections import Counter
+from typing import Dict, List, Optional, Tuple
 
 import torch
+
+
+class StepTimes:
+    """The step times of one phase: exact up to ``EXACT_LIMIT`` samples, a 1% histogram beyond."""
+
+    EXACT_LIMIT = 10_000
+    _LOG_WIDTH = math.log(1.01)  # bucket i holds [1.01**i, 1.01**(i+1)) ms
+
+    def __init__(self):
+        self.count, self.total_ms = 0, 0.0
+        self.min_ms, self.max_ms = math.inf, -math.inf
+        self._exact: Optional[List[float]] = []
+        self._buckets: Counter = Counter()
+
+    def add(self, ms: float) -> None:
+        self.count += 1
+        self.total_ms += ms
+        self.min_ms, self.max_ms = min(self.min_ms, ms), max(self.max_ms, ms)
+        if self._exact is None:
+            self._buckets[self._bucket(ms)] += 1
+            return
+        self._exact.append(ms)
+        if len(self._exact) > self.EXACT_LIMIT:
+            for x in self._exact:
+                self._buckets[self._bucket(x)] += 1
+            self._exact = None
+
+    def _bucket(self, ms: float) -> int:
+        return math.floor(math.log(max(ms, 1e-6)) / self._LOG_WIDTH)
+
+    def quantile(self, q: float) -> float:
+        """The ``q`` quantile (nearest rank; the median averages the middle pair while exact)."""
+        if self._exact is not None:
+            ordered = sorted(self._exact)
+            if q == 0.5:
+                return statistics.median(ordered)
+            return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+        rank = min(self.count - 1, int(round(q * (self.count - 1))))
+        seen = 0
+        for bucket in sorted(self._buckets):
+            seen += self._buckets[bucket]
+            if seen > rank:  # the bucket's geometric middle, kept within what was seen
+                middle = math.exp((bucket + 0.5) * self._LOG_WIDTH)
+                return min(max(middle, self.min_ms), self.max_ms)
+        return self.max_ms
+
+    def summary(self) -> Dict[str, float]:
+        """Median, p90 and mean step time in ms, and the number of steps timed."""
+        return {"step_ms_median": self.quantile(0.5), "step_ms_p90": self.quantile(0.9),
+                "step_ms_mean": self.total_ms / self.count, "steps_timed": self.count}
 
 
 class StepTimer:
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
-        self.durations_ms: Dict[str, List[float]] = defaultdict(list)
-        self.sequence_ms: List[float] = []  # every collected step, in order, whatever its phase
+        self.phases: Dict[str, StepTimes] = {}
+        self._window: Tuple[int, float] = (0, 0.0)  # steps and ms collected since take_window()
         self._pending: list = []
         self._last = None
         self.restart()
@@ -45,22 +101,25 @@ class StepTimer:
             return
         if self.cuda:
             self._pending[-1][1].synchronize()
+        steps, total = self._window
         for begin, end, phase in self._pending:
             ms = begin.elapsed_time(end) if self.cuda else (end - begin) * 1e3
-            self.durations_ms[phase].append(ms)
-            self.sequence_ms.append(ms)
+            self.phases.setdefault(phase, StepTimes()).add(ms)
+            steps, total = steps + 1, total + ms
+        self._window = (steps, total)
         self._pending.clear()
+
+    def take_window(self) -> Tuple[int, float]:
+        """(steps, total ms) collected since the last call, whatever their phase."""
+        window, self._window = self._window, (0, 0.0)
+        return window
+
+    def count(self, phase: str) -> int:
+        """Steps of ``phase`` collected so far."""
+        times = self.phases.get(phase)
+        return times.count if times else 0
 
     def summary(self, phase: str) -> Dict[str, float]:
         """Median, p90 and mean step time of ``phase`` in ms, and the number of steps timed."""
-        xs = self.durations_ms.get(phase, [])
-        if not xs:
-            return {}
-        ordered = sorted(xs)
-        return {
-            "step_ms_median": statistics.median(ordered),
-            "step_ms_p90": ordered[min(len(ordered) - 1, int(round(0.9 * (len(ordered) - 1))))],
-            "step_ms_mean": sum(ordered) / len(ordered),
-            "steps_timed": len(ordered),
-        }
-
+        times = self.phases.get(phase)
+        return times.summary() if times else {}

@@ -10,24 +10,26 @@ from typing import Callable, Dict
 import torch
 import torch.distributed as dist
 
-from graphing.capture import capture, pool_mib, reset_rng_capture_state
-from graphing.executor import Executor, distributed
-
+from graphing.capture import capture, pool_mib, reset_rng_capture_state, run_on_stream
+from graphing.executor import Executor, StepRole, distributed
 
 
 class WholeStepGraphExecutor(Executor):
     captures_optimizer = True
 
-    def __init__(self, options, device, ddp_kwargs=None):
-        super().__init__(options, device, ddp_kwargs)
+    def __init__(self, options, device, ddp_kwargs=None, **kwargs):
+        super().__init__(options, device, ddp_kwargs, **kwargs)
         self.side = torch.cuda.Stream(device=self.device)  # warm-up, DDP construction and capture all run here
-        self.graphs: Dict[str, torch.cuda.CUDAGraph] = {}
+        # One graph per role, all in one memory pool (eval's replays never overlap train's).
+        self.graphs: Dict[StepRole, torch.cuda.CUDAGraph] = {}
         self.pool = None
         self.fallen_back = False
         # Eager calls before capture: train needs DDP's warm-up; eval needs one pass to
         # settle cuDNN/compile for the eval batch shape.
-        self.eager_before = {"train": self.warmup_iters + options.eager_steps_before_capture, "eval": 1}
-        self.info.update(compile_model=options.compile_model, capture_error_mode=options.capture_error_mode)
+        self.eager_before = {StepRole.train: self.warmup_iters + options.eager_steps_before_capture,
+                             StepRole.eval: 1}
+        self.report.compile_model = options.compile_model
+        self.report.capture_error_mode = options.capture_error_mode
 
     def wrap_model(self, model, sample_inputs=None, autocast=None):
         if self.options.compile_model:
@@ -36,18 +38,14 @@ class WholeStepGraphExecutor(Executor):
             # CUDA graphs cannot nest inside this capture.
             model = torch.compile(model, mode="default")
         self.eval_model = model
-        self.side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.side):
-            wrapped = self._ddp(model)
-        torch.cuda.current_stream().wait_stream(self.side)
-        return wrapped
+        return run_on_stream(lambda: self._ddp(model), self.side)
 
     def wrap_output_fn(self, fn):
         # Compiled too when the model is: the loss and the metrics read the whole output (a
         # language model's logits: batch x context x vocabulary); fused kernels read it once.
         return torch.compile(fn, mode="default") if self.options.compile_model else fn
 
-    def phase(self, role: str) -> str:
+    def phase(self, role: StepRole) -> str:
         if role in self.graphs:
             return "graph"
         n = self.calls[role]
@@ -57,7 +55,7 @@ class WholeStepGraphExecutor(Executor):
             return "capture"  # what run() does next, whatever the warm-up count (eval captures early)
         return "warmup" if n < self.warmup_iters else "eager"
 
-    def run(self, role: str, stage: Callable[[], None], fn: Callable[[], None]) -> None:
+    def run(self, role: StepRole, stage: Callable[[], None], fn: Callable[[], None]) -> None:
         self._check_open()
         graph = self.graphs.get(role)
         if graph is not None:
@@ -68,28 +66,20 @@ class WholeStepGraphExecutor(Executor):
         self.calls[role] += 1
         stage()
         if self.fallen_back or n < self.eager_before[role]:
-            self._on_side_stream(fn)
+            run_on_stream(fn, self.side)
             return
         if self._capture(role, fn):
             self.graphs[role].replay()  # capture records but does not run: run this step now
         else:
-            self._on_side_stream(fn)
+            run_on_stream(fn, self.side)
 
-    def _on_side_stream(self, fn: Callable[[], None]) -> None:
-        current = torch.cuda.current_stream()
-        self.side.wait_stream(current)
-        with torch.cuda.stream(self.side):
-            fn()
-        current.wait_stream(self.side)
-
-    def _capture(self, role: str, fn: Callable[[], None]) -> bool:
+    def _capture(self, role: StepRole, fn: Callable[[], None]) -> bool:
         # Every rank captures its own graph, and a collective captured on one rank must
         # be captured on all: meet first, so no rank is still warming up.
         if distributed():
             dist.barrier()
         torch.cuda.synchronize()
-        graph, seconds, failure = capture(fn, self.side, self.pool, self.options.capture_error_mode,
-                                           self.options.setting_prefix)
+        graph, seconds, failure = capture(fn, self.side, self.pool, self.options.capture_error_mode)
         if failure is not None:  # a rank whose own capture succeeded has nothing to repair
             reset_rng_capture_state(self.side)
         if not self._agree_on_capture(failure):
@@ -98,8 +88,8 @@ class WholeStepGraphExecutor(Executor):
         self.graphs[role] = graph
         if self.pool is None:
             self.pool = graph.pool()
-        self.info[f"{role}_capture_s"] = seconds
-        self.info["graph_pool_mib"] = pool_mib(self.pool)
+        self.report.capture_s[role] = seconds
+        self.report.graph_pool_mib = pool_mib(self.pool)
         return True
 
     def close(self) -> None:

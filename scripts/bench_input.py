@@ -31,46 +31,42 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from conf.schema import compose  # noqa: E402
+from graphing import StepRole  # noqa: E402
+from trainer.assembly import Run  # noqa: E402
 from trainer.data import collate, host_copy  # noqa: E402
-from trainer.loop import Trainer  # noqa: E402
-from trainer.runtime import pick_device, seed_everything, start  # noqa: E402
-from trainer.validate import check_config  # noqa: E402
+from trainer.session import Session  # noqa: E402
 
 DEFAULTS = ["recipe=cifar10_resnet18", "graph=full", "train.precision=bf16", "logger=none",
             "train.progress=false", "train.eval=false"]
 
 
-def build(rt, overrides, folder: Path, loader: str, workers: int):
-    cfg = compose([*DEFAULTS, *overrides, "recipe.data.source=folder", f"recipe.data.root={folder}",
-                   f"recipe.data.loader={loader}", f"recipe.data.num_workers={workers}"])
-    check_config(cfg)
-    seed_everything(cfg.seed, cfg.deterministic)
-    return cfg, Trainer(cfg, rt)
-
-
-def timed_steps(trainer: Trainer, steps: int):
+def timed_steps(run: Run, steps: int):
     """(seconds per step, seconds per step the host loader waited for its workers) over ``steps`` graphed steps."""
-    ex, loader, step = trainer.executor, trainer.train_loader, trainer.train_step
+    ex, loader, step = run.executor, run.train_loader, run.train_step
+
+    def one_step():
+        ex.run(StepRole.train, loader.stage, step)
+
     loader.start_epoch(0)
     if loader.steps < steps + 2 * ex.warmup_iters:
         sys.exit(f"the folder gives {loader.steps} steps per epoch: lower --steps to at most "
                  f"{loader.steps - 2 * ex.warmup_iters}")
-    while ex.phase("train") in ("warmup", "capture"):
-        ex.run("train", loader.stage, step)
+    while ex.phase(StepRole.train) in ("warmup", "capture"):
+        one_step()
     for _ in range(ex.warmup_iters):  # settle (the workers' queues fill)
-        ex.run("train", loader.stage, step)
+        one_step()
     torch.cuda.synchronize()
     waited = getattr(loader, "waited_s", 0.0)
     began = time.perf_counter()
     for _ in range(steps):
-        ex.run("train", loader.stage, step)
+        one_step()
     torch.cuda.synchronize()
     return (time.perf_counter() - began) / steps, (getattr(loader, "waited_s", 0.0) - waited) / steps
 
 
-def host_costs(trainer: Trainer, batches: int = 20):
+def host_costs(run: Run, batches: int = 20):
     """Per batch, in one process: decode (dataset items), collate (stack), copy into pinned memory."""
-    dataset, loader = trainer.recipe.data.train, trainer.train_loader
+    dataset, loader = run.recipe.data.train, run.train_loader
     n = loader.rows_per_load
     began = time.perf_counter()
     items = [[dataset[(b * n + i) % len(dataset)] for i in range(n)] for b in range(batches)]
@@ -87,7 +83,7 @@ def host_costs(trainer: Trainer, batches: int = 20):
             "pinned_copy_ms_per_batch": 1e3 * copy}
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--folder", type=Path, required=True, help="an image folder (made when missing)")
     parser.add_argument("--workers", default="4,8,14", help="host-loader worker counts to try")
@@ -102,23 +98,30 @@ def main() -> None:
         print(f"exporting {recipe} ({source}) to {args.folder} ...", flush=True)
         subprocess.run([sys.executable, str(REPO / "scripts" / "export_images.py"), recipe, source,
                         "--output", str(args.folder)], check=True)
-    rt = start(pick_device("cuda"), "/tmp/bench_input", None, "bench_input")
-    rows = []
-    for loader, workers in [("device", 8)] + [("host", int(w)) for w in args.workers.split(",")]:
-        cfg, trainer = build(rt, overrides, args.folder, loader, workers)
-        step_s, waited_s = timed_steps(trainer, args.steps)
-        samples = cfg.recipe.data.batch_size * cfg.train.grad_accum
+    rows, used = [], {}
+
+    def measure(session, loader: str, workers: int) -> int:  # one row: its own session, closed before the next
+        run = session.build()
+        step_s, waited_s = timed_steps(run, args.steps)
+        samples = session.cfg.recipe.data.batch_size * session.cfg.train.grad_accum
         row = {"loader": loader, "num_workers": workers if loader == "host" else None,
                "samples_per_s": samples / step_s, "step_ms": 1e3 * step_s,
                "batch_wait_share": waited_s / step_s if loader == "host" else None}
         if loader == "host":
-            row.update(host_costs(trainer))
+            row.update(host_costs(run))
         rows.append(row)
-        precision = trainer.precision  # as resolved (train.precision=auto)
+        used["precision"] = run.plan.precision  # as resolved (train.precision=auto)
         print(json.dumps(row), flush=True)
-        trainer.close()
-        del trainer
+        return 0
+
+    for loader, workers in [("device", 8)] + [("host", int(w)) for w in args.workers.split(",")]:
+        cfg = compose([*DEFAULTS, *overrides, "recipe.data.source=folder", f"recipe.data.root={args.folder}",
+                       f"recipe.data.loader={loader}", f"recipe.data.num_workers={workers}", "device=cuda"])
+        code = Session(cfg, purpose="bench_input").execute(lambda session: measure(session, loader, workers))
+        if code:
+            return code
         torch.cuda.empty_cache()
+    precision = used["precision"]
     device_rate = rows[0]["samples_per_s"]
     best = max(rows[1:], key=lambda r: r["samples_per_s"])
     result = {
@@ -131,8 +134,8 @@ def main() -> None:
           f"with {best['num_workers']} workers = {result['host_vs_device']:.1%} of the device loader")
     if args.output:
         args.output.write_text(json.dumps(result, indent=2) + "\n")
-    rt.close()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

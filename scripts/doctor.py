@@ -25,20 +25,21 @@ from __future__ import annotations
 
 import itertools
 import sys
-import traceback
 from pathlib import Path
 from typing import List, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-EXIT_CONFIG, EXIT_CRASH = 2, 1
+# The step as the whole-step graph would capture it: full on CUDA, eager elsewhere (graph.mode=auto),
+# without graph.compile_model and the eager/graph comparison.
+AS_CAPTURED = ["graph.mode=auto", "graph.compile_model=false", "graph.compare=false"]
 
 
-def diagnose_trainer(trainer):
-    """The doctor's report on ``trainer``'s training step (every rank calls it under torchrun)."""
+def diagnose_trainer(run):
+    """The doctor's report on ``run``'s training step (every rank calls it under torchrun)."""
     from graphing import diagnose
 
-    loader = trainer.train_loader
+    loader = run.train_loader
     count = itertools.count()
 
     def next_batch() -> tuple:  # what the loop does before each step: new epoch when due, stage the batch
@@ -48,72 +49,53 @@ def diagnose_trainer(trainer):
         loader.stage()
         return ()
 
-    cuda = trainer.device.type == "cuda"
-    report = diagnose(lambda model: trainer.train_step(), trainer.model, trainer.optimizer, next_batch,
-                      warmup_iters=trainer.options.warmup_iters, device=trainer.device,
-                      stream=getattr(trainer.executor, "side", None), check_optimizer=cuda)
+    cuda = run.plan.device.type == "cuda"
+    report = diagnose(lambda model: run.train_step(), run.model, run.optimizer, next_batch,
+                      warmup_iters=run.plan.graph.warmup_iters, device=run.plan.device,
+                      stream=getattr(run.executor, "side", None), check_optimizer=cuda)
     if not cuda:
         report.notes.append("optimizer not checked here: on CUDA the trainer builds it capturable/fused, and "
                             "trainer/optim.py refuses a class that cannot be captured")
     return report
 
 
+def doctor_job(session, overrides: List[str]) -> int:
+    """Builds the run as train.py does, diagnoses its step, reports: the verdict's exit code."""
+    from graphing.doctor import COLUMNS
+    from trainer.results import write_json
+    from trainer.runtime import print_once
+    from trainer.session import tell_torchrun
+
+    cfg, run = session.cfg, session.build()
+    rt = run.rt
+    session.open_run_dir()
+    print_once(f"graph doctor: recipe {cfg.recipe.name} ({run.recipe.data.source} data) | "
+               f"precision {run.plan.precision} | {rt.world_size} x {rt.device.type} | run {rt.run_dir}")
+    report = diagnose_trainer(run)
+    logger = session.open_logger(run.config, job_type="doctor")
+    if rt.is_main:
+        print(report, flush=True)
+        write_json(rt.run_dir / "doctor.json", {"recipe": cfg.recipe.name, "overrides": overrides,
+                                                "precision": run.plan.precision, **report.to_dict()})
+        logger.table("doctor/findings", COLUMNS, report.rows())
+        logger.summary({"doctor/verdict": report.verdict, "doctor/exit_code": report.exit_code,
+                        "doctor/finding_count": len(report.findings),
+                        "doctor/capture_error_mode": report.capture_error_mode,
+                        "doctor/eager_step_ms": report.eager_step_ms, "doctor/gpu_busy_ms": report.gpu_busy_ms})
+        print(f"wrote {rt.run_dir / 'doctor.json'}", flush=True)
+        if report.exit_code:  # torchrun's failure report then names the verdict, not only an exit code
+            tell_torchrun(f"graph doctor: {report.verdict} (exit {report.exit_code}); rank 0's table says "
+                          "where and why")
+    return report.exit_code
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     overrides = list(sys.argv[1:] if argv is None else argv)
     from conf.schema import compose
-    from graphing.doctor import COLUMNS
-    from trainer.errors import ConfigError
-    from trainer.loop import Trainer, write_json
-    from trainer.metrics_logger import MetricsLogger
-    from trainer.runtime import env_rank, pick_device, print_once, seed_everything, start
-    from trainer.session import tell_torchrun
-    from trainer.validate import check_config
+    from trainer.session import Session
 
-    rt = trainer = logger = None
-    code = 0
-    try:
-        cfg = compose(["train.progress=false", *overrides])
-        check_config(cfg)
-        device = pick_device(cfg.device.value)
-        # The step as the whole-step graph would capture it (compile and the eager/graph comparison aside).
-        cfg.graph.mode = "full" if device.type == "cuda" else "eager"
-        cfg.graph.compile_model = False
-        cfg.graph.compare = False
-        rt = start(device, cfg.output_root, cfg.run_dir, f"{cfg.recipe.name}_doctor")
-        seed_everything(cfg.seed, cfg.deterministic)
-        trainer = Trainer(cfg, rt)
-        rt.make_run_dir()
-        print_once(f"graph doctor: recipe {cfg.recipe.name} ({trainer.recipe.data.source} data) | "
-                   f"precision {trainer.precision} | {rt.world_size} x {device.type} | run {rt.run_dir}")
-        report = diagnose_trainer(trainer)
-        code = report.exit_code
-        logger = MetricsLogger(cfg.logger, rt.run_dir, trainer.config, rank=rt.rank, job_type="doctor")
-        if rt.is_main:
-            print(report, flush=True)
-            write_json(rt.run_dir / "doctor.json", {"recipe": cfg.recipe.name, "overrides": overrides,
-                                                    "precision": trainer.precision, **report.to_dict()})
-            logger.table("doctor/findings", COLUMNS, report.rows())
-            logger.summary({"doctor/verdict": report.verdict, "doctor/exit_code": report.exit_code,
-                            "doctor/finding_count": len(report.findings),
-                            "doctor/capture_error_mode": report.capture_error_mode,
-                            "doctor/eager_step_ms": report.eager_step_ms, "doctor/gpu_busy_ms": report.gpu_busy_ms})
-            print(f"wrote {rt.run_dir / 'doctor.json'}", flush=True)
-            if code:  # torchrun's failure report then names the verdict, not only an exit code
-                tell_torchrun(f"graph doctor: {report.verdict} (exit {code}); rank 0's table says where and why")
-    except ConfigError as e:
-        code = EXIT_CONFIG
-        print_once(f"Error: {e}", file=sys.stderr)
-    except Exception:
-        code = EXIT_CRASH
-        print(f"[rank {env_rank()}] {traceback.format_exc()}", file=sys.stderr, flush=True)
-    finally:
-        if trainer is not None:
-            trainer.close()
-        if logger is not None:  # the doctor's own run ended well whatever its verdict
-            logger.finish(exit_code=code if code in (EXIT_CONFIG, EXIT_CRASH) else 0)
-        if rt is not None:
-            rt.close(clean=code not in (EXIT_CONFIG, EXIT_CRASH))
-    return code
+    cfg = compose(["train.progress=false", *overrides, *AS_CAPTURED])
+    return Session(cfg, purpose="doctor").execute(lambda session: doctor_job(session, overrides))
 
 
 if __name__ == "__main__":

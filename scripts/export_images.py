@@ -29,10 +29,9 @@ import torch  # noqa: E402
 
 from conf.schema import compose  # noqa: E402
 from recipes.image_folder import default_workers  # noqa: E402
+from trainer.assembly import build_recipe_alone  # noqa: E402
 from trainer.errors import ConfigError  # noqa: E402
 from trainer.recipe import Split  # noqa: E402
-from trainer.runtime import Runtime  # noqa: E402
-from trainer.validate import check_config, recipe_builder  # noqa: E402
 
 IMAGES_PER_TASK = 2000
 
@@ -60,9 +59,7 @@ def export(overrides: List[str], output: Path, *, limit: Optional[int] = None, w
         raise ConfigError(f"--output {output} exists and is not an empty folder: name a new folder "
                           "(files left from an earlier export would mix with this one)")
     cfg = compose(["logger=none", *overrides])
-    check_config(cfg)
-    rt = Runtime(0, 0, 1, torch.device("cpu"), False, Path("."))  # one process on the CPU: no process group
-    data = recipe_builder(cfg)(cfg, rt).data
+    data = build_recipe_alone(cfg).data
     splits = {name: images_of(getattr(data, name), cfg.recipe.name, limit) for name in ("train", "test")}
     import torchvision.io  # noqa: F401  before the workers fork: each would import it again (seconds)
 

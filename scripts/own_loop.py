@@ -170,9 +170,9 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
             phases[phase] += 1
             step(x, y)  # copies x, y into the static inputs, then runs (or replays) the step
             if phase == "capture":
-                info = step.info
-                log(f"captured the whole step in {info.get('train_capture_s', float('nan')):.2f} s "
-                    f"(graph pool {info.get('graph_pool_mib', float('nan')):.1f} MiB); replaying from here on")
+                captured = step.report.as_results()
+                log(f"captured the whole step in {captured.get('train_capture_s', float('nan')):.2f} s "
+                    f"(graph pool {captured.get('graph_pool_mib', float('nan')):.1f} MiB); replaying from here on")
             if i == 0 or (i + 1) % args.log_every == 0 or i + 1 == args.steps:
                 mean_loss = loss_sum.item() / (i + 1 - last_logged)  # the one host sync per log interval
                 loss_sum.zero_()
@@ -186,7 +186,10 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
         digests = [digest] * world_size
         if world_size > 1:
             dist.all_gather_object(digests, digest)  # one per rank: DDP should keep them equal
-        info = {k: v for k, v in step.info.items()
+        report = step.report
+        info = {"mode": report.mode, "capture_error_mode": report.capture_error_mode,
+                "compile_model": report.compile_model, **report.as_results()}
+        info = {k: v for k, v in info.items()
                 if v is None or isinstance(v, (str, bool, int)) or isinstance(v, float) and math.isfinite(v)}
         results = {
             "mode": args.mode,

@@ -24,12 +24,11 @@ from torch.autograd import DeviceType  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from conf.schema import compose  # noqa: E402
-from trainer.loop import Trainer  # noqa: E402
-from trainer.runtime import pick_device, seed_everything, start  # noqa: E402
-from trainer.validate import check_config  # noqa: E402
+from graphing import StepRole  # noqa: E402
+from trainer.session import Session  # noqa: E402
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--output", type=Path, default=None, help="JSON file for the numbers")
@@ -38,46 +37,51 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("profile_step.py measures GPU kernels: run it on a machine with CUDA")
     cfg = compose(["logger=none", "train.progress=false", *overrides])
-    check_config(cfg)
-    rt = start(pick_device(cfg.device.value), "/tmp/profile_step", None, "profile")
-    seed_everything(cfg.seed, cfg.deterministic)
-    trainer = Trainer(cfg, rt)
-    ex, loader, step = trainer.executor, trainer.train_loader, trainer.train_step
+    return Session(cfg, purpose="profile").execute(lambda session: profile_job(session, args))
+
+
+def profile_job(session, args) -> int:
+    run = session.build()
+    ex, loader, step = run.executor, run.train_loader, run.train_step
+
+    def one_step():
+        ex.run(StepRole.train, loader.stage, step)
+
     loader.start_epoch(0)
-    needed = args.steps * 2 + cfg.graph.warmup_iters + 1
+    needed = args.steps * 2 + run.plan.graph.warmup_iters + 1
     if loader.steps < needed:
         sys.exit(f"need {needed} steps in one epoch, the data gives {loader.steps}: lower --steps")
-    while ex.phase("train") in ("warmup", "capture"):
-        ex.run("train", loader.stage, step)
+    while ex.phase(StepRole.train) in ("warmup", "capture"):
+        one_step()
     for _ in range(args.steps):  # settle
-        ex.run("train", loader.stage, step)
+        one_step()
     torch.cuda.synchronize()
 
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     begin.record()
     for _ in range(args.steps):
-        ex.run("train", loader.stage, step)
+        one_step()
     end.record()
     end.synchronize()
     wall_ms = begin.elapsed_time(end) / args.steps
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(args.steps):
-            ex.run("train", loader.stage, step)
+            one_step()
         torch.cuda.synchronize()
     gpu_events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
     busy_ms = sum(e.device_time for e in gpu_events) / 1e3 / args.steps
-    mode = ex.info["mode"] + ("+compile_model" if cfg.graph.compile_model else "")
+    mode = ex.report.mode + ("+compile_model" if run.plan.graph.compile_model else "")
     result = {
-        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "mode": mode, "recipe": cfg.recipe.name,
-        "batch_size": cfg.recipe.data.batch_size, "precision": trainer.precision, "step_ms": wall_ms,
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "mode": mode, "recipe": run.recipe.name,
+        "batch_size": session.cfg.recipe.data.batch_size, "precision": run.plan.precision, "step_ms": wall_ms,
         "gpu_busy_ms": busy_ms, "gpu_busy_fraction": busy_ms / wall_ms, "gpu_ops_per_step": len(gpu_events) / args.steps,
     }
-    units_per_s = trainer.global_batch * trainer.recipe.units_per_sample * 1e3 / wall_ms
-    result[f"{trainer.recipe.unit}_per_s"] = units_per_s
-    peak = trainer.perf.peak()
-    if peak is not None and trainer.recipe.flops_per_unit > 0:
-        result["mfu_pct"] = 100 * units_per_s * trainer.recipe.flops_per_unit / (peak[1] * 1e12)
+    units_per_s = run.global_batch * run.recipe.units_per_sample * 1e3 / wall_ms
+    result[f"{run.recipe.unit}_per_s"] = units_per_s
+    peak = run.perf.peak()
+    if peak is not None and run.recipe.flops_per_unit > 0:
+        result["mfu_pct"] = 100 * units_per_s * run.recipe.flops_per_unit / (peak[1] * 1e12)
     if args.top:
         result["top_kernels"] = top_kernels(gpu_events, args.steps, args.top)
     print(json.dumps({k: v for k, v in result.items() if k != "top_kernels"}))
@@ -85,9 +89,7 @@ def main() -> None:
         print(f"  {row['ms_per_step']:8.4f} ms  {row['per_step']:6.1f}x  {row['name'][:110]}")
     if args.output:
         args.output.write_text(json.dumps(result, indent=2) + "\n")
-    trainer.close()
-    rt.close()
-
+    return 0
 
 
 def top_kernels(events, steps: int, n: int):
@@ -99,5 +101,6 @@ def top_kernels(events, steps: int, n: int):
     rows = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:n]
     return [{"name": name, "ms_per_step": ms / steps, "per_step": count / steps} for name, (ms, count) in rows]
 
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -121,16 +121,11 @@ def check_two_gpus(points: Sequence[dict], recipe: str, one_gpu: Dict[str, Dict[
 
 def parameter_count(recipe: str, overrides: Sequence[str]) -> int:
     """The recipe's trainable parameters, from its own builder on tiny synthetic data on the CPU."""
-    import torch
-
     from conf.schema import compose
-    from trainer.runtime import Runtime
-    from trainer.validate import recipe_builder
+    from trainer.assembly import build_recipe_alone
 
-    cfg = compose([f"recipe={recipe}", "recipe.data.source=synthetic", "recipe.data.train_size=64",
-                   "recipe.data.test_size=16", *overrides])
-    rt = Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), distributed=False, run_dir=Path("."))
-    model = recipe_builder(cfg)(cfg, rt).model
+    model = build_recipe_alone(compose([f"recipe={recipe}", "recipe.data.source=synthetic",
+                                        "recipe.data.train_size=64", "recipe.data.test_size=16", *overrides])).model
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 

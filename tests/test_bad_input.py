@@ -28,6 +28,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from conf.schema import compose
+from graphing import GraphMode
 from conftest import launch
 from trainer.errors import ConfigError
 
@@ -152,25 +153,25 @@ def test_unwritable_output_directory(tmp_path):
 
 @pytest.mark.fast
 def test_warmup_below_eleven_under_ddp_is_refused_with_the_reason():
-    from trainer.validate import graph_options
+    from trainer.plan import graph_options
 
     cuda = torch.device("cuda", 0)  # only the device type is read
     cfg = compose(["graph=full", "graph.warmup_iters=5"])
     with pytest.raises(ConfigError, match=r"graph.warmup_iters=5 is too few under DDP.*first 10 iterations"):
         graph_options(cfg, cuda, world_size=2)
     assert graph_options(cfg, cuda, world_size=1).warmup_iters == 5  # one process: no DDP bookkeeping
-    assert graph_options(compose(["graph=full"]), cuda, world_size=2).mode == "full"
+    assert graph_options(compose(["graph=full"]), cuda, world_size=2).mode is GraphMode.full
     with pytest.raises(ConfigError, match=r"graph.warmup_iters=5 is too few"):
         graph_options(compose(["graph=partial", "graph.warmup_iters=5"]), cuda, world_size=2)
 
 
 @pytest.mark.fast
 def test_auto_mode_picks_full_on_cuda_and_eager_on_cpu():
-    from trainer.validate import graph_options
+    from trainer.plan import graph_options
 
     cfg = compose([])
-    assert graph_options(cfg, torch.device("cuda", 0), 2).mode == "full"
-    assert graph_options(cfg, torch.device("cpu"), 2).mode == "eager"
+    assert graph_options(cfg, torch.device("cuda", 0), 2).mode is GraphMode.full
+    assert graph_options(cfg, torch.device("cpu"), 2).mode is GraphMode.eager
 
 
 @pytest.mark.fast
@@ -180,8 +181,9 @@ def test_auto_mode_picks_full_on_cuda_and_eager_on_cpu():
 ])
 def test_an_optimizer_a_graph_would_freeze_is_refused_in_full_mode(target, settings, needle):
     from trainer.optim import build_optimizer
+    from trainer.plan import optimizer_spec
 
-    cfg = OmegaConf.create({"_target_": target, "_partial_": True, "lr": 0.1, **settings})
+    cfg = optimizer_spec(OmegaConf.create({"_target_": target, "_partial_": True, "lr": 0.1, **settings}))
     params = torch.nn.Linear(2, 2).parameters()
     with pytest.raises(ConfigError) as err:
         build_optimizer(cfg, params, torch.device("cpu"), captured=True)

@@ -17,6 +17,7 @@ from trainer.checkpoint import (UnreadableCheckpoint, check_compatible, latest_c
                                 load_checkpoint, load_optimizer_state, rng_state, save_checkpoint, set_rng_state)
 from trainer.errors import ConfigError
 from trainer.optim import build_optimizer
+from trainer.plan import optimizer_spec
 
 pytestmark = pytest.mark.fast
 
@@ -27,8 +28,8 @@ OPTIMIZERS = {
 
 
 def _optimizer(name: str, model: torch.nn.Module) -> torch.optim.Optimizer:
-    cfg = OmegaConf.create({"_partial_": True, **OPTIMIZERS[name]})
-    return build_optimizer(cfg, model.parameters(), torch.device("cpu"), captured=False)
+    spec = optimizer_spec(OmegaConf.create({"_partial_": True, **OPTIMIZERS[name]}))
+    return build_optimizer(spec, model.parameters(), torch.device("cpu"), captured=False)
 
 
 def _train(model, optimizer, steps: int) -> None:

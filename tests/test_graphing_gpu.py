@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from conf.schema import compose
 from conftest import cuda_count, launch
-from graphing import CaptureError, GraphOptions
+from graphing import CaptureError, GraphOptions, StepRole
 from wandb_offline import find_runs, read_run
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -25,28 +25,32 @@ two_gpus = pytest.mark.skipif(cuda_count() < 2, reason="needs 2 GPUs")
 SYNTH = ["recipe.data.source=synthetic", "recipe.data.train_size=16384", "recipe.data.test_size=2000"]
 
 
-def trainer_for(overrides, tmp_path):
-    """A Trainer built in this process (one rank), exactly as train.py builds it."""
+def in_session(overrides, tmp_path, job):
+    """``job(trainer)`` on a Trainer built in this process (one rank) by train.py's session, which
+    then closes it; returns what the job returned."""
     from trainer.loop import Trainer
-    from trainer.runtime import pick_device, seed_everything, start
+    from trainer.metrics_logger import MetricsLogger
+    from trainer.session import Session
 
     cfg = compose([*SYNTH, "logger=none", f"output_root={tmp_path}", *overrides])
-    rt = start(pick_device(cfg.device.value), cfg.output_root, None, "test")
-    seed_everything(cfg.seed, cfg.deterministic)
-    return Trainer(cfg, rt)
+    out = []
+
+    def train_job(session):
+        run = session.build()
+        quiet = MetricsLogger(cfg.logger, run.rt.run_dir, {}, rank=0, job_type="", enabled=False)
+        out.append(job(Trainer(run, quiet)))
+        return 0
+
+    assert Session(cfg).execute(train_job) == 0
+    return out[0]
 
 
 def fit(overrides, tmp_path):
-    from trainer.metrics_logger import MetricsLogger
+    def job(trainer):
+        summary = trainer.fit()
+        return list(trainer.history), summary, [p.detach().clone() for p in trainer.run.raw_model.parameters()]
 
-    trainer = trainer_for(overrides, tmp_path)
-    try:
-        quiet = MetricsLogger(trainer.cfg.logger, trainer.rt.run_dir, {}, rank=0, job_type="", enabled=False)
-        summary = trainer.fit(quiet)
-        params = [p.detach().clone() for p in trainer.executor.eval_model.parameters()]
-        return trainer, summary, params
-    finally:
-        trainer.close()
+    return in_session(overrides, tmp_path, job)
 
 
 @two_gpus
@@ -71,8 +75,8 @@ def test_full_graph_matches_eager_step_for_step(tmp_path):
     eager, _, eager_params = fit([*common, "graph=eager"], tmp_path / "eager")
     full, summary, full_params = fit([*common, "graph=full"], tmp_path / "full")
     assert summary["mode"] == "full" and summary["timed_phase"] == "graph"
-    e_rows = [r for r in eager.history if "train/loss" in r]
-    f_rows = [r for r in full.history if "train/loss" in r]
+    e_rows = [r for r in eager if "train/loss" in r]
+    f_rows = [r for r in full if "train/loss" in r]
     assert len(e_rows) == len(f_rows) == 60
     # The LR written inside the graph from the device step counter equals the eager one.
     assert [r["train/lr"] for r in f_rows] == [r["train/lr"] for r in e_rows]
@@ -93,36 +97,34 @@ def test_dropout_in_a_captured_step_draws_new_masks_on_every_replay():
 
     masks = []
     for _ in range(5):  # 2 warm-up steps, the capture (which also runs the step), 2 replays
-        executor.run("train", lambda: None, step)
+        executor.run(StepRole.train, lambda: None, step)
         masks.append(out != 0)
-    assert "train" in executor.graphs
+    assert StepRole.train in executor.graphs
     assert not torch.equal(masks[2], masks[3]) and not torch.equal(masks[3], masks[4])
     assert 0.45 < masks[4].float().mean().item() < 0.55
     executor.close()
 
 
 def test_eval_graph_equals_eager_evaluation(tmp_path):
-    from trainer.metrics_logger import MetricsLogger
-
-    trainer = trainer_for(["graph=full", "train.max_steps=30", "train.eval=false"], tmp_path)
-    try:
-        trainer.fit(MetricsLogger(trainer.cfg.logger, trainer.rt.run_dir, {}, rank=0, job_type="", enabled=False))
+    def job(trainer):
+        run = trainer.run
+        trainer.fit()
         graphed = trainer.evaluate()
-        assert "eval" in trainer.executor.graphs
+        assert StepRole.eval in run.executor.graphs
         graphed_again = trainer.evaluate()  # all batches replayed from the graph this time
-        trainer.executor.eval_model.eval()
-        trainer.eval_loader.start_epoch(0)
-        trainer.eval_step.metrics.zero_()
-        for _ in range(trainer.eval_loader.steps):
-            trainer.eval_loader.stage()
-            trainer.eval_step()  # plain eager
-        loss_sum, correct, count = trainer.eval_step.metrics.tolist()
+        run.executor.eval_model.eval()
+        run.eval_loader.start_epoch(0)
+        run.eval_step.metrics.zero_()
+        for _ in range(run.eval_loader.steps):
+            run.eval_loader.stage()
+            run.eval_step()  # plain eager
+        loss_sum, correct, count = run.eval_step.metrics.tolist()
         assert count == 2000 and graphed["eval/samples"] == 2000
         assert graphed == graphed_again
         assert abs(graphed["eval/loss"] - loss_sum / count) < 1e-6
         assert graphed["eval/accuracy"] == correct / count
-    finally:
-        trainer.close()
+
+    in_session(["graph=full", "train.max_steps=30", "train.eval=false"], tmp_path, job)
 
 
 @pytest.mark.parametrize("graph", ["partial", "compile", "full_compiled"])
@@ -143,8 +145,7 @@ def test_other_modes_train_and_agree_with_eager(out, graph):
 def _executor(on_failure: str, capture_error_mode: str = "global"):
     from graphing import build_executor
 
-    options = GraphOptions(mode="full", warmup_iters=2, on_failure=on_failure, capture_error_mode=capture_error_mode,
-                           setting_prefix="graph.")
+    options = GraphOptions(mode="full", warmup_iters=2, on_failure=on_failure, capture_error_mode=capture_error_mode)
     return build_executor(options, torch.device("cuda", 0))
 
 
@@ -154,12 +155,13 @@ def test_a_host_sync_in_the_step_fails_capture_with_an_explanation():
     executor = _executor("fail")
     step = lambda: seen.append(x.sum().item())  # noqa: E731  the planted host sync
     for _ in range(2):
-        executor.run("train", lambda: None, step)  # warm-up runs eagerly
+        executor.run(StepRole.train, lambda: None, step)  # warm-up runs eagerly
     with pytest.raises(CaptureError) as err:
-        executor.run("train", lambda: None, step)
+        executor.run(StepRole.train, lambda: None, step)
     message = str(err.value)
     assert "synchronizes with the host" in message and ".item()" in message
-    assert "graph.on_failure=eager" in message
+    assert "set on_failure=eager" in message  # graphing's own names; the trainer words them as graph.*
+    assert "set graph.on_failure=eager" in err.value.render(lambda name: f"graph.{name}")
     executor.close()
 
 
@@ -168,8 +170,8 @@ def test_capture_failure_can_fall_back_to_eager():
     seen = []
     executor = _executor("eager")
     for _ in range(5):  # dropout draws random numbers after the failed capture too
-        executor.run("train", lambda: None, lambda: seen.append(F.dropout(x, 0.5).sum().item()))
-    assert "fallback" in executor.info and executor.phase("train") == "eager"
+        executor.run(StepRole.train, lambda: None, lambda: seen.append(F.dropout(x, 0.5).sum().item()))
+    assert executor.report.fallback and executor.phase(StepRole.train) == "eager"
     assert len(seen) == 5  # 2 warm-up, the failed capture's eager rerun, 2 more eager steps
     executor.close()
 
@@ -215,7 +217,7 @@ def _allocate_from_another_thread() -> None:
         raise RuntimeError("the pinning thread did not finish within 5 s")
 
 @pytest.mark.parametrize("capture_error_mode", ["global", "thread_local", "relaxed"])
-@pytest.mark.parametrize("role", ["train", "eval"])
+@pytest.mark.parametrize("role", [StepRole.train, StepRole.eval])
 def test_capture_error_mode_reaches_the_training_and_eval_graphs(role, capture_error_mode):
     x = torch.randn(1024, device="cuda")
     out = torch.empty_like(x)
@@ -236,7 +238,7 @@ def test_capture_error_mode_reaches_the_training_and_eval_graphs(role, capture_e
         else:
             executor.run(role, lambda: None, step)
             assert pinning_outcomes == ["ok"]
-            assert role in executor.graphs and executor.info["capture_error_mode"] == capture_error_mode
+            assert role in executor.graphs and executor.report.capture_error_mode == capture_error_mode
             out.zero_()
             executor.run(role, lambda: None, step)  # a replay
             torch.testing.assert_close(out, x * 2)
@@ -255,8 +257,7 @@ def test_capture_error_mode_reaches_partial_graphs_where_torch_accepts_it(captur
             return super().forward(inputs)
 
     model = AllocatesFromAnotherThread(16, 16).cuda()
-    options = GraphOptions(mode="partial", warmup_iters=2, capture_error_mode=capture_error_mode,
-                           setting_prefix="graph.")
+    options = GraphOptions(mode="partial", warmup_iters=2, capture_error_mode=capture_error_mode)
     executor = build_executor(options, torch.device("cuda", 0))
     passed_on = make_graphed_callables_takes_capture_error_mode()
     sample = (torch.randn(8, 16, device="cuda"),)
@@ -269,7 +270,7 @@ def test_capture_error_mode_reaches_partial_graphs_where_torch_accepts_it(captur
         else:
             graphed = executor.wrap_model(model, lambda: sample)
             torch.testing.assert_close(graphed(sample[0]), model(sample[0]))
-    assert executor.info["capture_error_mode"] == (capture_error_mode if passed_on else "global")
+    assert executor.report.capture_error_mode == (capture_error_mode if passed_on else "global")
     ignored = [r for r in caplog.records if "is ignored in mode=partial" in r.getMessage()]
     assert len(ignored) == (1 if capture_error_mode != "global" and not passed_on else 0)
     print(f"torch {torch.__version__}: make_graphed_callables takes capture_error_mode: {passed_on}")

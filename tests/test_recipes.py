@@ -243,7 +243,7 @@ def test_unknown_gpt_model_key_is_named_once_in_one_process(train_here):
 def test_bad_model_settings_fail_before_any_data_is_made(recipe, override, named):
     from trainer.errors import ConfigError
     from trainer.runtime import Runtime
-    from trainer.validate import recipe_builder
+    from trainer.plan import recipe_builder
 
     cfg = composed(f"recipe={recipe}", override)
     rt = Runtime(0, 0, 1, torch.device("cpu"), False, Path("."))

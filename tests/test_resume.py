@@ -8,7 +8,6 @@ import pytest
 
 from conftest import free_port, launch
 from trainer.checkpoint import list_checkpoints
-from trainer.loop import KILL_AT_STEP_ENV
 
 ARGS = ["recipe.data.source=synthetic", "recipe.data.train_size=4096", "recipe.data.test_size=512",
         "recipe.data.eval_batch_size=256", "train.epochs=2", "train.log_every=8", "checkpoint.every_steps=10",
@@ -32,7 +31,7 @@ def uninterrupted(tmp_path_factory):
 def test_a_killed_rank_restarts_resumes_and_matches_an_uninterrupted_run(tmp_path, uninterrupted, loader):
     # Rank 1 dies hard at step 25 (mid-epoch, 5 steps after the step-20 checkpoint).
     crashed = launch([*ARGS, *loader.split()], tmp_path / "crashed", nproc=2, torchrun_args=_torchrun(1),
-                     timeout=240, env={KILL_AT_STEP_ENV: "25:1"})
+                     timeout=240, kill_at_step="25:1")
     assert crashed.returncode == 0, crashed.stderr[-3000:]
     text = crashed.stdout + crashed.stderr
     assert "killing this rank" in text and "resumed from" in text and "step_00000020.pt" in text

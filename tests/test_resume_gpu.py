@@ -4,7 +4,6 @@ from __future__ import annotations
 import pytest
 
 from conftest import cuda_count, free_port, launch
-from trainer.loop import KILL_AT_STEP_ENV
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(cuda_count() < 2, reason="needs 2 GPUs")]
 
@@ -22,7 +21,7 @@ def test_full_graph_job_resumes_after_a_rank_dies(tmp_path):
     clean = launch(ARGS, tmp_path / "clean", nproc=2, torchrun_args=_torchrun(0), timeout=240)
     assert clean.returncode == 0, clean.stderr[-3000:]
     crashed = launch(ARGS, tmp_path / "crashed", nproc=2, torchrun_args=_torchrun(1), timeout=240,
-                     env={KILL_AT_STEP_ENV: "100:1"})
+                     kill_at_step="100:1")
     assert crashed.returncode == 0, crashed.stderr[-3000:]
     text = crashed.stdout + crashed.stderr
     assert "killing this rank" in text and "step_00000080.pt" in text

@@ -93,7 +93,7 @@ def test_a_broken_wandb_never_stops_training(out):
 def test_a_trainer_that_dies_still_leaves_its_wandb_run_closed_and_marked_failed(out):
     # The W&B sidecar sees its pipe close without a finish: it finishes the run itself, failed.
     done = launch([*SMALL, "train.log_every=2", "train.eval=false"], out,
-                  env={"GRAPHED_DDP_TEST_KILL_AT_STEP": "5:0"})
+                  kill_at_step="5:0")
     assert done.returncode == 13, done.stderr[-3000:]
     [path] = find_runs(done.run_dir)
     run = read_run(path)

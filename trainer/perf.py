@@ -8,11 +8,12 @@ the run's precision.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
 from graphing import StepTimer
+from trainer.results import markdown_table
 from trainer.runtime import print_once
 
 # Dense tensor-core peaks, TFLOP/s (NVIDIA datasheets; "dense" = half the with-sparsity figure).
@@ -46,16 +47,14 @@ class Perf:
         self.units_per_step = units_per_step  # global: samples (or tokens) per optimizer step, all ranks
         self.flops_per_unit, self.precision = flops_per_unit, precision
         self.timer = StepTimer(device)
-        self._reported = 0  # steps already reported by ``window``
 
     def window(self) -> Dict[str, float]:
         """Mean step time and throughput of the steps timed since the last call (collects events)."""
         self.timer.collect()
-        new = self.timer.sequence_ms[self._reported:]
-        self._reported = len(self.timer.sequence_ms)
-        if not new:
+        steps, total_ms = self.timer.take_window()
+        if not steps:
             return {}
-        ms = sum(new) / len(new)
+        ms = total_ms / steps
         return {"perf/step_ms": ms, f"perf/{self.unit}_per_s": self.units_per_step * 1e3 / ms}
 
     def peak(self) -> Optional[Tuple[str, float]]:
@@ -109,10 +108,3 @@ class Perf:
                          bar=("mode", per_s))
         return result
 
-
-def markdown_table(columns: List[str], rows: List[List[Any]]) -> str:
-    def fmt(v):
-        return f"{v:,.3f}" if isinstance(v, float) else str(v)
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
-    return "\n".join(lines)

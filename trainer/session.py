@@ -1,9 +1,17 @@
-"""One training session, from a composed config to an exit code.
+"""One session: from a composed config to an exit code, for train.py and every script.
 
-check the config → join the process group and agree on a run directory → build the
-Trainer → fit → write results → release graphs, W&B and the process group, in that
-order, on every path. Each expected failure becomes one message, printed by rank 0,
-and an exit code.
+``Session(cfg, purpose).execute(job)`` owns the lifecycle, in this order:
+
+    plan the run (every check that needs no data, before the ranks meet: trainer/plan.py)
+    → join the process group and agree on a run directory (trainer/runtime.py)
+    → logging (held in memory until the run directory exists) → seeds
+    → job(session): builds the run (``session.build()``, trainer/assembly.py), opens the run
+      directory and the metrics logger when it needs them, does its work, returns its code
+    → teardown, on every path, in reverse: graphs and loaders (before the process group),
+      the metrics logger (W&B), the process group, the log handlers.
+
+Each expected failure becomes one message, printed by rank 0, and an exit code; a crash
+prints its traceback once per rank and exits 1. ``run(cfg)`` is train.py's job.
 """
 from __future__ import annotations
 
@@ -15,6 +23,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional
 
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
@@ -24,79 +33,102 @@ EXIT_CONFIG, EXIT_CAPTURE, EXIT_NONFINITE, EXIT_CRASH = 2, 3, 4, 1  # and traine
 log = logging.getLogger("train")
 
 
-def run(cfg) -> int:
-    """Trains as ``cfg`` says; returns the process's exit code (0: done)."""
-    from graphing import CaptureError
-    from trainer.errors import ConfigError, NonFiniteLossError, Preempted
-    from trainer.stop import EXIT_PREEMPTED
-    from trainer.loop import Trainer, write_json
-    from trainer.metrics_logger import MetricsLogger
-    from trainer.runtime import env_rank, pick_device, print_once, seed_everything, start
-    from trainer.validate import check_config, graph_options
+class Session:
+    """``purpose`` names the run directory (``<recipe>_<purpose>``; default: the graph mode)."""
 
-    rt = trainer = logger = None
-    handlers = []
-    code = 0
-    try:
-        # Everything that can be checked without data is checked before the ranks meet.
-        check_config(cfg)
+    def __init__(self, cfg, purpose: Optional[str] = None):
+        self.cfg, self.purpose = cfg, purpose
+        self.plan = self.rt = self.run = self.logger = None
+        self._handlers: List[logging.Handler] = []
+
+    def execute(self, job: Callable[["Session"], int]) -> int:
+        """Runs ``job(self)`` inside the session; returns the process's exit code."""
+        from graphing import CaptureError
+        from trainer.errors import ConfigError, NonFiniteLossError, Preempted
+        from trainer.plan import graph_setting
+        from trainer.runtime import env_rank, print_once
+        from trainer.stop import EXIT_PREEMPTED
+
+        code, clean = 0, False  # clean: the ranks end together (no peer is gone)
+        try:
+            self._start()
+            code = job(self) or 0  # a job's own verdict (the doctor's) is a clean end for its W&B run
+            clean = True
+        except (ConfigError, CaptureError, NonFiniteLossError) as e:
+            code = EXIT_CONFIG if isinstance(e, ConfigError) else EXIT_CAPTURE if isinstance(e, CaptureError) \
+                else EXIT_NONFINITE
+            message = f"Error: {e.render(graph_setting) if isinstance(e, CaptureError) else e}"
+            print_once(message, file=sys.stderr)
+            if env_rank() == 0:  # the same on every rank: once in the report too
+                tell_torchrun(message)
+        except Preempted as e:  # every rank agreed on the step and the checkpoint is written: an orderly end
+            code, clean = EXIT_PREEMPTED, True
+            print_once(str(e), file=sys.stderr)
+        except Exception:
+            code = EXIT_CRASH
+            text = traceback.format_exc()
+            log.error("crashed:\n%s", text)  # the rank's log file; rank 0's console too
+            if self.rt is None or not self.rt.is_main:
+                print(f"[rank {env_rank()}] {text}", file=sys.stderr, flush=True)
+            tell_torchrun(text)
+        finally:
+            self._close(logger_code=0 if clean and code != EXIT_PREEMPTED else code, clean=clean)
+        return code
+
+    def _start(self) -> None:
+        from trainer.plan import plan_run
+        from trainer.runtime import pick_device, seed_everything, start
+
+        cfg = self.cfg
         device = pick_device(cfg.device.value)
-        mode = graph_options(cfg, device, int(os.environ.get("WORLD_SIZE", "1"))).mode
-        rt = start(device, cfg.output_root, cfg.run_dir or multirun_job_dir(), f"{cfg.recipe.name}_{mode}")
-        handlers = _start_logging(rt)
+        self.plan = plan_run(cfg, device, int(os.environ.get("WORLD_SIZE", "1")))
+        name = f"{cfg.recipe.name}_{self.purpose or self.plan.mode}"
+        self.rt = start(device, cfg.output_root, cfg.run_dir or multirun_job_dir(), name)
+        self._handlers = _start_logging(self.rt)
         seed_everything(cfg.seed, cfg.deterministic)
-        trainer = Trainer(cfg, rt)
-        if trainer.start_step >= trainer.total_steps and not cfg.train.eval_only:  # a finished run: leave it alone
-            print_once(f"run {rt.run_dir} is complete: {trainer.start_step} of {trainer.total_steps} steps done; "
-                       f"results in {rt.run_dir / 'results.json'}. Ask for more (train.epochs, train.max_steps) "
-                       "to continue it, or set run_dir=... for a new run")
-            return code
-        rt.make_run_dir()  # only now: a config error found while building leaves no directory behind
-        _log_to_file(rt, handlers[0])
-        config = trainer.config
-        if rt.is_main:
-            (rt.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(config))
-            (rt.run_dir / "overrides.yaml").write_text(OmegaConf.to_yaml(_overrides()))
-        print_once(f"run {rt.run_dir} | recipe {cfg.recipe.name} ({trainer.recipe.data.source} data) | "
-                   f"mode {mode} | {rt.world_size} x {device.type} | "
-                   f"{trainer.steps_per_epoch} steps/epoch of {trainer.global_batch} samples")
-        log.info("config:\n%s", OmegaConf.to_yaml(config))
-        logger = MetricsLogger(cfg.logger, rt.run_dir, config, rank=rt.rank, job_type=mode,
-                               run_id=trainer.wandb_run_id)
-        summary = trainer.fit(logger)
-        log.info("summary: %s", summary)
-        if rt.is_main:  # an evaluation of a run's weights never replaces that run's results
-            write_json(rt.run_dir / ("eval.json" if cfg.train.eval_only else "results.json"), summary)
-            _print_summary(summary)
-    except (ConfigError, CaptureError, NonFiniteLossError) as e:
-        code = next(c for kind, c in ((ConfigError, EXIT_CONFIG), (CaptureError, EXIT_CAPTURE),
-                                      (NonFiniteLossError, EXIT_NONFINITE)) if isinstance(e, kind))
-        print_once(f"Error: {e}", file=sys.stderr)
-        if env_rank() == 0:  # the same on every rank: once in the report too
-            tell_torchrun(f"Error: {e}")
-    except Preempted as e:  # every rank agreed on the step and the checkpoint is written: an orderly end
-        code = EXIT_PREEMPTED
-        print_once(str(e), file=sys.stderr)
-    except Exception:
-        code = EXIT_CRASH
-        text = traceback.format_exc()
-        log.error("crashed:\n%s", text)  # the rank's log file; rank 0's console too
-        if rt is None or not rt.is_main:
-            print(f"[rank {env_rank()}] {text}", file=sys.stderr, flush=True)
-        tell_torchrun(text)
-    finally:
-        if trainer is not None:
-            trainer.close()  # graphs before the process group, or exit can hang
-        if logger is not None:
-            logger.finish(exit_code=code)
-        if rt is not None:
-            rt.close(clean=code in (0, EXIT_PREEMPTED))
-        for handler in handlers:  # a second session in this process (tests, notebooks) logs to its own files
+
+    def build(self):
+        """The run's parts (trainer/assembly.py), built once; the session closes them."""
+        from trainer.assembly import build_run
+
+        self.run = build_run(self.plan, self.rt)
+        return self.run
+
+    def open_run_dir(self) -> Path:
+        """Creates the run directory (only once the run is built: a config error found while
+        building leaves no directory behind); from here on each rank logs to rank<N>.log."""
+        self.rt.make_run_dir()
+        _log_to_file(self.rt, self._handlers[0])
+        return self.rt.run_dir
+
+    def open_logger(self, config: Dict[str, Any], job_type: str, run_id: Optional[str] = None):
+        """The metrics logger (metrics.jsonl, W&B) of this session; finished at teardown."""
+        from trainer.metrics_logger import MetricsLogger
+
+        self.logger = MetricsLogger(self.cfg.logger, self.rt.run_dir, config, rank=self.rt.rank,
+                                    job_type=job_type, run_id=run_id)
+        return self.logger
+
+    def _close(self, logger_code: int, clean: bool) -> None:
+        if self.run is not None:
+            self.run.close()  # graphs before the process group, or exit can hang
+        if self.logger is not None:
+            self.logger.finish(exit_code=logger_code)
+        if self.rt is not None:
+            self.rt.close(clean=clean)
+        for handler in self._handlers:  # a second session in this process (tests, notebooks) logs to its own files
             logging.getLogger().removeHandler(handler)
             target = getattr(handler, "target", None)
             handler.close()
             if target is not None:
                 target.close()
+
+
+# ---- train.py's job ----------------------------------------------------------------------
+
+def run(cfg) -> int:
+    """Trains as ``cfg`` says; returns the process's exit code (0: done)."""
+    code = Session(cfg).execute(_train)
     job_dir = multirun_job_dir()
     if job_dir is not None:  # one job of `train.py -m`: reported when the sweep ends (train.py)
         from trainer import sweep_report
@@ -104,6 +136,38 @@ def run(cfg) -> int:
         sweep_report.record(_overrides(), Path(cfg.run_dir or job_dir), code)
     return code
 
+
+def _train(session: Session) -> int:
+    from trainer.loop import Trainer
+    from trainer.results import print_summary, write_json
+    from trainer.runtime import print_once
+
+    cfg, run = session.cfg, session.build()
+    rt = run.rt
+    start_step, wandb_run_id = run.state.resume(cfg.checkpoint)  # before any warm-up or capture
+    if start_step >= run.total_steps and not cfg.train.eval_only:  # a finished run: leave it alone
+        print_once(f"run {rt.run_dir} is complete: {start_step} of {run.total_steps} steps done; "
+                   f"results in {rt.run_dir / 'results.json'}. Ask for more (train.epochs, train.max_steps) "
+                   "to continue it, or set run_dir=... for a new run")
+        return 0
+    session.open_run_dir()
+    if rt.is_main:
+        (rt.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(run.config))
+        (rt.run_dir / "overrides.yaml").write_text(OmegaConf.to_yaml(_overrides()))
+    print_once(f"run {rt.run_dir} | recipe {cfg.recipe.name} ({run.recipe.data.source} data) | "
+               f"mode {run.plan.mode} | {rt.world_size} x {rt.device.type} | "
+               f"{run.steps_per_epoch} steps/epoch of {run.global_batch} samples")
+    log.info("config:\n%s", OmegaConf.to_yaml(run.config))
+    logger = session.open_logger(run.config, job_type=run.plan.mode, run_id=wandb_run_id)
+    summary = Trainer(run, logger, start_step).fit()
+    log.info("summary: %s", summary)
+    if rt.is_main:  # an evaluation of a run's weights never replaces that run's results
+        write_json(rt.run_dir / ("eval.json" if cfg.train.eval_only else "results.json"), summary)
+        print_summary(summary)
+    return 0
+
+
+# ---- the process around a session -------------------------------------------------------
 
 def tell_torchrun(message: str) -> None:
     """Puts ``message`` in torchrun's failure report (its per-worker error file), in place of
@@ -161,14 +225,3 @@ def _log_to_file(rt, held) -> None:
     held.flush()
     held.flushLevel = logging.DEBUG  # pass every later record straight through
     held.capacity = 1
-
-
-def _print_summary(summary) -> None:
-    keys = [k for k in summary if k.startswith(("perf/", "graph/", "final/", "time/", "speedup"))]
-    width = max(len(k) for k in keys) if keys else 0
-    lines = [f"  {k:<{width}}  {summary[k]:.4g}" if isinstance(summary[k], float) else f"  {k:<{width}}  {summary[k]}"
-             for k in keys]
-    whole = (f"; since process start: first step {summary['time/startup_s']:.2f} s, done {summary['time/total_s']:.2f} s"
-             if "time/startup_s" in summary else "")
-    print(f"done: {summary['steps']} steps in {summary['train_loop_s']:.2f} s ({summary['mode']}){whole}\n"
-          + "\n".join(lines), flush=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -51,6 +51,16 @@ class TrainingState:
             }
             self.last_saved = save_checkpoint(self.rt.run_dir, step, state, self.keep)
         self.rt.barrier()
+
+    def resume(self, checkpoint_cfg) -> Tuple[int, Optional[str]]:
+        """Puts back what ``checkpoint.resume`` finds (else ``checkpoint.init_from``'s weights), before any
+        warm-up or capture: graphs must see the restored tensors. Returns (step to start at, W&B run id)."""
+        restored = self.restore(checkpoint_cfg.resume)
+        if restored is None and checkpoint_cfg.init_from is not None:  # a resume of this run wins
+            self.init_weights(checkpoint_cfg.init_from)
+        if restored is None:
+            return 0, None
+        return int(restored["step"]), restored.get("wandb_run_id")
 
     def restore(self, resume: str) -> Optional[Dict[str, Any]]:
         """Loads the checkpoint ``resume`` names (auto: the newest readable one); returns it, or None."""
@@ -116,7 +126,7 @@ class TrainingState:
 
 
 def _load_named(path: Path, resume: str) -> Dict[str, Any]:
-    """The checkpoint ``checkpoint.resume=<path>`` names (trainer/validate.py checked that it exists).
+    """The checkpoint ``checkpoint.resume=<path>`` names (trainer/plan.py checked that it exists).
 
     An unreadable file is a ConfigError that names it once: unlike ``auto``, a named file
     is not skipped for an older one behind the user's back.

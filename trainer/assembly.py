@@ -1,0 +1,144 @@
+"""Builds the parts of one run from its plan, in one place, for train.py and every script.
+
+``build_run(plan, rt)``: the recipe (model, data, loss), the model on its device in
+its memory format, the loaders, the executor for the graph mode, the graph-safe
+optimizer and device-side schedule, the train and eval steps, the performance
+counters and the checkpointable state. Nothing is restored here: resuming is the
+session's next step (``TrainingState.resume``), before any warm-up or capture.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict
+
+import torch
+from omegaconf import OmegaConf
+
+from graphing import CaptureError, Executor, build_executor
+from trainer.data import make_loader
+from trainer.errors import ConfigError
+from trainer.optim import build_optimizer, build_schedule
+from trainer.perf import Perf
+from trainer.plan import RunPlan, graph_setting, plan_run
+from trainer.recipe import Recipe
+from trainer.runtime import Runtime, env_rank, seed_rank_streams
+from trainer.schedules import LRSchedule
+from trainer.state import TrainingState
+from trainer.step import EvalStep, TrainStep, autocast_factory, model_input
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Run:
+    """The parts of one run. ``raw_model`` is what checkpoints hold, whatever wraps it
+    (DDP, compile, graphs); ``model`` is what the training step calls."""
+    plan: RunPlan  # resolved for the recipe (loader, memory format)
+    rt: Runtime
+    recipe: Recipe
+    raw_model: torch.nn.Module
+    model: torch.nn.Module
+    executor: Executor
+    optimizer: torch.optim.Optimizer
+    schedule: LRSchedule
+    train_loader: Any
+    eval_loader: Any
+    train_step: TrainStep
+    eval_step: EvalStep
+    perf: Perf
+    state: TrainingState
+    config: Dict[str, Any]  # the resolved config, with what this run actually uses beside what was asked
+    steps_per_epoch: int
+    total_steps: int
+    global_batch: int
+
+    def close(self) -> None:
+        """Releases graphs (before the process group goes) and the loaders' workers."""
+        self.executor.close()
+        self.train_loader.close()
+        self.eval_loader.close()
+
+
+def build_run(plan: RunPlan, rt: Runtime) -> Run:
+    cfg = plan.cfg
+    loop, data_cfg = cfg.train, cfg.recipe.data
+    recipe = _recipe(plan, rt)
+    plan = plan.for_recipe(recipe)
+    device = plan.device
+    model = recipe.model.to(device, memory_format=plan.memory_format)
+    seed_rank_streams(cfg.seed, rt.rank)  # the model is built alike on every rank; the step's draws differ
+    train_loader = make_loader(recipe.data.train, data_cfg.batch_size, rt, kind=plan.loader, train=True,
+                               seed=cfg.seed, batches_per_step=loop.grad_accum, num_workers=data_cfg.num_workers)
+    eval_loader = make_loader(recipe.data.test, data_cfg.eval_batch_size, rt, kind=plan.loader, train=False,
+                              seed=cfg.seed, num_workers=data_cfg.num_workers)
+    steps_per_epoch = train_loader.steps
+    total_steps = loop.epochs * steps_per_epoch
+    if loop.max_steps:
+        total_steps = min(total_steps, loop.max_steps)
+    # Gradients as views into DDP's all-reduce buckets: after the all-reduce nothing is
+    # copied back into them (one copy kernel per parameter less in every step).
+    executor = build_executor(plan.graph, device, ddp_kwargs={"gradient_as_bucket_view": True},
+                              on_fallback=_say_fallback)
+    optimizer = build_optimizer(plan.optimizer, model.parameters(), device, captured=executor.captures_optimizer)
+    schedule = build_schedule(plan.schedule, plan.optimizer.lr, total_steps)
+    autocast = autocast_factory(plan.precision, device)
+
+    def sample_inputs():  # one preprocessed training input, for executors that trace the model ahead of time
+        train_loader.stage()
+        x = model_input(recipe.preprocess(train_loader.next_batch(), True), plan.memory_format)
+        train_loader.start_epoch(0)
+        return (x,)
+
+    wrapped = executor.wrap_model(model, sample_inputs, autocast)
+    train_step = TrainStep(recipe, wrapped, optimizer, schedule, train_loader, grad_accum=loop.grad_accum,
+                           grad_clip=loop.grad_clip, autocast=autocast, device=device,
+                           memory_format=plan.memory_format, wrap_output_fn=executor.wrap_output_fn)
+    eval_step = EvalStep(recipe, lambda: executor.eval_model, eval_loader, autocast=autocast, device=device,
+                         memory_format=plan.memory_format)
+    global_batch = data_cfg.batch_size * loop.grad_accum * rt.world_size
+    perf = Perf(device, units_per_step=global_batch * recipe.units_per_sample, unit=recipe.unit,
+                world_size=rt.world_size, flops_per_unit=recipe.flops_per_unit, precision=plan.precision)
+    config = _config_used(plan, recipe, executor, rt)
+    state = TrainingState(rt, model=model, optimizer=optimizer, step_counter=train_step.step,
+                          recipe_name=recipe.name, config=config, seed=cfg.seed, keep=cfg.checkpoint.keep)
+    return Run(plan=plan, rt=rt, recipe=recipe, raw_model=model, model=wrapped, executor=executor,
+               optimizer=optimizer, schedule=schedule, train_loader=train_loader, eval_loader=eval_loader,
+               train_step=train_step, eval_step=eval_step, perf=perf, state=state, config=config,
+               steps_per_epoch=steps_per_epoch, total_steps=total_steps, global_batch=global_batch)
+
+
+def build_recipe_alone(cfg) -> Recipe:
+    """The recipe ``cfg`` names (model and data), checked as a run would be, built for one
+    process on the CPU with no process group: for scripts that need its data or its model only."""
+    plan = plan_run(cfg, torch.device("cpu"), world_size=1)
+    rt = Runtime(rank=0, local_rank=0, world_size=1, device=plan.device, distributed=False, run_dir=Path("."))
+    return _recipe(plan, rt)
+
+
+def _recipe(plan: RunPlan, rt: Runtime) -> Recipe:
+    recipe = plan.build_recipe(plan.cfg, rt)
+    if not isinstance(recipe, Recipe):
+        raise ConfigError(f"recipe._target_={plan.cfg.recipe._target_} returned a {type(recipe).__name__}, not a "
+                          "trainer.recipe.Recipe: see trainer/recipe.py for the contract")
+    return recipe
+
+
+def _config_used(plan: RunPlan, recipe: Recipe, executor: Executor, rt: Runtime) -> Dict[str, Any]:
+    """The resolved config, and beside each choice what this run actually uses."""
+    config = OmegaConf.to_container(plan.cfg, resolve=True, enum_to_str=True)
+    config["recipe"]["data"]["source_used"] = recipe.data.source
+    config["recipe"]["data"]["loader_used"] = plan.loader
+    config["graph"]["mode_used"] = plan.mode
+    config["train"]["precision_used"] = plan.precision
+    config["train"]["memory_format_used"] = str(plan.memory_format).replace("torch.", "")
+    config["graph"]["capture_error_mode_used"] = executor.report.capture_error_mode
+    config["world_size"] = rt.world_size
+    return config
+
+
+def _say_fallback(failure: CaptureError) -> None:
+    """A capture given up under graph.on_failure=eager, in this trainer's words, said once."""
+    say = log.warning if env_rank() == 0 else log.info
+    say("%s\ngraph.on_failure=eager: every rank continues eagerly.", failure.render(graph_setting))

@@ -1,0 +1,182 @@
+"""Every choice of a run, checked and resolved once, into one frozen ``RunPlan``.
+
+``plan_run(cfg, device, world_size)`` runs before the ranks meet: types and choices were
+checked by Hydra at compose time (conf/schema.py); here come ranges, combinations, the
+machine, and whether the components named by ``_target_`` (recipe builder, optimizer
+class, schedule class) can be imported and called. Choices that depend on the built
+recipe (memory format, loader kind) are resolved by ``RunPlan.for_recipe``. Choices a
+recipe owns (data sources, model options) are checked by the recipe when it is built.
+
+The plan is what the rest of the run reads its choices from (trainer/assembly.py builds
+the parts from it); plain values (epochs, intervals, paths) stay in ``plan.cfg``.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable, Dict
+
+import torch
+from omegaconf import OmegaConf
+
+from graphing import GraphConfigError, GraphMode, GraphOptions
+from trainer.data import choose_loader
+from trainer.errors import ConfigError
+from trainer.schedules import LRSchedule
+from trainer.step import resolve_memory_format, resolve_precision
+from trainer.targets import import_target
+
+
+def graph_setting(name: str) -> str:
+    """How this trainer's config names one of graphing's settings (messages name what to change)."""
+    return {"eager_steps_before_capture": "graph.compare_steps"}.get(name, f"graph.{name}")
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """``recipe.optim``: the class, its keyword arguments (without ``lr``) and the base lr."""
+    target: str
+    cls: type
+    kwargs: Dict[str, Any]
+    lr: float
+    accepted: frozenset  # the class's argument names
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """``recipe.schedule``: a device-side ``LRSchedule`` class and its keyword arguments."""
+    target: str
+    cls: type
+    kwargs: Dict[str, Any]
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    cfg: Any  # the composed config: plain values (epochs, intervals, paths) are read from it
+    device: torch.device
+    world_size: int
+    graph: GraphOptions  # resolved: auto decided, checked for this machine
+    precision: str  # fp32 | bf16
+    build_recipe: Callable  # build(cfg, runtime) -> trainer.recipe.Recipe
+    optimizer: OptimizerSpec
+    schedule: ScheduleSpec
+    loader: str  # as asked (auto | device | host) until for_recipe resolves it
+    memory_format: Any  # as asked ("auto", ...) until for_recipe resolves it to a torch.memory_format
+
+    @property
+    def mode(self) -> str:
+        return self.graph.mode.value
+
+    def for_recipe(self, recipe) -> "RunPlan":
+        """This plan with the choices that depend on the built recipe resolved."""
+        return replace(self, loader=choose_loader(self.loader, recipe.data.train, recipe.data.test, self.device),
+                       memory_format=resolve_memory_format(self.memory_format, recipe.model, self.device))
+
+
+def plan_run(cfg, device: torch.device, world_size: int) -> RunPlan:
+    """Raises ConfigError naming the first setting that cannot work; else the run's plan."""
+    _check_values(cfg)
+    build_recipe, optimizer = recipe_builder(cfg), optimizer_spec(cfg.recipe.optim)
+    return RunPlan(cfg=cfg, device=device, world_size=world_size, graph=graph_options(cfg, device, world_size),
+                   precision=resolve_precision(cfg.train.precision.value, device), build_recipe=build_recipe,
+                   optimizer=optimizer, schedule=schedule_spec(cfg.recipe.schedule),
+                   loader=cfg.recipe.data.loader.value, memory_format=cfg.train.memory_format.value)
+
+
+def _check_values(cfg) -> None:
+    t, d, c = cfg.train, cfg.recipe.data, cfg.checkpoint
+    for key, value in (("train.epochs", t.epochs), ("train.log_every", t.log_every),
+                       ("train.grad_accum", t.grad_accum), ("recipe.data.batch_size", d.batch_size),
+                       ("recipe.data.eval_batch_size", d.eval_batch_size), ("checkpoint.keep", c.keep),
+                       ("graph.compare_steps", cfg.graph.compare_steps)):
+        if value < 1:
+            raise ConfigError(f"{key}={value} must be at least 1: set {key}=...")
+    for key, value in (("train.grad_clip", t.grad_clip), ("checkpoint.every_steps", c.every_steps),
+                       ("checkpoint.every_epochs", c.every_epochs), ("checkpoint.every_minutes", c.every_minutes),
+                       ("recipe.data.num_workers", d.num_workers), ("recipe.label_smoothing", cfg.recipe.label_smoothing)):
+        if value < 0:
+            raise ConfigError(f"{key}={value} must be >= 0 (0 turns it off)")
+    if t.max_steps is not None and t.max_steps < 1:
+        raise ConfigError(f"train.max_steps={t.max_steps} must be at least 1 (or null for whole epochs)")
+    if c.resume not in ("auto", "never") and not Path(c.resume).is_file():
+        raise ConfigError(f"checkpoint.resume={c.resume!r} is neither auto, never nor an existing file: "
+                          "set checkpoint.resume=auto")
+    if c.init_from is not None and not Path(c.init_from).is_file():
+        raise ConfigError(f"checkpoint.init_from={c.init_from!r} is not a file: point it at a checkpoint "
+                          "(checkpoints/step_*.pt or best.pt of a run), or drop it")
+    if c.best_metric is not None and not (c.best_metric.startswith("eval/") and t.eval):
+        raise ConfigError(f"checkpoint.best_metric={c.best_metric!r}: name an evaluation metric (eval/accuracy, "
+                          "eval/loss) and keep train.eval=true")
+
+
+def recipe_builder(cfg) -> Callable:
+    """The callable ``recipe._target_`` names: ``build(cfg, runtime) -> Recipe``."""
+    build = import_target(cfg.recipe._target_, "recipe._target_", "recipes.mnist.build")
+    try:
+        inspect.signature(build).bind(cfg, None)
+    except (TypeError, ValueError):  # not callable, or not with (cfg, runtime)
+        raise ConfigError(f"recipe._target_={cfg.recipe._target_} cannot be called as build(cfg, runtime): name a "
+                          "function build(cfg, runtime) -> trainer.recipe.Recipe") from None
+    return build
+
+
+def graph_options(cfg, device: torch.device, world_size: int) -> GraphOptions:
+    """``cfg.graph`` as graphing's options, resolved for this machine (``auto`` decided)."""
+    g = cfg.graph
+    try:
+        options = GraphOptions(mode=g.mode, warmup_iters=g.warmup_iters, capture_error_mode=g.capture_error_mode,
+                               on_failure=g.on_failure, compile_model=g.compile_model,
+                               eager_steps_before_capture=g.compare_steps if g.compare else 0)
+        options = options.resolved(device.type, world_size, torch.cuda.is_available())
+    except GraphConfigError as e:
+        raise ConfigError(e.render(graph_setting)) from None
+    if g.compare and options.mode is not GraphMode.full:
+        raise ConfigError(f"graph.compare=true times eager steps against full-graph steps, but graph.mode "
+                          f"resolves to {options.mode.value} here: set graph=full on a GPU (or drop graph.compare)")
+    return options
+
+
+def _plain(node) -> Dict[str, Any]:
+    return dict(node) if isinstance(node, dict) else OmegaConf.to_container(node, resolve=True)
+
+
+def optimizer_spec(cfg_optim) -> OptimizerSpec:
+    """``recipe.optim``, checked: an importable optimizer class, a positive lr, keys the class takes."""
+    settings = _plain(cfg_optim)
+    if "_target_" not in settings:
+        raise ConfigError("recipe.optim has no _target_: set recipe.optim._target_=torch.optim.SGD (or any "
+                          "optimizer class)")
+    lr = settings.get("lr")
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or lr <= 0:
+        raise ConfigError(f"recipe.optim.lr={lr!r} must be a positive number: set recipe.optim.lr=...")
+    target = settings["_target_"]
+    cls = import_target(target, "recipe.optim._target_", "torch.optim.AdamW")
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise ConfigError(f"recipe.optim._target_={target!r} is not a torch.optim.Optimizer class: "
+                          "set recipe.optim._target_=torch.optim.SGD (or another optimizer class)")
+    parameters = inspect.signature(cls).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    kwargs = {k: v for k, v in settings.items() if k not in ("_target_", "_partial_", "lr")}
+    for key in kwargs:
+        if key not in parameters and not takes_any:
+            raise ConfigError(f"recipe.optim.{key} is not an argument of {target}: remove it "
+                              f"(~recipe.optim.{key}) or choose a class that takes it")
+    return OptimizerSpec(target=target, cls=cls, kwargs=kwargs, lr=float(lr), accepted=frozenset(parameters))
+
+
+def schedule_spec(cfg_schedule) -> ScheduleSpec:
+    """``recipe.schedule``, checked: a device-side ``LRSchedule`` class."""
+    settings = _plain(cfg_schedule)
+    target = settings.pop("_target_", None)
+    settings.pop("_partial_", None)
+    cls = import_target(target, "recipe.schedule._target_", "trainer.schedules.Cosine")
+    if isinstance(cls, type) and issubclass(cls, torch.optim.lr_scheduler.LRScheduler):
+        raise ConfigError(f"recipe.schedule._target_={target} is a host-side scheduler: it sets the lr as a Python "
+                          "number between steps, which a CUDA graph never sees. Use trainer.schedules.Cosine, "
+                          "trainer.schedules.Constant or a trainer.schedules.LRSchedule subclass")
+    if not (isinstance(cls, type) and issubclass(cls, LRSchedule)):
+        raise ConfigError(f"recipe.schedule._target_={target!r} is not a trainer.schedules.LRSchedule: "
+                          "choose trainer.schedules.Constant or trainer.schedules.Cosine")
+    return ScheduleSpec(target=target, cls=cls, kwargs=settings)
+
