@@ -24,7 +24,6 @@ from graphing import GraphConfigError, GraphMode, GraphOptions
 from trainer.data import choose_loader
 from trainer.errors import ConfigError
 from trainer.schedules import LRSchedule
-from trainer.step import resolve_memory_format, resolve_precision
 from trainer.targets import import_target
 
 
@@ -108,6 +107,21 @@ def _check_values(cfg) -> None:
     if c.best_metric is not None and not (c.best_metric.startswith("eval/") and t.eval):
         raise ConfigError(f"checkpoint.best_metric={c.best_metric!r}: name an evaluation metric (eval/accuracy, "
                           "eval/loss) and keep train.eval=true")
+
+
+def resolve_precision(setting: str, device: torch.device) -> str:
+    """``train.precision`` as fp32 or bf16 (auto: bf16 on CUDA, where it is fast; fp32 on the CPU)."""
+    if setting == "auto":
+        return "bf16" if device.type == "cuda" else "fp32"
+    return setting
+
+
+def resolve_memory_format(setting: str, model: torch.nn.Module, device: torch.device) -> torch.memory_format:
+    """``train.memory_format`` as a torch memory format (auto: channels_last for conv nets on CUDA)."""
+    if setting == "auto":
+        has_conv = any(isinstance(m, torch.nn.Conv2d) for m in model.modules())
+        setting = "channels_last" if has_conv and device.type == "cuda" else "contiguous"
+    return torch.channels_last if setting == "channels_last" else torch.contiguous_format
 
 
 def recipe_builder(cfg) -> Callable:

@@ -55,9 +55,10 @@ class Session:
             code = job(self) or 0  # a job's own verdict (the doctor's) is a clean end for its W&B run
             clean = True
         except (ConfigError, CaptureError, NonFiniteLossError) as e:
-            code = EXIT_CONFIG if isinstance(e, ConfigError) else EXIT_CAPTURE if isinstance(e, CaptureError) \
-                else EXIT_NONFINITE
-            message = f"Error: {e.render(graph_setting) if isinstance(e, CaptureError) else e}"
+            code = next(c for kind, c in ((ConfigError, EXIT_CONFIG), (CaptureError, EXIT_CAPTURE),
+                                          (NonFiniteLossError, EXIT_NONFINITE)) if isinstance(e, kind))
+            said = e.render(graph_setting) if isinstance(e, CaptureError) else str(e)  # in this trainer's words
+            message = f"Error: {said}"
             print_once(message, file=sys.stderr)
             if env_rank() == 0:  # the same on every rank: once in the report too
                 tell_torchrun(message)

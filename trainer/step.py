@@ -23,25 +23,10 @@ def accumulate(metrics: torch.Tensor, per_sample: torch.Tensor, correct: torch.T
     metrics += torch.stack([losses.sum(), (correct & mask).sum().double(), mask.sum().double()])
 
 
-def resolve_memory_format(setting: str, model: torch.nn.Module, device: torch.device) -> torch.memory_format:
-    """``train.memory_format`` as a torch memory format (auto: channels_last for conv nets on CUDA)."""
-    if setting == "auto":
-        has_conv = any(isinstance(m, torch.nn.Conv2d) for m in model.modules())
-        setting = "channels_last" if has_conv and device.type == "cuda" else "contiguous"
-    return torch.channels_last if setting == "channels_last" else torch.contiguous_format
-
-
 def model_input(batch, memory_format: torch.memory_format) -> torch.Tensor:
     """The batch's input in the model's memory format (a device copy inside the step: shapes stay static)."""
     x = batch["x"]
     return x.contiguous(memory_format=memory_format) if x.dim() == 4 else x
-
-
-def resolve_precision(setting: str, device: torch.device) -> str:
-    """``train.precision`` as fp32 or bf16 (auto: bf16 on CUDA, where it is fast; fp32 on the CPU)."""
-    if setting == "auto":
-        return "bf16" if device.type == "cuda" else "fp32"
-    return setting
 
 
 def autocast_factory(precision: str, device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
