@@ -47,6 +47,11 @@ class StepTimes:
                 self._buckets[self._bucket(x)] += 1
             self._exact = None
 
+    @property
+    def stored(self) -> int:
+        """How many numbers this phase keeps in memory (bounded, however many steps were added)."""
+        return len(self._exact) if self._exact is not None else len(self._buckets)
+
     def _bucket(self, ms: float) -> int:
         return math.floor(math.log(max(ms, 1e-6)) / self._LOG_WIDTH)
 

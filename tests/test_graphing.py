@@ -100,3 +100,27 @@ def test_graphed_step_runs_a_users_loop_eagerly_on_the_cpu_and_guards_its_inputs
     step.close()
     with pytest.raises(RuntimeError, match="closed"):
         step(x, y)
+
+
+@pytest.mark.fast
+def test_step_times_of_a_long_run_stay_bounded_with_median_and_p90_within_one_percent():
+    import random
+    import statistics
+
+    from graphing.timing import StepTimes
+
+    rng = random.Random(0)
+    xs = [0.25 * rng.lognormvariate(0, 0.3) for _ in range(4 * StepTimes.EXACT_LIMIT)]  # ms, a long tail
+    times, few = StepTimes(), StepTimes()
+    for x in xs:
+        times.add(x)
+    for x in xs[:1000]:
+        few.add(x)
+    ordered = sorted(xs)
+    exact_median, exact_p90 = statistics.median(ordered), ordered[int(round(0.9 * (len(ordered) - 1)))]
+    summary = times.summary()
+    assert times.stored < 1000  # a histogram now, not 40,000 numbers
+    assert abs(summary["step_ms_median"] / exact_median - 1) < 0.01
+    assert abs(summary["step_ms_p90"] / exact_p90 - 1) < 0.01
+    assert summary["steps_timed"] == len(xs) and summary["step_ms_mean"] == pytest.approx(statistics.fmean(xs))
+    assert few.summary()["step_ms_median"] == statistics.median(xs[:1000])  # below the limit: exact
