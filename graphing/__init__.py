@@ -3,6 +3,11 @@ torch.compile. A library for any DDP loop: it imports only torch, torch.distribu
 the standard library. The trainer uses it through ``build_executor``; your own loop can
 use ``GraphedStep`` (see graphing/graphed_step.py and scripts/own_loop.py).
 
+The contract is typed: modes are ``GraphMode`` members, steps are chosen by ``StepRole``
+(train, eval: one graph each, sharing one memory pool), an executor's ``report`` is an
+``ExecutionReport``. Errors name graphing's own settings (``mode``, ``on_failure``, ...);
+a caller with its own names for them words the message with ``.render(name)``.
+
 Graph-safety rules, stated once (PyTorch's CUDA graph notes, torch/cuda/graphs.py):
 
 - DDP is constructed inside the side stream used for warm-up and capture, and runs

@@ -8,7 +8,9 @@ recipe (memory format, loader kind) are resolved by ``RunPlan.for_recipe``. Choi
 recipe owns (data sources, model options) are checked by the recipe when it is built.
 
 The plan is what the rest of the run reads its choices from (trainer/assembly.py builds
-the parts from it); plain values (epochs, intervals, paths) stay in ``plan.cfg``.
+the parts from it); plain values (epochs, intervals, paths) stay in ``plan.cfg``. A new
+choice (fp16 with a loss scaler, a set of input shapes to graph) is resolved here, once,
+and read by the parts it concerns.
 """
 from __future__ import annotations
 

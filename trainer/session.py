@@ -11,7 +11,9 @@
       the metrics logger (W&B), the process group, the log handlers.
 
 Each expected failure becomes one message, printed by rank 0, and an exit code; a crash
-prints its traceback once per rank and exits 1. ``run(cfg)`` is train.py's job.
+prints its traceback once per rank and exits 1. ``run(cfg)`` is train.py's job. Whatever a
+run must hold for its whole life (a lock on its run directory) is taken in ``_start`` and
+given back in ``_close``.
 """
 from __future__ import annotations
 
