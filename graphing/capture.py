@@ -2,13 +2,25 @@
 from __future__ import annotations
 
 import time
-from typing import Callable, Optional, Tuple
+from typing import Callable, Optional, Tuple, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 class CaptureError(RuntimeError):
     """A capture failed on at least one rank; the message says why and what to change."""
+
+
+def run_on_stream(fn: Callable[[], T], stream: torch.cuda.Stream) -> T:
+    """``fn()`` on ``stream``, ordered after the current stream's work and before its next."""
+    current = torch.cuda.current_stream(stream.device)  # the stream's device: the caller's may be another
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream):
+        result = fn()
+    current.wait_stream(stream)
+    return result
 
 
 def explain_capture_failure(err: BaseException, capture_error_mode: str, prefix: str = "") -> str:
