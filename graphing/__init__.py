@@ -45,7 +45,7 @@ from graphing.options import (DDP_MIN_WARMUP, CaptureErrorMode, GraphConfigError
 # which conf/schema.py types its settings with) stays free of torch.
 _LAZY = {
     "CaptureError": "graphing.capture",
-    "DoctorReport": "graphing.doctor",
+    "DoctorReport": "graphing.doctor.report",
     "ExecutionReport": "graphing.executor",
     "Executor": "graphing.executor",
     "GraphedStep": "graphing.graphed_step",

@@ -17,7 +17,7 @@ class CaptureError(SettingMessage, RuntimeError):
 
 def run_on_stream(fn: Callable[[], T], stream: torch.cuda.Stream) -> T:
     """``fn()`` on ``stream``, ordered after the current stream's work and before its next."""
-    current = torch.cuda.current_stream()
+    current = torch.cuda.current_stream(stream.device)  # the stream's device: the caller's may be another
     stream.wait_stream(current)
     with torch.cuda.stream(stream):
         result = fn()

@@ -50,7 +50,12 @@ class SettingMessage:
 
     def render(self, name: Callable[[str], str] = str) -> str:
         """The message, each setting named by ``name(setting)``."""
-        return self.template.format_map(_Names(name))
+        return render(self.template, name)
+
+
+def render(template: str, name: Callable[[str], str] = str) -> str:
+    """A message template with each {setting} named by ``name(setting)``."""
+    return template.format_map(_Names(name))
 
 
 class _Names(dict):

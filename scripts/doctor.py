@@ -5,7 +5,7 @@
 
 Builds the trainer as train.py does (the graph-safe optimizer, DDP on its side stream under
 torchrun), runs its training step eagerly for ``graph.warmup_iters`` steps with the doctor's
-checks on (graphing/doctor.py), then, on CUDA, tries a capture of one more step and profiles a
+checks on (graphing/doctor/), then, on CUDA, tries a capture of one more step and profiles a
 few: how launch-bound the eager step is. It prints a table of findings (kind, the file:line
 that causes it, the fix), a verdict, the recommended ``graph.capture_error_mode`` and the
 expected gain; writes ``doctor.json`` into the run directory and logs the table to W&B (offline

@@ -1,0 +1,138 @@
+"""The graph doctor: can this training step be captured, and would the captured step be right?
+
+    report = graphing.diagnose(train_step, model, optimizer, (x, y))   # or a callable that makes inputs
+    print(report)                                                       # the table, the verdict, the gain
+    sys.exit(report.exit_code)                                          # 0 ready, 5 blocked, 6 captures-but-wrong
+
+``step_fn(model, *inputs)`` is the step as ``GraphedStep`` takes it. The doctor runs it eagerly
+for ``warmup_iters`` steps with its checks on (eager_checks.py gathers them: the torch calls the
+step makes, its learning rate, its optimizers, the memory it keeps, what differs between steps),
+then, on CUDA, tries a capture of one more step in isolation (capture_attempt.py) and measures
+how launch-bound the eager step is (step_timing.py). Every finding names the line that causes it
+(the innermost frame outside torch: attribution.py) and the fix.
+
+It reports only what blocks a capture, or what captures without error and then replays a frozen
+or wrong step, on the installed torch. Seen on torch 2.11 (H200), and so left out: autocast's
+weight cache inside the step captures and replays exactly like eager (a cache that outlives the
+step does not: reported); SyncBatchNorm skips its host sync while capturing (a two-rank capture
+works; it is reported only on a torch whose SyncBatchNorm lacks that guard). Under a process
+group every rank checks and all ranks get the merged report; DDP's own host syncs in its first
+10 iterations are left out.
+
+Verdicts and exit codes: ``ready`` (0), ``blocked`` (5: a capture fails), ``captures-but-wrong``
+(6: it captures, and replays a frozen or wrong step). Without CUDA the checks that need a GPU
+are skipped and named in ``report.skipped``; the verdict is that of what could be checked.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable, Dict, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+
+from graphing.doctor.capture_attempt import laxest, recommended_mode, try_captures
+from graphing.doctor.eager_checks import EagerChecks
+from graphing.doctor.findings import BLOCKS, in_report_order
+from graphing.doctor.outer_autocast import outer_autocast_site, report_outer_autocast
+from graphing.doctor.ranks import merge_ranks
+from graphing.doctor.report import COLUMNS, SKIPPED_WITHOUT_CUDA, DoctorReport, verdict_of
+from graphing.doctor.step_runner import Inputs, StepRunner, on_side_stream
+from graphing.doctor.step_timing import gpu_busy_ms, median_step_ms
+from graphing.executor import distributed
+from graphing.optimizers import float_learning_rate
+from graphing.options import DDP_MIN_WARMUP
+
+__all__ = ["COLUMNS", "SKIPPED_WITHOUT_CUDA", "DoctorReport", "diagnose"]
+
+
+def diagnose(step_fn: Callable[..., Any], model: torch.nn.Module,
+             optimizer: Union[None, torch.optim.Optimizer, Sequence[torch.optim.Optimizer]] = None,
+             inputs: Inputs = (), *, warmup_iters: int = DDP_MIN_WARMUP,
+             ddp_kwargs: Optional[Dict[str, Any]] = None, device: Optional[torch.device] = None,
+             stream: Optional["torch.cuda.Stream"] = None, timing_steps: int = 5,
+             check_optimizer: bool = True) -> DoctorReport:
+    """Runs ``step_fn(model, *inputs)`` eagerly with checks, then (on CUDA) tries a capture; returns the report.
+
+    ``inputs``: the example inputs of every step (a tuple), or a callable (or iterator) that makes
+    each step's inputs, e.g. the next batch; it runs outside the step, like a loader. Tensors are
+    copied into static device buffers first, as ``GraphedStep`` does. ``optimizer``: one or a
+    list (checked for capturability, and its ``lr`` watched). ``warmup_iters``: eager steps
+    checked (11, what DDP needs before a capture). The capture is tried with
+    ``capture_error_mode="global"``, then "thread_local" if another thread broke it: the report
+    recommends the strictest that works. Under a process group ``model`` is wrapped in DDP
+    (``ddp_kwargs``) unless it already is, on ``stream`` (a side stream is made when None),
+    which also runs the steps and the capture.
+    ``timing_steps``: unchecked steps timed for the expected gain (0: none).
+    ``check_optimizer=False`` leaves the optimizer's capturability to the caller (the trainer
+    builds it graph-safe on CUDA itself).
+
+    The model and optimizer take real steps: diagnose a copy if their state matters.
+    """
+    if device is None:
+        device = next(model.parameters()).device
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    if cuda and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    optimizers = [] if optimizer is None else [optimizer] if isinstance(optimizer, torch.optim.Optimizer) \
+        else list(optimizer)
+    side = (stream or torch.cuda.Stream(device=device)) if cuda else None
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    is_ddp = isinstance(model, DDP)
+    if distributed() and not is_ddp:
+        model = on_side_stream(lambda: DDP(model, device_ids=[device.index] if cuda else None, **(ddp_kwargs or {})),
+                               side)
+        is_ddp = True
+    runner = StepRunner(step_fn, model, inputs, device, side)
+    checks = EagerChecks(model, device, optimizers)
+    outer_autocast = outer_autocast_site(sys._getframe(1), device)
+    steps = max(int(warmup_iters), 1)
+    # DDP syncs with the host in its first 10 iterations (runtime stats, bucket rebuild), from its
+    # C++ reducer too: CUDA's own sync detection only watches the steps after that.
+    sync_watch_from = min(DDP_MIN_WARMUP - 1, steps - 1) if is_ddp else min(1, steps - 1)
+    checks.start()
+    previous_trace = sys.gettrace()
+    try:
+        for i in range(steps):
+            tracer = checks.learning_rates.tracer if optimizers else previous_trace
+            sys.settrace(tracer)  # who writes a Python-number lr
+            try:
+                args = runner.next_inputs()
+                staged = runner.stage(args)
+                checks.begin_step(i, args)
+                if i == 0 and outer_autocast is not None:
+                    report_outer_autocast(checks.findings, outer_autocast)
+                with checks.watching(cuda_syncs=cuda and i >= sync_watch_from):
+                    runner.run(staged)
+            finally:
+                sys.settrace(previous_trace)
+                checks.end_step()
+            checks.memory.after_step()
+    finally:
+        checks.stop()
+    checks.after_steps(step_fn, check_optimizer)
+
+    eager_ms = median_step_ms(runner.run_next, timing_steps, device, side) if timing_steps > 0 else None
+    busy_ms = gpu_busy_ms(runner.run_next, device) if cuda and timing_steps > 0 else None
+    findings = in_report_order(checks.findings)
+    mode, capture = recommended_mode(), "skipped (needs CUDA)"
+    if cuda:
+        captured_with, capture, failure = try_captures(runner, optimizers)
+        mode = laxest([captured_with, mode])  # a loader thread may be idle during one capture
+        if failure is not None and not any(f.effect == BLOCKS for f in findings):
+            findings.insert(0, failure)
+    notes = []
+    if any(float_learning_rate(o) for o in optimizers) and "lr_frozen" not in [f.kind for f in findings]:
+        notes.append("an optimizer's lr is a Python number: it did not change in these steps, but a graph would keep "
+                     "its capture-time value if a schedule changed it later (use a device tensor lr)")
+    if is_ddp and steps < DDP_MIN_WARMUP:
+        notes.append(f"only {steps} steps checked under DDP: its first {DDP_MIN_WARMUP - 1} iterations sync with the "
+                     f"host, so a capture needs warmup_iters >= {DDP_MIN_WARMUP}")
+    report = DoctorReport(findings, verdict_of(findings), mode, str(device),
+                          dist.get_world_size() if distributed() else 1, steps, capture, eager_ms, busy_ms,
+                          [] if cuda else list(SKIPPED_WITHOUT_CUDA), notes)
+    for f in report.findings:
+        f.ranks = [dist.get_rank() if distributed() else 0]
+    return merge_ranks(report) if distributed() else report

@@ -1,0 +1,32 @@
+"""Under a process group every rank checks its own step; all ranks get one merged report."""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch.distributed as dist
+
+from graphing.doctor.capture_attempt import laxest
+from graphing.doctor.findings import Finding, in_report_order
+from graphing.doctor.report import DoctorReport, verdict_of
+
+
+def merge_ranks(report: DoctorReport) -> DoctorReport:
+    """Every rank's report merged into one, on every rank (a collective: all ranks call it)."""
+    gathered: List[Optional[Dict[str, Any]]] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, report.to_dict())
+    reports = [DoctorReport.from_dict(d) for d in gathered]
+    merged: Dict[Tuple[str, str, int], Finding] = {}
+    for r in reports:
+        for f in r.findings:
+            if f.key in merged:
+                merged[f.key].ranks = sorted(set(merged[f.key].ranks) | set(f.ranks))
+            else:
+                merged[f.key] = f
+    findings = in_report_order(merged.values())
+    first = reports[0]
+    failed = next((r.capture for r in reports if r.capture.startswith("failed")), first.capture)
+    eager = [r.eager_step_ms for r in reports if r.eager_step_ms is not None]
+    notes = list(dict.fromkeys(n for r in reports for n in r.notes))
+    return DoctorReport(findings, verdict_of(findings), laxest([r.capture_error_mode for r in reports]), first.device,
+                        first.world_size, first.checked_steps, failed, max(eager) if eager else None,
+                        first.gpu_busy_ms, first.skipped, notes)
