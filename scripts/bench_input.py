@@ -3,6 +3,7 @@
     python scripts/bench_input.py --folder /tmp/cifar_png                      # CIFAR-10 ResNet-18, bf16, graphed
     python scripts/bench_input.py --folder /tmp/cifar_png --workers 4,8,14 --steps 300 --output bench.json
     python scripts/bench_input.py --folder DIR recipe=mnist train.precision=fp32   # any train.py overrides
+    python scripts/bench_input.py --folder DIR --config-dir my_conf recipe=mine     # your own configs, as train.py
 
 Makes the folder first when it is missing (scripts/export_images.py, synthetic CIFAR-10
 unless overrides say otherwise). Then, in one process on one GPU, for the same images,
@@ -31,6 +32,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from conf.schema import compose  # noqa: E402
+from trainer.cli import script_config  # noqa: E402
 from trainer.data import collate, host_copy  # noqa: E402
 from trainer.loop import Trainer  # noqa: E402
 from trainer.runtime import pick_device, seed_everything, start  # noqa: E402
@@ -40,9 +42,10 @@ DEFAULTS = ["recipe=cifar10_resnet18", "graph=full", "train.precision=bf16", "lo
             "train.progress=false", "train.eval=false"]
 
 
-def build(rt, overrides, folder: Path, loader: str, workers: int):
+def build(rt, overrides, folder: Path, loader: str, workers: int, config_dir=None, config_name="train"):
     cfg = compose([*DEFAULTS, *overrides, "recipe.data.source=folder", f"recipe.data.root={folder}",
-                   f"recipe.data.loader={loader}", f"recipe.data.num_workers={workers}"])
+                   f"recipe.data.loader={loader}", f"recipe.data.num_workers={workers}"],
+                  config_dir=config_dir, config_name=config_name)
     check_config(cfg)
     seed_everything(cfg.seed, cfg.deterministic)
     return cfg, Trainer(cfg, rt)
@@ -93,19 +96,20 @@ def main() -> None:
     parser.add_argument("--workers", default="4,8,14", help="host-loader worker counts to try")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--output", type=Path, default=None, help="JSON file for the numbers")
-    args, overrides = parser.parse_known_args()
+    args, _ = script_config(parser, defaults=DEFAULTS)  # the overrides compose: each loader's config is built below
+    overrides = args.overrides
     if not torch.cuda.is_available():
         sys.exit("bench_input.py measures a graphed GPU step: run it on a machine with CUDA")
     if not (args.folder / "train").is_dir():
         recipe = next((o for o in [*DEFAULTS, *overrides][::-1] if o.startswith("recipe=")), DEFAULTS[0])
         source = next((o for o in overrides if o.startswith("recipe.data.source=")), "recipe.data.source=synthetic")
         print(f"exporting {recipe} ({source}) to {args.folder} ...", flush=True)
-        subprocess.run([sys.executable, str(REPO / "scripts" / "export_images.py"), recipe, source,
-                        "--output", str(args.folder)], check=True)
+        subprocess.run([sys.executable, str(REPO / "scripts" / "export_images.py"), *args.train_options, recipe,
+                        source, "--output", str(args.folder)], check=True)
     rt = start(pick_device("cuda"), "/tmp/bench_input", None, "bench_input")
     rows = []
     for loader, workers in [("device", 8)] + [("host", int(w)) for w in args.workers.split(",")]:
-        cfg, trainer = build(rt, overrides, args.folder, loader, workers)
+        cfg, trainer = build(rt, overrides, args.folder, loader, workers, args.config_dir, args.config_name)
         step_s, waited_s = timed_steps(trainer, args.steps)
         samples = cfg.recipe.data.batch_size * cfg.train.grad_accum
         row = {"loader": loader, "num_workers": workers if loader == "host" else None,

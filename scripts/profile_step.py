@@ -2,6 +2,7 @@
 
     python scripts/profile_step.py graph=full                # any train.py overrides
     python scripts/profile_step.py graph=eager --steps 100
+    python scripts/profile_step.py --config-dir my_conf recipe=mine   # your own configs, as train.py
 
 Builds the trainer as train.py does, warms up (and captures, in graph modes), then
 profiles ``--steps`` steps: the step's wall time from CUDA events, the summed time of
@@ -23,7 +24,7 @@ import torch  # noqa: E402
 from torch.autograd import DeviceType  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from conf.schema import compose  # noqa: E402
+from trainer.cli import script_config  # noqa: E402
 from trainer.loop import Trainer  # noqa: E402
 from trainer.runtime import pick_device, seed_everything, start  # noqa: E402
 from trainer.validate import check_config  # noqa: E402
@@ -34,10 +35,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--output", type=Path, default=None, help="JSON file for the numbers")
     parser.add_argument("--top", type=int, default=0, help="list the N kernels with the most time per step")
-    args, overrides = parser.parse_known_args()
+    args, cfg = script_config(parser, defaults=["logger=none", "train.progress=false"])
     if not torch.cuda.is_available():
         sys.exit("profile_step.py measures GPU kernels: run it on a machine with CUDA")
-    cfg = compose(["logger=none", "train.progress=false", *overrides])
     check_config(cfg)
     rt = start(pick_device(cfg.device.value), "/tmp/profile_step", None, "profile")
     seed_everything(cfg.seed, cfg.deterministic)
