@@ -162,14 +162,37 @@ def register_configs() -> None:
     ConfigStore.instance().store(name="train_schema", node=TrainConfig)
 
 
-def compose(overrides=()):
-    """The config train.py would see for these command-line overrides (for scripts and tests)."""
-    from pathlib import Path
+def compose(overrides=(), config_dir=None, config_name="train"):
+    """The config ``python train.py [--config-dir DIR] [--config-name NAME] overrides`` would see.
 
-    from hydra import compose as hydra_compose, initialize_config_dir
+    For scripts and tests. ``config_dir`` joins the search path as train.py's ``--config-dir``
+    does: after conf/ (a file of the same name in conf/ wins), so ``DIR/recipe/mine.yaml`` is
+    ``recipe=mine``; a relative path is from the current directory. ``config_name`` is the
+    primary config (``--config-name``). Raises Hydra's own errors (hydra.errors.HydraException),
+    with the words train.py prints for the same command line.
+    """
+    import os
+
+    from hydra import compose as hydra_compose, version
+    from hydra._internal.hydra import Hydra
+    from hydra._internal.utils import create_config_search_path
+    from hydra.core.config_search_path import SearchPathQuery
     from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import SearchPathException
 
     register_configs()
+    # What @hydra.main builds for train.py (hydra/_internal/utils.py, run_hydra); the public
+    # initialize_config_dir() takes only one directory.
+    search_path = create_config_search_path(f"file://{os.path.dirname(os.path.abspath(__file__))}")
+    if config_dir is not None:
+        absolute = os.path.abspath(config_dir)
+        if not os.path.isdir(absolute):
+            raise SearchPathException(f"Additional config directory '{absolute}' not found")
+        search_path.prepend(provider="command-line", path=f"file://{absolute}", anchor=SearchPathQuery(provider="schema"))
     GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parent), version_base="1.3"):
-        return hydra_compose(config_name="train", overrides=list(overrides))
+    version.setbase("1.3")
+    Hydra.create_main_hydra2(task_name="train", config_search_path=search_path)
+    try:
+        return hydra_compose(config_name=config_name, overrides=list(overrides))
+    finally:
+        GlobalHydra.instance().clear()

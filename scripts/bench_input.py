@@ -3,6 +3,7 @@
     python scripts/bench_input.py --folder /tmp/cifar_png                      # CIFAR-10 ResNet-18, bf16, graphed
     python scripts/bench_input.py --folder /tmp/cifar_png --workers 4,8,14 --steps 300 --output bench.json
     python scripts/bench_input.py --folder DIR recipe=mnist train.precision=fp32   # any train.py overrides
+    python scripts/bench_input.py --folder DIR --config-dir my_conf recipe=mine     # your own configs, as train.py
 
 Makes the folder first when it is missing (scripts/export_images.py, synthetic CIFAR-10
 unless overrides say otherwise). Then, in one process on one GPU, for the same images,
@@ -28,20 +29,20 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-import torch  # noqa: E402
-
 from conf.schema import compose  # noqa: E402
-from graphing import StepRole  # noqa: E402
-from trainer.assembly import Run  # noqa: E402
-from trainer.data import collate, host_copy  # noqa: E402
+from trainer.cli import script_config  # noqa: E402
 from trainer.session import Session  # noqa: E402
 
 DEFAULTS = ["recipe=cifar10_resnet18", "graph=full", "train.precision=bf16", "logger=none",
             "train.progress=false", "train.eval=false"]
 
 
-def timed_steps(run: Run, steps: int):
+def timed_steps(run, steps: int):
     """(seconds per step, seconds per step the host loader waited for its workers) over ``steps`` graphed steps."""
+    import torch
+
+    from graphing import StepRole
+
     ex, loader, step = run.executor, run.train_loader, run.train_step
 
     def one_step():
@@ -64,8 +65,12 @@ def timed_steps(run: Run, steps: int):
     return (time.perf_counter() - began) / steps, (getattr(loader, "waited_s", 0.0) - waited) / steps
 
 
-def host_costs(run: Run, batches: int = 20):
+def host_costs(run, batches: int = 20):
     """Per batch, in one process: decode (dataset items), collate (stack), copy into pinned memory."""
+    import torch
+
+    from trainer.data import collate, host_copy
+
     dataset, loader = run.recipe.data.train, run.train_loader
     n = loader.rows_per_load
     began = time.perf_counter()
@@ -89,15 +94,18 @@ def main() -> int:
     parser.add_argument("--workers", default="4,8,14", help="host-loader worker counts to try")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--output", type=Path, default=None, help="JSON file for the numbers")
-    args, overrides = parser.parse_known_args()
+    args, _ = script_config(parser, defaults=DEFAULTS)  # the overrides compose: each loader's config is built below
+    overrides = args.overrides
+    import torch  # after the command line: --help and a bad override answer at once
+
     if not torch.cuda.is_available():
         sys.exit("bench_input.py measures a graphed GPU step: run it on a machine with CUDA")
     if not (args.folder / "train").is_dir():
         recipe = next((o for o in [*DEFAULTS, *overrides][::-1] if o.startswith("recipe=")), DEFAULTS[0])
         source = next((o for o in overrides if o.startswith("recipe.data.source=")), "recipe.data.source=synthetic")
         print(f"exporting {recipe} ({source}) to {args.folder} ...", flush=True)
-        subprocess.run([sys.executable, str(REPO / "scripts" / "export_images.py"), recipe, source,
-                        "--output", str(args.folder)], check=True)
+        subprocess.run([sys.executable, str(REPO / "scripts" / "export_images.py"), *args.train_options, recipe,
+                        source, "--output", str(args.folder)], check=True)
     rows, used = [], {}
 
     def measure(session, loader: str, workers: int) -> int:  # one row: its own session, closed before the next
@@ -116,7 +124,8 @@ def main() -> int:
 
     for loader, workers in [("device", 8)] + [("host", int(w)) for w in args.workers.split(",")]:
         cfg = compose([*DEFAULTS, *overrides, "recipe.data.source=folder", f"recipe.data.root={args.folder}",
-                       f"recipe.data.loader={loader}", f"recipe.data.num_workers={workers}", "device=cuda"])
+                       f"recipe.data.loader={loader}", f"recipe.data.num_workers={workers}", "device=cuda"],
+                      config_dir=args.config_dir, config_name=args.config_name)
         code = Session(cfg, purpose="bench_input").execute(lambda session: measure(session, loader, workers))
         if code:
             return code

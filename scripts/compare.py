@@ -5,7 +5,8 @@
     python scripts/compare.py --nproc 1 -- experiment=debug     # a CPU smoke test
 
 Each mode runs as its own job (torchrun when --nproc > 1, plain python otherwise),
-one after another, with identical overrides apart from ``graph=<mode>``. The runs land
+one after another, with identical train.py arguments apart from ``graph=<mode>``: the
+overrides (after ``--``), and ``--config-dir``/``--config-name`` when given. The runs land
 in ``<output>/runs/<mode>/`` and share one W&B group (the comparison's name), with the
 mode as job_type. Then this script reads every run's results.json and writes, into
 ``<output>``:
@@ -37,6 +38,8 @@ from typing import Any, Dict, List, Optional, Sequence
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # run as `python scripts/compare.py`: find conf/ and scripts/
+
+from trainer.cli import script_config  # noqa: E402
 
 MODES = ("eager", "full", "partial", "compile", "full_compiled")  # conf/graph/<mode>.yaml
 CPU_MODES = ("eager", "auto")  # every other mode needs a CUDA GPU
@@ -72,15 +75,18 @@ def check_overrides(overrides: Sequence[str], reserved: Sequence[str], script: s
                      f"and use the script's options instead (see {script} --help)")
 
 
-def command(mode: str, nproc: int, overrides: Sequence[str], output_root: Path, group: str,
+def command(mode: str, nproc: int, train_args: Sequence[str], output_root: Path, group: str,
             run_name: str) -> List[str]:
-    """The train.py command line of one run: torchrun for nproc > 1, plain python otherwise."""
+    """The train.py command line of one run: torchrun for nproc > 1, plain python otherwise.
+
+    ``train_args``: train.py's ``--config-dir``/``--config-name`` (first), then the overrides.
+    """
     if nproc > 1:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                     f"--nproc_per_node={nproc}", "train.py"]
     else:
         launcher = [sys.executable, "train.py"]
-    return [*launcher, *overrides, f"graph={mode}", f"output_root={hydra_value(str(output_root))}",
+    return [*launcher, *train_args, f"graph={mode}", f"output_root={hydra_value(str(output_root))}",
             f"logger.wandb.group={hydra_value(group)}", f"logger.wandb.job_type={mode}",
             f"logger.wandb.name={hydra_value(f'{run_name}-{mode}')}"]
 
@@ -94,7 +100,7 @@ def run_dirs(root: Path) -> set:
     return {p.parent for p in root.rglob("rank0.log")}  # every run directory has one
 
 
-def launch_mode(mode: str, nproc: int, overrides: Sequence[str], output: Path, *, group: str,
+def launch_mode(mode: str, nproc: int, train_args: Sequence[str], output: Path, *, group: str,
                 run_name: str, timeout: float, cuda: bool) -> Dict[str, Any]:
     """Runs one mode to the end; returns its outcome: status, exit code, run_dir, results."""
     outcome: Dict[str, Any] = {"mode": mode, "status": "", "exit_code": None, "seconds": 0.0,
@@ -105,7 +111,7 @@ def launch_mode(mode: str, nproc: int, overrides: Sequence[str], output: Path, *
     root = output / "runs" / mode
     root.mkdir(parents=True, exist_ok=True)
     before = run_dirs(root)
-    cmd = command(mode, nproc, overrides, root, group, run_name)
+    cmd = command(mode, nproc, train_args, root, group, run_name)
     (root / "command.txt").write_text(" ".join(cmd) + "\n")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     start = time.perf_counter()
@@ -160,15 +166,15 @@ def failed(status: str) -> bool:
     return not status.startswith(("ok", "not available"))
 
 
-def run_modes(modes: Sequence[str], nproc: int, overrides: Sequence[str], output: Path, *, group: str,
+def run_modes(modes: Sequence[str], nproc: int, train_args: Sequence[str], output: Path, *, group: str,
               run_name: Optional[str] = None, timeout: float = 3600,
               cuda: Optional[bool] = None) -> List[Dict[str, Any]]:
-    """Launches each mode in turn with the same overrides; returns their outcomes in order."""
+    """Launches each mode in turn with the same train.py arguments; returns their outcomes in order."""
     cuda = cuda_device_count() > 0 if cuda is None else cuda
     outcomes = []
     for i, mode in enumerate(modes, 1):
         print(f"[{i}/{len(modes)}] {mode}: ", end="", flush=True)
-        outcome = launch_mode(mode, nproc, overrides, output, group=group, run_name=run_name or group,
+        outcome = launch_mode(mode, nproc, train_args, output, group=group, run_name=run_name or group,
                               timeout=timeout, cuda=cuda)
         row = comparison_rows([outcome])[0]
         if row["throughput"] is not None:
@@ -252,11 +258,11 @@ def markdown_table(rows: Sequence[Dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def report(name: str, rows: Sequence[Dict[str, Any]], nproc: int, overrides: Sequence[str]) -> str:
+def report(name: str, rows: Sequence[Dict[str, Any]], nproc: int, train_args: Sequence[str]) -> str:
     """The Markdown that is printed and saved as compare.md."""
     launcher = f"torchrun --nproc_per_node={nproc}" if nproc > 1 else "python"
     return (f"## Comparison `{name}`\n\n"
-            f"{launcher} train.py {' '.join(overrides)} graph=<mode>\n\n"
+            f"{launcher} train.py {' '.join(train_args)} graph=<mode>\n\n"
             f"{markdown_table(rows)}\n\n"
             "speedup vs eager = the mode's throughput / eager's throughput, from separate runs "
             "with the same config.\n")
@@ -296,37 +302,18 @@ def write_json(path: Path, obj: Any) -> None:
 
 
 def save_comparison(output: Path, name: str, outcomes: Sequence[Dict[str, Any]], nproc: int,
-                    overrides: Sequence[str]) -> Dict[str, Any]:
+                    train_args: Sequence[str]) -> Dict[str, Any]:
     """Writes compare.md, compare.json and compare.png into ``output``; returns what it wrote."""
     rows = comparison_rows(outcomes)
-    text = report(name, rows, nproc, overrides)
+    text = report(name, rows, nproc, train_args)
     (output / "compare.md").write_text(text)
-    write_json(output / "compare.json", {"name": name, "nproc": nproc, "overrides": list(overrides),
+    write_json(output / "compare.json", {"name": name, "nproc": nproc, "train_args": list(train_args),
                                          "rows": rows, "runs": list(outcomes)})
     plot = plot_comparison(rows, output / "compare.png", title=f"{name} ({nproc} process{'es' * (nproc > 1)})")
     return {"rows": rows, "markdown": text, "plot": plot}
 
 
 # ---- W&B ------------------------------------------------------------------------------
-
-def compose_config(overrides: Sequence[str]):
-    """The config train.py would compose from ``overrides`` (fails fast on a typo)."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    from conf.schema import register_configs
-
-    register_configs()
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose(config_name="train", overrides=list(overrides))
-
-
-def describe(error: Exception) -> str:
-    """Hydra's message and its cause ("Key 'epochz' is not in struct")."""
-    cause = error.__cause__
-    return f"{error}\n{cause}" if cause is not None else str(error)
-
 
 def log_to_wandb(cfg_logger, directory: Path, *, group: str, job_type: str, name: str,
                  config: Dict[str, Any], table_key: str, rows: Sequence[Dict[str, Any]],
@@ -363,15 +350,6 @@ def log_to_wandb(cfg_logger, directory: Path, *, group: str, job_type: str, name
 
 # ---- the command line -----------------------------------------------------------------
 
-def split_overrides(argv: Sequence[str]):
-    """(script arguments, Hydra overrides after '--')."""
-    argv = list(argv)
-    if "--" in argv:
-        i = argv.index("--")
-        return argv[:i], argv[i + 1:]
-    return argv, []
-
-
 def parse_list(text: str, allowed: Sequence[str], what: str) -> List[str]:
     items = [item.strip() for item in text.split(",") if item.strip()]
     unknown = [item for item in items if item not in allowed]
@@ -395,10 +373,10 @@ def timestamp() -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args, overrides = split_overrides(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(
         description="Run train.py once per graph mode with the same config and compare the results.",
-        epilog="Hydra overrides for every run go after '--', e.g. -- recipe=mnist train.max_steps=500")
+        epilog="train.py's overrides for every run go after '--', e.g. -- recipe=mnist train.max_steps=500; "
+               "--config-dir and --config-name go to every run too.")
     parser.add_argument("--modes", type=lambda s: parse_list(s, graph_names(), "mode"), default=list(MODES),
                         help=f"comma-separated conf/graph names (default: {','.join(MODES)})")
     parser.add_argument("--nproc", type=int, default=None,
@@ -407,8 +385,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="comparison directory (default: outputs/compare/<timestamp>)")
     parser.add_argument("--name", default=None, help="W&B group of the runs (default: the output directory's name)")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per run before it is stopped")
-    opts = parser.parse_args(args)
-    check_overrides(overrides, RESERVED, "compare.py")
+    opts, cfg = script_config(parser, argv)  # a typo fails here once, not once per mode
+    check_overrides(opts.overrides, RESERVED, "compare.py")
+    train_args = [*opts.train_options, *opts.overrides]
     exit_on_sigterm()
 
     gpus = cuda_device_count()
@@ -417,21 +396,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(f"--nproc={nproc} must be at least 1")
     output = (opts.output or ROOT / "outputs" / "compare" / timestamp()).resolve()
     name = opts.name or output.name
-    try:
-        cfg = compose_config(overrides)  # a typo fails here once, not once per mode
-    except Exception as e:
-        print(f"compare.py: the overrides do not compose: {describe(e)}", file=sys.stderr)
-        return 2
     output.mkdir(parents=True, exist_ok=True)
     print(f"comparing {', '.join(opts.modes)} with {nproc} process{'es' * (nproc > 1)} "
           f"on {'CUDA' if gpus else 'CPU'} into {output}")
 
-    outcomes = run_modes(opts.modes, nproc, overrides, output, group=name, timeout=opts.timeout, cuda=gpus > 0)
-    saved = save_comparison(output, name, outcomes, nproc, overrides)
+    outcomes = run_modes(opts.modes, nproc, train_args, output, group=name, timeout=opts.timeout, cuda=gpus > 0)
+    saved = save_comparison(output, name, outcomes, nproc, train_args)
     print("\n" + saved["markdown"])
     rows = saved["rows"]
     log_to_wandb(cfg.logger, output, group=name, job_type="compare", name=f"{name}-compare",
-                 config={"modes": opts.modes, "nproc": nproc, "overrides": overrides, "recipe": cfg.recipe.name},
+                 config={"modes": opts.modes, "nproc": nproc, "train_args": train_args, "recipe": cfg.recipe.name},
                  table_key="comparison", rows=rows, images={"comparison_chart": saved["plot"]},
                  summary={f"speedup/{row['mode']}": row["speedup"] for row in rows if row["speedup"] is not None})
     print(f"wrote {output / 'compare.md'}, compare.json, compare.png")

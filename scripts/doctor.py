@@ -1,6 +1,7 @@
 """The graph doctor for train.py's step: what would block its capture, or make the captured step wrong.
 
     python scripts/doctor.py recipe=gpt_tiny                      # the same Hydra overrides as train.py
+    python scripts/doctor.py --config-dir my_conf recipe=mine     # your own configs, as train.py --config-dir
     torchrun --nproc_per_node=2 scripts/doctor.py recipe=cifar10_resnet18 train.precision=bf16
 
 Builds the trainer as train.py does (the graph-safe optimizer, DDP on its side stream under
@@ -19,10 +20,11 @@ Exit codes:
     6  captures-but-wrong: it captures, then replays a frozen or wrong step (a Python-number lr,
        a branch or shape that changes between steps, ...)
     2  config error (as train.py)
-    1  crash
+    1  the config does not compose (Hydra's message, as train.py), or a crash
 """
 from __future__ import annotations
 
+import argparse
 import itertools
 import sys
 from pathlib import Path
@@ -90,12 +92,12 @@ def doctor_job(session, overrides: List[str]) -> int:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    overrides = list(sys.argv[1:] if argv is None else argv)
-    from conf.schema import compose
+    from trainer.cli import script_config
     from trainer.session import Session
 
-    cfg = compose(["train.progress=false", *overrides, *AS_CAPTURED])
-    return Session(cfg, purpose="doctor").execute(lambda session: doctor_job(session, overrides))
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    args, cfg = script_config(parser, argv, defaults=["train.progress=false"], fixed=AS_CAPTURED)
+    return Session(cfg, purpose="doctor").execute(lambda session: doctor_job(session, args.overrides))
 
 
 if __name__ == "__main__":

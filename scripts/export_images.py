@@ -2,6 +2,7 @@
 
     python scripts/export_images.py recipe=mnist --output data/mnist_png
     python scripts/export_images.py recipe=cifar10_resnet18 recipe.data.source=synthetic --output /tmp/c --limit 1000
+    python scripts/export_images.py --config-dir my_conf recipe=mine --output data/mine_png   # your own configs
     python train.py recipe=mnist recipe.data.source=folder recipe.data.root=data/mnist_png
 
 The recipe builds its data as train.py would, from any train.py overrides (real data or the
@@ -20,18 +21,16 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import TYPE_CHECKING, List, Optional, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from conf.schema import compose  # noqa: E402
-from recipes.image_folder import default_workers  # noqa: E402
-from trainer.assembly import build_recipe_alone  # noqa: E402
+from trainer.cli import script_config  # noqa: E402
 from trainer.errors import ConfigError  # noqa: E402
-from trainer.recipe import Split  # noqa: E402
+
+if TYPE_CHECKING:  # torch and the recipes are imported where used: `--help` and a bad override answer at once
+    import numpy as np
+    import torch
 
 IMAGES_PER_TASK = 2000
 
@@ -40,25 +39,31 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output", type=Path, required=True, help="folder to create (must be empty or absent)")
     parser.add_argument("--limit", type=int, default=None, help="at most this many images per split")
-    parser.add_argument("--workers", type=int, default=default_workers(), help="encoding processes")
-    args, overrides = parser.parse_known_args(argv)
+    parser.add_argument("--workers", type=int, default=None,
+                        help="encoding processes (default: this process's share of the CPU cores)")
+    args, cfg = script_config(parser, argv, defaults=["logger=none"])
+    from recipes.image_folder import default_workers
+
     try:
-        print(export(overrides, args.output, limit=args.limit, workers=args.workers), flush=True)
+        print(export(cfg, args.output, limit=args.limit, workers=args.workers or default_workers()), flush=True)
     except ConfigError as e:
         print(f"Error: {e}", file=sys.stderr, flush=True)
         return 2
     return 0
 
 
-def export(overrides: List[str], output: Path, *, limit: Optional[int] = None, workers: int = 1) -> str:
-    """Writes the folder; returns the line that says what was written."""
+def export(cfg, output: Path, *, limit: Optional[int] = None, workers: int = 1) -> str:
+    """Writes the folder of the recipe in ``cfg`` (conf.schema.compose); returns the line that says what was written."""
+    import torch
+
+    from trainer.assembly import build_recipe_alone
+
     began = time.monotonic()
     if limit is not None and limit < 1:
         raise ConfigError(f"--limit {limit} must be at least 1 (or left out for every image)")
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         raise ConfigError(f"--output {output} exists and is not an empty folder: name a new folder "
                           "(files left from an earlier export would mix with this one)")
-    cfg = compose(["logger=none", *overrides])
     data = build_recipe_alone(cfg).data
     splits = {name: images_of(getattr(data, name), cfg.recipe.name, limit) for name in ("train", "test")}
     import torchvision.io  # noqa: F401  before the workers fork: each would import it again (seconds)
@@ -93,6 +98,10 @@ def export(overrides: List[str], output: Path, *, limit: Optional[int] = None, w
 
 def images_of(split, recipe: str, limit: Optional[int]) -> Tuple[torch.Tensor, torch.Tensor]:
     """The first ``limit`` images (uint8 [N, C, H, W], 1 or 3 channels) and integer labels of a split."""
+    import torch
+
+    from trainer.recipe import Split
+
     if isinstance(split, Split) or hasattr(split, "to_split"):
         whole = split.to_split()
         x, y = whole.x[:limit], whole.y[:limit]
@@ -108,6 +117,7 @@ def images_of(split, recipe: str, limit: Optional[int]) -> Tuple[torch.Tensor, t
 
 def write_pngs(images: np.ndarray, paths: List[str]) -> None:
     """Encodes each [C, H, W] uint8 image as PNG and writes it to its path."""
+    import torch
     from torchvision.io import encode_png
 
     for image, path in zip(images, paths):

@@ -25,8 +25,6 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from recipes.tokens import META, SPLIT_FILES, dtype_for_vocab  # noqa: E402
-
 CHUNK_BYTES = 1 << 24  # text is read and tokenized this much at a time
 
 
@@ -60,6 +58,8 @@ def huggingface_tokenizer(file: Path) -> Tuple[str, int, Callable[[Path], Iterat
 
 def prepare(inputs: List[Path], output: Path, tokenizer: str = "bytes", val_fraction: float = 0.1) -> dict:
     """Writes the token files for ``inputs`` into ``output``; returns the header it wrote."""
+    from recipes.tokens import META, SPLIT_FILES, dtype_for_vocab  # here: the recipe loads torch, `--help` need not
+
     name, vocab_size, encode = (byte_tokenizer() if tokenizer == "bytes"
                                 else huggingface_tokenizer(Path(tokenizer).expanduser()))
     dtype = dtype_for_vocab(vocab_size)

@@ -2,6 +2,7 @@
 
     python scripts/profile_step.py graph=full                # any train.py overrides
     python scripts/profile_step.py graph=eager --steps 100
+    python scripts/profile_step.py --config-dir my_conf recipe=mine   # your own configs, as train.py
 
 Builds the trainer as train.py does, warms up (and captures, in graph modes), then
 profiles ``--steps`` steps: the step's wall time from CUDA events, the summed time of
@@ -19,12 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-from torch.autograd import DeviceType  # noqa: E402
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
-
-from conf.schema import compose  # noqa: E402
-from graphing import StepRole  # noqa: E402
+from trainer.cli import script_config  # noqa: E402
 from trainer.session import Session  # noqa: E402
 
 
@@ -33,14 +29,21 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--output", type=Path, default=None, help="JSON file for the numbers")
     parser.add_argument("--top", type=int, default=0, help="list the N kernels with the most time per step")
-    args, overrides = parser.parse_known_args()
+    args, cfg = script_config(parser, defaults=["logger=none", "train.progress=false"])
+    import torch  # after the command line: --help and a bad override answer at once
+
     if not torch.cuda.is_available():
         sys.exit("profile_step.py measures GPU kernels: run it on a machine with CUDA")
-    cfg = compose(["logger=none", "train.progress=false", *overrides])
     return Session(cfg, purpose="profile").execute(lambda session: profile_job(session, args))
 
 
 def profile_job(session, args) -> int:
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from graphing import StepRole
+
     run = session.build()
     ex, loader, step = run.executor, run.train_loader, run.train_step
 

@@ -39,6 +39,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from trainer.cli import script_config  # noqa: E402
+
 
 @dataclass
 class Links:
@@ -119,13 +121,11 @@ def check_two_gpus(points: Sequence[dict], recipe: str, one_gpu: Dict[str, Dict[
     return rows
 
 
-def parameter_count(recipe: str, overrides: Sequence[str]) -> int:
-    """The recipe's trainable parameters, from its own builder on tiny synthetic data on the CPU."""
-    from conf.schema import compose
+def parameter_count(cfg) -> int:
+    """The trainable parameters of the recipe in ``cfg``, from its own builder (on the CPU; give it tiny data)."""
     from trainer.assembly import build_recipe_alone
 
-    model = build_recipe_alone(compose([f"recipe={recipe}", "recipe.data.source=synthetic",
-                                        "recipe.data.train_size=64", "recipe.data.test_size=16", *overrides])).model
+    model = build_recipe_alone(cfg).model
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
@@ -162,7 +162,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--output", type=Path, default=None)
     for name, value in asdict(Links()).items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
-    args, overrides = parser.parse_known_args(argv)
+    # Without --params the recipe is built (on tiny synthetic data) to count them: train.py's overrides and
+    # --config-dir reach it; with --params nothing is composed.
+    args, cfg = script_config(parser, argv, defaults=lambda a: None if a.params else [
+        f"recipe={a.recipe}", "recipe.data.source=synthetic", "recipe.data.train_size=64", "recipe.data.test_size=16"])
     links = Links(**{k: getattr(args, k) for k in asdict(Links())})
     points = json.loads(args.sweep.read_text())
     points = points["points"] if isinstance(points, dict) else points
@@ -170,7 +173,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if "eager" not in one_gpu or args.graph_mode not in one_gpu:
         sys.exit(f"{args.sweep} has no 1-GPU eager and {args.graph_mode} points for recipe {args.recipe}: "
                  f"run scripts/sweep.py --recipes {args.recipe} --nprocs 1 (with modes eager,{args.graph_mode})")
-    params = args.params or parameter_count(args.recipe, overrides)
+    params = args.params or parameter_count(cfg)
     grad_bytes = 4.0 * params
     gpus = [int(g) for g in args.gpus.split(",")]
     rows = project(one_gpu, args.global_batch, gpus, grad_bytes, links, args.graph_mode)

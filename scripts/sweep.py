@@ -27,17 +27,30 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from scripts.compare import (  # noqa: E402
-    MISSING, RESERVED, check_overrides, compose_config, cuda_device_count, describe, exit_on_sigterm, failed,
-    format_cell, graph_names, log_to_wandb, parse_list, run_modes, save_comparison, split_overrides, timestamp,
-    write_json,
+    MISSING, RESERVED, check_overrides, cuda_device_count, exit_on_sigterm, failed, format_cell, graph_names,
+    log_to_wandb, parse_list, run_modes, save_comparison, timestamp, write_json,
 )
+from trainer.cli import script_config  # noqa: E402
 
 DEFAULT_BATCH_SIZES = "16,32,64,128,256"
 SWEEP_RESERVED = (*RESERVED, "recipe", "recipe.data.batch_size")
 
 
-def recipe_names() -> List[str]:
-    return sorted(p.stem for p in (ROOT / "conf" / "recipe").glob("*.yaml"))
+def recipe_names(config_dir: Optional[str] = None) -> List[str]:
+    """The recipe= choices: conf/recipe/*.yaml, and the user's DIR/recipe/*.yaml with --config-dir DIR."""
+    dirs = [ROOT / "conf"] + ([Path(config_dir)] if config_dir else [])
+    return sorted({p.stem for d in dirs for p in (d / "recipe").glob("*.yaml")})
+
+
+def chosen_recipes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> List[str]:
+    """--recipes, each a recipe= choice (default: every one)."""
+    names = recipe_names(args.config_dir)
+    if args.recipes is None:
+        return names
+    try:
+        return parse_list(args.recipes, names, "recipe")
+    except argparse.ArgumentTypeError as e:
+        parser.error(f"argument --recipes: {e}")
 
 
 def parse_ints(text: str) -> List[int]:
@@ -51,18 +64,21 @@ def parse_ints(text: str) -> List[int]:
 
 
 def sweep(recipes: Sequence[str], nprocs: Sequence[int], batch_sizes: Sequence[int], modes: Sequence[str],
-          overrides: Sequence[str], output: Path, *, name: str, timeout: float, cuda: bool) -> List[Dict[str, Any]]:
-    """Runs one comparison per (recipe, nproc, batch size); returns one point per mode of each."""
+          train_args: Sequence[str], output: Path, *, name: str, timeout: float, cuda: bool) -> List[Dict[str, Any]]:
+    """Runs one comparison per (recipe, nproc, batch size); returns one point per mode of each.
+
+    ``train_args``: train.py's ``--config-dir``/``--config-name`` (first), then the overrides.
+    """
     points = []
     for recipe in recipes:
         for nproc in nprocs:
             for batch_size in batch_sizes:
                 label = f"{recipe}_n{nproc}_bs{batch_size}"
                 print(f"== {recipe}: {nproc} process{'es' * (nproc > 1)}, batch size {batch_size} per rank")
-                point_overrides = [*overrides, f"recipe={recipe}", f"recipe.data.batch_size={batch_size}"]
-                outcomes = run_modes(modes, nproc, point_overrides, output / label, group=name,
+                point_args = [*train_args, f"recipe={recipe}", f"recipe.data.batch_size={batch_size}"]
+                outcomes = run_modes(modes, nproc, point_args, output / label, group=name,
                                      run_name=f"{name}-{label}", timeout=timeout, cuda=cuda)
-                rows = save_comparison(output / label, label, outcomes, nproc, point_overrides)["rows"]
+                rows = save_comparison(output / label, label, outcomes, nproc, point_args)["rows"]
                 points += [{"recipe": recipe, "nproc": nproc, "batch_size": batch_size, **row} for row in rows]
     return points
 
@@ -132,12 +148,13 @@ def plot_sweep(points: Sequence[Dict[str, Any]], path: Path, title: str = "", cu
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args, overrides = split_overrides(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(
         description="Speedup of graph modes vs batch size and GPU count: one comparison per point.",
-        epilog="Hydra overrides for every run go after '--', e.g. -- train.max_steps=300")
-    parser.add_argument("--recipes", type=lambda s: parse_list(s, recipe_names(), "recipe"), default=recipe_names(),
-                        help="comma-separated conf/recipe names (default: all)")
+        epilog="train.py's overrides for every run go after '--', e.g. -- train.max_steps=300; "
+               "--config-dir and --config-name go to every run too.")
+    parser.add_argument("--recipes", default=None,
+                        help="comma-separated recipe names: conf/recipe/*.yaml, and DIR/recipe/*.yaml with "
+                             "--config-dir DIR (default: all)")
     parser.add_argument("--batch-sizes", type=parse_ints, default=parse_ints(DEFAULT_BATCH_SIZES),
                         help=f"per-rank batch sizes (default: {DEFAULT_BATCH_SIZES})")
     parser.add_argument("--nprocs", type=parse_ints, default=None,
@@ -148,35 +165,33 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="sweep directory (default: outputs/sweep/<timestamp>)")
     parser.add_argument("--name", default=None, help="W&B group of all runs (default: the output directory's name)")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per run before it is stopped")
-    opts = parser.parse_args(args)
-    check_overrides(overrides, SWEEP_RESERVED, "sweep.py")
+    # The first recipe's config: a typo in the overrides fails here once, not once per run.
+    opts, cfg = script_config(parser, argv, defaults=lambda a: [f"recipe={chosen_recipes(parser, a)[0]}"])
+    check_overrides(opts.overrides, SWEEP_RESERVED, "sweep.py")
+    recipes = chosen_recipes(parser, opts)
+    train_args = [*opts.train_options, *opts.overrides]
     exit_on_sigterm()
     gpus = cuda_device_count()
     nprocs = opts.nprocs or [1] + ([gpus] if gpus > 1 else [])
 
     output = (opts.output or ROOT / "outputs" / "sweep" / timestamp()).resolve()
     name = opts.name or output.name
-    try:
-        cfg = compose_config([*overrides, f"recipe={opts.recipes[0]}"])
-    except Exception as e:
-        print(f"sweep.py: the overrides do not compose: {describe(e)}", file=sys.stderr)
-        return 2
     output.mkdir(parents=True, exist_ok=True)
 
-    points = sweep(opts.recipes, nprocs, opts.batch_sizes, opts.modes, overrides, output,
+    points = sweep(recipes, nprocs, opts.batch_sizes, opts.modes, train_args, output,
                    name=name, timeout=opts.timeout, cuda=gpus > 0)
-    write_json(output / "sweep.json", {"name": name, "recipes": opts.recipes, "nprocs": nprocs,
+    write_json(output / "sweep.json", {"name": name, "recipes": recipes, "nprocs": nprocs,
                                        "batch_sizes": opts.batch_sizes, "modes": opts.modes,
-                                       "overrides": overrides, "points": points})
+                                       "train_args": train_args, "points": points})
     table = sweep_table(points, opts.modes)
     (output / "sweep.md").write_text(f"## Sweep `{name}`\n\n{table}\n")
     plots = {f"sweep_{recipe}": plot_sweep([p for p in points if p["recipe"] == recipe],
                                            output / f"sweep_{recipe}.png", title=f"{name}: {recipe}", cuda=gpus > 0)
-             for recipe in opts.recipes}
+             for recipe in recipes}
     print("\n" + table + "\n")
     log_to_wandb(cfg.logger, output, group=name, job_type="sweep", name=f"{name}-sweep",
-                 config={"recipes": opts.recipes, "nprocs": nprocs, "batch_sizes": opts.batch_sizes,
-                         "modes": opts.modes, "overrides": overrides},
+                 config={"recipes": recipes, "nprocs": nprocs, "batch_sizes": opts.batch_sizes,
+                         "modes": opts.modes, "train_args": train_args},
                  table_key="sweep", rows=points, images=plots, summary={})
     print(f"wrote {output / 'sweep.json'}, sweep.md, {', '.join(p.name for p in plots.values())}")
     return 1 if any(failed(p["status"]) for p in points) else 0

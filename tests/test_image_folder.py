@@ -98,7 +98,7 @@ def test_export_refuses_a_folder_that_already_holds_files(exported):
     from scripts.export_images import export
 
     with pytest.raises(ConfigError, match=f"--output {exported} exists and is not an empty folder"):
-        export(SOURCE, exported)
+        export(compose(SOURCE), exported)
 
 
 def test_export_script_writes_rgb_images_of_the_cifar_recipe(tmp_path):

@@ -9,25 +9,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from conftest import ROOT, launch
+from conf.schema import compose
+from conftest import launch
 
 TINY_GPT = ["recipe.model.n_layer=2", "recipe.model.n_head=2", "recipe.model.d_model=64", "recipe.model.context=64"]
 DEBUG = ["experiment=debug", "logger=none", "train.progress=false"]
 
 
 def composed(*overrides: str):
-    from hydra.core.global_hydra import GlobalHydra
-
-    from conf.schema import register_configs
-
-    register_configs()
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose(config_name="train", overrides=list(overrides))
+    return compose(overrides)
 
 
 # ---- choosing a recipe ---------------------------------------------------------------

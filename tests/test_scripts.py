@@ -1,8 +1,11 @@
-"""A user compares graph modes (scripts/compare.py) and sweeps batch sizes (scripts/sweep.py).
+"""A user runs the scripts: each reads train.py's config as train.py does; compare and sweep.
 
-On CPU only eager runs; the graph modes show up as not available. The scripts run as
-real subprocesses, and so do the train.py runs they launch; W&B is offline and read
-back from disk.
+Every script that takes train.py's overrides reads them the same way (trainer/cli.py):
+``--help`` says how, ``--config-dir`` brings the user's own configs, a config that does not
+compose is one line with train.py's exit code. A user compares graph modes
+(scripts/compare.py) and sweeps batch sizes (scripts/sweep.py): on CPU only eager runs; the
+graph modes show up as not available. The scripts run as real subprocesses, and so do the
+train.py runs they launch; W&B is offline and read back from disk.
 """
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -17,6 +21,7 @@ import pytest
 from conftest import ROOT, cuda_count
 from scripts.compare import NOT_AVAILABLE, comparison_rows, markdown_table, plot_comparison
 from scripts.sweep import plot_sweep, sweep_table
+from test_external_recipe import RECIPE
 from wandb_offline import find_runs, read_run
 
 GRAPH_MODES = ["full", "partial", "compile", "full_compiled"]
@@ -24,12 +29,13 @@ GRAPH_MODES = ["full", "partial", "compile", "full_compiled"]
 cpu_only = pytest.mark.skipif(cuda_count() > 0, reason="checks the CPU behaviour (graph modes unavailable)")
 
 
-def script(name: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    """Runs scripts/<name>; on timeout SIGTERM lets it stop the train.py run in flight."""
-    env = {k: v for k, v in os.environ.items() if k != "WANDB_MODE"}  # the default: offline
-    env.update({"OMP_NUM_THREADS": "1", "WANDB_SILENT": "true", "PYTHONUNBUFFERED": "1"})
-    cmd = [sys.executable, str(ROOT / "scripts" / name), *args]
-    with subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+def script(name: str, *args: str, timeout: float = 120, cwd: Path = ROOT,
+           env: dict = None) -> subprocess.CompletedProcess:
+    """Runs scripts/<name> (or train.py) from ``cwd``; on timeout SIGTERM lets it stop the train.py run in flight."""
+    full_env = {k: v for k, v in os.environ.items() if k != "WANDB_MODE"}  # the default: offline
+    full_env.update({"OMP_NUM_THREADS": "1", "WANDB_SILENT": "true", "PYTHONUNBUFFERED": "1", **(env or {})})
+    cmd = [sys.executable, str(ROOT / name if name == "train.py" else ROOT / "scripts" / name), *args]
+    with subprocess.Popen(cmd, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
         try:
             stdout, stderr = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -253,3 +259,119 @@ def test_the_projection_does_not_extrapolate_beyond_the_sweep(tmp_path):
     assert one["eager_step_ms"] is None and one["full_step_ms"] is None and "graph_speedup" not in one
     assert two["full_step_ms"] == pytest.approx(0.64 + two["allreduce_ms"])
     assert "| 1 | 128 | 0.000 | beyond the sweep | beyond the sweep | — |" in (tmp_path / "projection.md").read_text()
+
+
+# ---- every script reads train.py's config as train.py does ------------------------------
+
+OVERRIDE_SCRIPTS = ["doctor.py", "profile_step.py", "bench_input.py", "export_images.py", "project_scaling.py",
+                    "compare.py", "sweep.py"]
+# It imports torch at module level (an example to read top to bottom): its --help takes torch's import time too.
+TORCH_AT_IMPORT = {"own_loop.py"}
+ALL_SCRIPTS = sorted(p.name for p in (ROOT / "scripts").glob("*.py") if p.name != "__init__.py")
+
+
+@pytest.mark.parametrize("name", ALL_SCRIPTS)
+def test_every_script_answers_help(name):
+    proc = script(name, "--help", timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("usage: ") and not proc.stderr
+    if name in OVERRIDE_SCRIPTS:  # the script's options, then how train.py's part is passed
+        assert "train.py's config" in proc.stdout
+        for words in ("key=value", "+key=value", "~key", "--config-dir DIR, -cd DIR", "--config-name NAME, -cn NAME",
+                      "python train.py --help"):
+            assert words in proc.stdout, words
+
+
+@pytest.mark.parametrize("name", sorted(set(ALL_SCRIPTS) - TORCH_AT_IMPORT))
+def test_a_scripts_help_does_not_import_torch(name):
+    probe = ("import runpy, sys\n"
+             f"sys.argv = [{str(ROOT / 'scripts' / name)!r}, '--help']\n"
+             "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\nexcept SystemExit:\n    pass\n"
+             "print('torch' in sys.modules, file=sys.stderr)")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.stderr.strip().splitlines()[-1] == "False", done.stderr[-3000:]
+
+
+@pytest.fixture
+def user_configs(tmp_path):
+    """A user's package on PYTHONPATH and their own config tree: my_conf/recipe/mine.yaml."""
+    package = tmp_path / "site" / "user_recipes"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "rings.py").write_text(textwrap.dedent(RECIPE))
+    (tmp_path / "my_conf" / "recipe").mkdir(parents=True)
+    (tmp_path / "my_conf" / "recipe" / "mine.yaml").write_text(textwrap.dedent("""\
+        # @package _global_
+        recipe:
+          _target_: user_recipes.rings.build
+          name: rings
+          model: {width: 16}
+          data: {batch_size: 64, eval_batch_size: 128}
+          optim: {_target_: torch.optim.AdamW, lr: 0.01}
+          schedule: {_target_: trainer.schedules.Constant, warmup_steps: 0}
+        train: {epochs: 1, log_every: 16}
+        """))
+    pythonpath = os.pathsep.join(p for p in (str(tmp_path / "site"), os.environ.get("PYTHONPATH")) if p)
+    return tmp_path, {"PYTHONPATH": pythonpath}
+
+
+def test_the_doctor_diagnoses_a_recipe_from_the_users_own_config_dir(user_configs):
+    home, env = user_configs  # run from the user's directory, --config-dir relative to it, as with train.py
+    proc = script("doctor.py", "--config-dir", "my_conf", "recipe=mine", "logger=none", "output_root=out",
+                  cwd=home, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert "verdict: ready (exit 0)" in proc.stdout
+    [report] = (home / "out").rglob("doctor.json")
+    saved = json.loads(report.read_text())
+    assert saved["recipe"] == "rings" and saved["verdict"] == "ready"
+    assert "rings" in report.parent.name  # the doctor's own run directory
+
+
+@cpu_only
+def test_compare_passes_the_config_dir_to_the_train_runs_it_launches(user_configs):
+    home, env = user_configs  # train.epochs=0 stops each run at its config check: quick, and only
+    # a train.py that found recipe/mine.yaml gets that far (without it: "Could not find 'recipe/mine'")
+    proc = script("compare.py", "--modes", "eager", "--nproc", "1", "--output", "cmp", "--",
+                  "-cd", "my_conf", "recipe=mine", "logger=none", "train.epochs=0", cwd=home, env=env)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    [row] = json.loads((home / "cmp" / "compare.json").read_text())["rows"]
+    assert row["status"].startswith("failed (exit 2): Error: train.epochs=0 must be at least 1"), row["status"]
+    assert f"train.py --config-dir {home / 'my_conf'} recipe=mine" in (home / "cmp/runs/eager/command.txt").read_text()
+
+
+BAD_CONFIGS = [  # (script arguments, train.py's words for it)
+    (["recipe=nope"], "In 'train': Could not find 'recipe/nope'"),
+    (["train.epochs=abc"], "Value 'abc' of type 'str' could not be converted to Integer"),
+    (["train.epochz=3"], "Key 'epochz' not in 'TrainLoopConfig'"),
+    (["--config-dir", "/no/such/dir"], "Additional config directory '/no/such/dir' not found"),
+]
+
+
+@pytest.mark.parametrize("args,words", BAD_CONFIGS, ids=["unknown-recipe", "bad-value", "unknown-key", "no-config-dir"])
+def test_a_config_that_does_not_compose_is_one_line_with_train_pys_exit_code(tmp_path, args, words):
+    train = script("train.py", *args, f"output_root={tmp_path}", timeout=60)
+    assert words in train.stderr and train.returncode != 0  # train.py's own words and code: the oracle
+    for name, own in (("doctor.py", []), ("export_images.py", ["--output", str(tmp_path / "png")]),
+                      ("compare.py", ["--output", str(tmp_path / "cmp"), "--"])):
+        proc = script(name, *own, *args, timeout=60)
+        assert proc.returncode == train.returncode, proc.stderr[-3000:]
+        assert proc.stderr.splitlines() == [proc.stderr.strip()] and proc.stderr.startswith(f"{name}: ")
+        assert words in proc.stderr and "Traceback" not in proc.stderr and not proc.stdout
+    assert not any(tmp_path.iterdir()), "nothing written"
+
+
+@pytest.mark.parametrize("name", sorted(set(OVERRIDE_SCRIPTS) - {"doctor.py", "export_images.py", "compare.py"}))
+def test_every_script_reports_a_bad_choice_as_train_py_does(tmp_path, name):
+    own = {"bench_input.py": ["--folder", str(tmp_path / "png")],
+           "project_scaling.py": ["--sweep", str(tmp_path / "none.json"), "--recipe", "mnist", "--global-batch", "64"],
+           "sweep.py": ["--output", str(tmp_path / "sw"), "--"]}.get(name, [])
+    proc = script(name, *own, "graph.capture_error_mode=sometimes", timeout=60)
+    assert proc.returncode == 1, proc.stderr[-3000:]  # train.py's code for it (test_bad_input.py's table)
+    assert proc.stderr == (f"{name}: Error merging override graph.capture_error_mode=sometimes; "
+                           "Invalid value 'sometimes', expected one of [global, thread_local, relaxed]\n")
+    assert not any(tmp_path.iterdir())
+
+
+def test_an_option_the_script_does_not_have_is_argparses_error():
+    proc = script("doctor.py", "--steps", "3", "recipe=mnist", timeout=60)
+    assert proc.returncode == 2 and "doctor.py: error: unrecognized arguments: --steps" in proc.stderr
