@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # run as `python scripts/compare.py`: find conf/ and scripts/
 
+from trainer import results  # noqa: E402
 from trainer.cli import script_config  # noqa: E402
 
 MODES = ("eager", "full", "partial", "compile", "full_compiled")  # conf/graph/<mode>.yaml
@@ -251,11 +252,8 @@ def format_cell(value: Any, fmt: str) -> str:
 
 def markdown_table(rows: Sequence[Dict[str, Any]]) -> str:
     unit = rows[0]["unit"] if rows else "samples/s"
-    headers = [header.format(unit=unit) for _, header, _ in COLUMNS]
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-    for row in rows:
-        lines.append("| " + " | ".join(format_cell(row[key], fmt) for key, _, fmt in COLUMNS) + " |")
-    return "\n".join(lines)
+    return results.markdown_table([header.format(unit=unit) for _, header, _ in COLUMNS],
+                                  [[format_cell(row[key], fmt) for key, _, fmt in COLUMNS] for row in rows])
 
 
 def report(name: str, rows: Sequence[Dict[str, Any]], nproc: int, train_args: Sequence[str]) -> str:
@@ -291,14 +289,16 @@ def plot_comparison(rows: Sequence[Dict[str, Any]], path: Path, title: str = "")
     right.axhline(1.0, color="gray", linestyle="--", linewidth=1)
     if title:
         fig.suptitle(title)
+    return save_figure(fig, path)
+
+
+def save_figure(fig, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
-
-
-def write_json(path: Path, obj: Any) -> None:
-    path.write_text(json.dumps(obj, indent=2, default=str) + "\n")
 
 
 def save_comparison(output: Path, name: str, outcomes: Sequence[Dict[str, Any]], nproc: int,
@@ -307,7 +307,7 @@ def save_comparison(output: Path, name: str, outcomes: Sequence[Dict[str, Any]],
     rows = comparison_rows(outcomes)
     text = report(name, rows, nproc, train_args)
     (output / "compare.md").write_text(text)
-    write_json(output / "compare.json", {"name": name, "nproc": nproc, "train_args": list(train_args),
+    results.write_json(output / "compare.json", {"name": name, "nproc": nproc, "train_args": list(train_args),
                                          "rows": rows, "runs": list(outcomes)})
     plot = plot_comparison(rows, output / "compare.png", title=f"{name} ({nproc} process{'es' * (nproc > 1)})")
     return {"rows": rows, "markdown": text, "plot": plot}

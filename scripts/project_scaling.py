@@ -131,21 +131,19 @@ def parameter_count(cfg) -> int:
 
 def markdown(recipe: str, global_batch: int, grad_bytes: float, rows: List[dict], check: List[dict],
              links: Links, modes: Sequence[str]) -> str:
-    lines = [f"### {recipe}: global batch {global_batch}, {grad_bytes / 2**20:.1f} MiB of fp32 gradients", "",
-             "| GPUs | batch/GPU | all-reduce ms | " + " | ".join(f"{m} step ms" for m in modes)
-             + " | graph speedup |", "|" + "---|" * (4 + len(modes))]
-    for r in rows:
-        step = [r[f"{m}_step_ms"] for m in modes]
-        speedup = r.get("graph_speedup")
-        cells = [str(r["gpus"]), f"{r['batch_per_gpu']:g}", f"{r['allreduce_ms']:.3f}",
-                 *("beyond the sweep" if v is None else f"{v:.3f}" for v in step),
-                 "—" if speedup is None else f"{speedup:.2f}x"]
-        lines.append("| " + " | ".join(cells) + " |")
+    from trainer.results import markdown_table
+
+    table = markdown_table(
+        ["GPUs", "batch/GPU", "all-reduce ms", *(f"{m} step ms" for m in modes), "graph speedup"],
+        [[str(r["gpus"]), f"{r['batch_per_gpu']:g}", f"{r['allreduce_ms']:.3f}",
+          *("beyond the sweep" if r[f"{m}_step_ms"] is None else f"{r[f'{m}_step_ms']:.3f}" for m in modes),
+          "—" if r.get("graph_speedup") is None else f"{r['graph_speedup']:.2f}x"] for r in rows])
+    lines = [f"### {recipe}: global batch {global_batch}, {grad_bytes / 2**20:.1f} MiB of fp32 gradients", "", table]
     if check:
-        lines += ["", "Model vs measured, 2 GPUs:", "", "| mode | batch/GPU | measured ms | model ms | error |",
-                  "|---|---|---|---|---|"]
-        lines += [f"| {c['mode']} | {c['batch_per_gpu']} | {c['measured_ms']:.3f} | {c['predicted_ms']:.3f} | "
-                  f"{100 * c['error']:+.0f}% |" for c in check]
+        lines += ["", "Model vs measured, 2 GPUs:", "", markdown_table(
+            ["mode", "batch/GPU", "measured ms", "model ms", "error"],
+            [[c["mode"], c["batch_per_gpu"], f"{c['measured_ms']:.3f}", f"{c['predicted_ms']:.3f}",
+              f"{100 * c['error']:+.0f}%"] for c in check])]
     lines += ["", "Assumptions: " + ", ".join(f"{k}={v}" for k, v in asdict(links).items())
               + "; no overlap of the all-reduce with backward; compute from the 1-GPU sweep."]
     return "\n".join(lines)

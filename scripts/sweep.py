@@ -28,9 +28,10 @@ if str(ROOT) not in sys.path:
 
 from scripts.compare import (  # noqa: E402
     MISSING, RESERVED, check_overrides, cuda_device_count, exit_on_sigterm, failed, format_cell, graph_names,
-    log_to_wandb, parse_list, run_modes, save_comparison, timestamp, write_json,
+    log_to_wandb, parse_list, run_modes, save_comparison, save_figure, timestamp,
 )
 from trainer.cli import script_config  # noqa: E402
+from trainer.results import markdown_table, write_json  # noqa: E402
 
 DEFAULT_BATCH_SIZES = "16,32,64,128,256"
 SWEEP_RESERVED = (*RESERVED, "recipe", "recipe.data.batch_size")
@@ -89,15 +90,14 @@ def sweep_table(points: Sequence[Dict[str, Any]], modes: Sequence[str]) -> str:
     unit = points[0]["unit"] if points else "samples/s"
     headers = ["recipe", "nproc", "batch size/rank", *(f"{m} {unit}" for m in modes),
                *(f"speedup {m}" for m in graph_modes)]
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-    keys = sorted({(p["recipe"], p["nproc"], p["batch_size"]) for p in points})
-    for key in keys:
+    rows = []
+    for key in sorted({(p["recipe"], p["nproc"], p["batch_size"]) for p in points}):
         by_mode = {p["mode"]: p for p in points if (p["recipe"], p["nproc"], p["batch_size"]) == key}
         cells = [*map(str, key)]
         cells += [format_cell(by_mode[m]["throughput"], "{:,.0f}") if m in by_mode else MISSING for m in modes]
         cells += [format_cell(by_mode[m]["speedup"], "{:.2f}x") if m in by_mode else MISSING for m in graph_modes]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        rows.append(cells)
+    return markdown_table(headers, rows)
 
 
 def plot_sweep(points: Sequence[Dict[str, Any]], path: Path, title: str = "", cuda: bool = True) -> Path:
@@ -141,10 +141,7 @@ def plot_sweep(points: Sequence[Dict[str, Any]], path: Path, title: str = "", cu
             ax.legend(fontsize=8)
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
