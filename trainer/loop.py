@@ -72,8 +72,9 @@ class Trainer:
         for epoch in range(first_epoch, epochs):
             if step >= run.total_steps:
                 break
-            bar = self._start_epoch(epoch, position if epoch == first_epoch else 0)
-            for i in range(position if epoch == first_epoch else 0, run.steps_per_epoch):
+            begin = position if epoch == first_epoch else 0  # resumed mid-epoch: continue where the checkpoint was
+            bar = self._start_epoch(epoch, begin)
+            for i in range(begin, run.steps_per_epoch):
                 if self._run_step() == "capture":  # capture synchronizes: the host clock is exact here
                     self.clock["until_first_graph_step_s"] = time.perf_counter() - began
                 step += 1
@@ -104,7 +105,7 @@ class Trainer:
     def _start_epoch(self, epoch: int, position: int):
         loader = self.run.train_loader
         loader.start_epoch(epoch)
-        loader.skip(position)  # resumed mid-epoch: continue where the checkpoint was
+        loader.skip(position)
         self.run.perf.timer.restart()
         return _progress(self.rt.is_main and self.cfg.train.progress, self.run.steps_per_epoch,
                          f"epoch {epoch + 1}/{self.cfg.train.epochs}")
