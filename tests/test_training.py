@@ -10,13 +10,25 @@ SMALL = ["recipe.data.source=synthetic", "recipe.data.train_size=4096", "recipe.
          "recipe.data.eval_batch_size=256", "train.epochs=2", "train.log_every=8"]
 
 
+# A closed local proxy makes this machine offline for the download, whatever its network.
+OFFLINE = {"http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9",
+           "HTTP_PROXY": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9"}
+
+
 @pytest.fixture(scope="module")
 def ddp_run(tmp_path_factory):
-    """Two gloo ranks for 2 epochs of 32 steps each: what every test below reads."""
-    out = tmp_path_factory.mktemp("ddp") / "outputs"
-    done = launch([*SMALL, "graph=auto", "logger.wandb.group=cpu-test", "logger.wandb.tags=[ci]"], out, nproc=2)
+    """Two gloo ranks for 2 epochs of 32 steps each, the README's first command on a machine with
+    no MNIST files and no internet (recipe.data.source=auto falls back): what every test below reads."""
+    root = tmp_path_factory.mktemp("ddp")
+    done = launch([*SMALL, "recipe.data.source=auto", f"recipe.data.root={root / 'empty'}", "graph=auto",
+                   "logger.wandb.group=cpu-test", "logger.wandb.tags=[ci]"], root / "outputs", nproc=2, env=OFFLINE)
     assert done.returncode == 0, done.stderr[-4000:]
     return done
+
+
+def test_auto_source_falls_back_to_synthetic_with_one_warning(ddp_run):
+    assert (ddp_run.stdout + ddp_run.stderr).count("training on SYNTHETIC data") == 1
+    assert ddp_run.results()["data_source"] == "synthetic"
 
 
 def test_two_rank_gloo_run_keeps_replicas_identical(ddp_run):
