@@ -68,6 +68,15 @@ def out(tmp_path) -> Path:
     return tmp_path / "outputs"
 
 
+@pytest.fixture(scope="session")
+def debug_run_with_host_workers_and_a_broken_wandb(tmp_path_factory) -> Finished:
+    """``python train.py experiment=debug`` whose host loader has worker processes and whose W&B
+    cannot start (WANDB_MODE=not-a-mode): one launch, read by test_data and test_training."""
+    return launch(["experiment=debug", "train.progress=false", "recipe.data.loader=host",
+                   "recipe.data.num_workers=2"], tmp_path_factory.mktemp("debug_host") / "outputs", timeout=90,
+                  env={"WANDB_MODE": "not-a-mode"})
+
+
 @pytest.fixture
 def train_here(capsys, tmp_path):
     """Runs train.py's session in this process (one rank, no launch): ``(overrides) -> Finished``.

@@ -95,8 +95,8 @@ def test_host_loader_feeds_the_same_batches_as_the_device_loader(train_here, out
     assert d["final/eval_loss"] == h["final/eval_loss"]
 
 
-def test_a_broken_wandb_never_stops_training(out):
-    done = launch([*SMALL, "train.epochs=1"], out, env={"WANDB_MODE": "not-a-mode"})
+def test_a_broken_wandb_never_stops_training(debug_run_with_host_workers_and_a_broken_wandb):
+    done = debug_run_with_host_workers_and_a_broken_wandb  # WANDB_MODE=not-a-mode
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stderr.count("W&B could not start") == 1
     assert any("train/loss" in r for r in done.metrics())  # the JSONL still has everything
