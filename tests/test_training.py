@@ -64,8 +64,8 @@ def test_wandb_offline_run_holds_the_logged_keys(ddp_run):
     assert run.exit_code == 0
 
 
-def test_every_rank_can_log_its_own_grouped_wandb_run(out):
-    done = launch([*SMALL, "train.max_steps=8", "logger.wandb.all_ranks=true"], out, nproc=2)
+def test_every_rank_can_log_its_own_grouped_wandb_run(two_ranks_on_mnist_files):
+    done = two_ranks_on_mnist_files  # logger.wandb.all_ranks=true, train.max_steps=8
     assert done.returncode == 0, done.stderr[-3000:]
     runs = [read_run(path) for path in find_runs(done.run_dir)]
     assert len(runs) == 2
