@@ -78,6 +78,34 @@ def out(tmp_path) -> Path:
     return tmp_path / "outputs"
 
 
+@pytest.fixture(scope="session")
+def debug_run_with_host_workers_and_a_broken_wandb(tmp_path_factory) -> Finished:
+    """``python train.py experiment=debug`` whose host loader has worker processes and whose W&B
+    cannot start (WANDB_MODE=not-a-mode): one launch, read by test_data and test_training."""
+    return launch(["experiment=debug", "train.progress=false", "recipe.data.loader=host",
+                   "recipe.data.num_workers=2"], tmp_path_factory.mktemp("debug_host") / "outputs", timeout=90,
+                  env={"WANDB_MODE": "not-a-mode"})
+
+
+@pytest.fixture(scope="session")
+def mnist_files(tmp_path_factory) -> Path:
+    """A small MNIST in torchvision's raw format (2048 train, 300 test images) under ``<root>/MNIST/raw``."""
+    from test_real_data import write_idx_mnist
+
+    root = tmp_path_factory.mktemp("mnist_files") / "data"
+    write_idx_mnist(root, 2048, 300)
+    return root
+
+
+@pytest.fixture(scope="session")
+def two_ranks_on_mnist_files(tmp_path_factory, mnist_files) -> Finished:
+    """Two gloo ranks, 8 steps on the MNIST files found under recipe.data.root (source=auto), each rank
+    logging its own W&B run (offline): one launch, read by test_real_data and test_training."""
+    return launch([f"recipe.data.root={mnist_files}", "recipe.data.source=auto", "recipe.data.eval_batch_size=128",
+                   "train.max_steps=8", "train.log_every=8", "logger.wandb.all_ranks=true"],
+                  tmp_path_factory.mktemp("real_data") / "outputs", nproc=2, timeout=120)
+
+
 @pytest.fixture
 def train_here(capsys, tmp_path):
     """Runs train.py's session in this process (one rank, no launch): ``(overrides) -> Finished``.

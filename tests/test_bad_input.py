@@ -128,17 +128,6 @@ def test_mnist_requested_offline_without_files(out, tmp_path):
     assert "recipe.data.source=synthetic" in text
 
 
-def test_auto_source_falls_back_to_synthetic_with_one_warning(out, tmp_path):
-    offline = {"https_proxy": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9",
-               "http_proxy": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9"}
-    done = launch(["recipe.data.source=auto", f"recipe.data.root={tmp_path / 'empty'}", "logger=none",
-                   "recipe.data.train_size=2048", "recipe.data.test_size=256", "train.max_steps=2"], out,
-                  nproc=2, env=offline, timeout=180)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert (done.stdout + done.stderr).count("training on SYNTHETIC data") == 1
-    assert done.results()["data_source"] == "synthetic"
-
-
 def test_unwritable_output_directory(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")

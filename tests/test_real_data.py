@@ -8,7 +8,6 @@ from __future__ import annotations
 import struct
 from pathlib import Path
 
-from conftest import launch
 from recipes.mnist import synthetic_mnist
 
 
@@ -24,13 +23,11 @@ def write_idx_mnist(root: Path, train_size: int, test_size: int) -> None:
                                                           + split.y.numpy().astype("uint8").tobytes())
 
 
-def test_files_under_data_root_are_used_by_auto_and_by_mnist(tmp_path, out, train_here):
-    write_idx_mnist(tmp_path / "data", 2048, 300)
-    args = [f"recipe.data.root={tmp_path / 'data'}", "logger=none", "recipe.data.eval_batch_size=128",
-            "train.max_steps=5"]
-    two_ranks = launch([*args, "recipe.data.source=auto"], out / "auto", nproc=2, timeout=120)  # rank 0 decides
-    one = train_here([*args, "recipe.data.source=mnist"], out / "mnist")
-    for done in (two_ranks, one):
+def test_files_under_data_root_are_used_by_auto_and_by_mnist(mnist_files, two_ranks_on_mnist_files, train_here):
+    # Two ranks with source=auto (rank 0 decides); one rank in this process with source=mnist.
+    one = train_here([f"recipe.data.root={mnist_files}", "logger=none", "recipe.data.eval_batch_size=128",
+                      "train.max_steps=5", "recipe.data.source=mnist"])
+    for done in (two_ranks_on_mnist_files, one):
         assert done.returncode == 0, done.stderr[-3000:]
         results = done.results()
         assert results["data_source"] == "mnist"

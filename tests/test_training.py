@@ -10,13 +10,25 @@ SMALL = ["recipe.data.source=synthetic", "recipe.data.train_size=4096", "recipe.
          "recipe.data.eval_batch_size=256", "train.epochs=2", "train.log_every=8"]
 
 
+# A closed local proxy makes this machine offline for the download, whatever its network.
+OFFLINE = {"http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9",
+           "HTTP_PROXY": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9"}
+
+
 @pytest.fixture(scope="module")
 def ddp_run(tmp_path_factory):
-    """Two gloo ranks for 2 epochs of 32 steps each: what every test below reads."""
-    out = tmp_path_factory.mktemp("ddp") / "outputs"
-    done = launch([*SMALL, "graph=auto", "logger.wandb.group=cpu-test", "logger.wandb.tags=[ci]"], out, nproc=2)
+    """Two gloo ranks for 2 epochs of 32 steps each, the README's first command on a machine with
+    no MNIST files and no internet (recipe.data.source=auto falls back): what every test below reads."""
+    root = tmp_path_factory.mktemp("ddp")
+    done = launch([*SMALL, "recipe.data.source=auto", f"recipe.data.root={root / 'empty'}", "graph=auto",
+                   "logger.wandb.group=cpu-test", "logger.wandb.tags=[ci]"], root / "outputs", nproc=2, env=OFFLINE)
     assert done.returncode == 0, done.stderr[-4000:]
     return done
+
+
+def test_auto_source_falls_back_to_synthetic_with_one_warning(ddp_run):
+    assert (ddp_run.stdout + ddp_run.stderr).count("training on SYNTHETIC data") == 1
+    assert ddp_run.results()["data_source"] == "synthetic"
 
 
 def test_two_rank_gloo_run_keeps_replicas_identical(ddp_run):
@@ -52,8 +64,8 @@ def test_wandb_offline_run_holds_the_logged_keys(ddp_run):
     assert run.exit_code == 0
 
 
-def test_every_rank_can_log_its_own_grouped_wandb_run(out):
-    done = launch([*SMALL, "train.max_steps=8", "logger.wandb.all_ranks=true"], out, nproc=2)
+def test_every_rank_can_log_its_own_grouped_wandb_run(two_ranks_on_mnist_files):
+    done = two_ranks_on_mnist_files  # logger.wandb.all_ranks=true, train.max_steps=8
     assert done.returncode == 0, done.stderr[-3000:]
     runs = [read_run(path) for path in find_runs(done.run_dir)]
     assert len(runs) == 2
@@ -83,8 +95,8 @@ def test_host_loader_feeds_the_same_batches_as_the_device_loader(train_here, out
     assert d["final/eval_loss"] == h["final/eval_loss"]
 
 
-def test_a_broken_wandb_never_stops_training(out):
-    done = launch([*SMALL, "train.epochs=1"], out, env={"WANDB_MODE": "not-a-mode"})
+def test_a_broken_wandb_never_stops_training(debug_run_with_host_workers_and_a_broken_wandb):
+    done = debug_run_with_host_workers_and_a_broken_wandb  # WANDB_MODE=not-a-mode
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stderr.count("W&B could not start") == 1
     assert any("train/loss" in r for r in done.metrics())  # the JSONL still has everything
