@@ -70,10 +70,10 @@ def is_main_rank() -> bool:
     return not distributed() or dist.get_rank() == 0
 
 
-def log_fallback(failure: CaptureError) -> None:
-    """The default word on a capture given up under ``on_failure=eager``, said once."""
+def log_fallback(failure: CaptureError, name: Callable[[str], str] = str) -> None:
+    """Says once that a capture was given up under ``on_failure=eager``, each setting named by ``name``."""
     say = log.warning if is_main_rank() else log.info  # the same on every rank
-    say("%s\non_failure=eager: every rank continues eagerly.", failure)
+    say("%s\n%s=eager: every rank continues eagerly.", failure.render(name), name("on_failure"))
 
 
 class Executor:

@@ -8,27 +8,26 @@ session's next step (``TrainingState.resume``), before any warm-up or capture.
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Dict
 
 import torch
 from omegaconf import OmegaConf
 
-from graphing import CaptureError, Executor, build_executor
+from graphing import Executor, build_executor
+from graphing.executor import log_fallback
 from trainer.data import make_loader
 from trainer.errors import ConfigError
 from trainer.optim import build_optimizer, build_schedule
 from trainer.perf import Perf
 from trainer.plan import RunPlan, graph_setting, plan_run
 from trainer.recipe import Recipe
-from trainer.runtime import Runtime, env_rank, seed_rank_streams
+from trainer.runtime import Runtime, seed_rank_streams
 from trainer.schedules import LRSchedule
 from trainer.state import TrainingState
 from trainer.step import EvalStep, TrainStep, autocast_factory, model_input
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -80,7 +79,7 @@ def build_run(plan: RunPlan, rt: Runtime) -> Run:
     # Gradients as views into DDP's all-reduce buckets: after the all-reduce nothing is
     # copied back into them (one copy kernel per parameter less in every step).
     executor = build_executor(plan.graph, device, ddp_kwargs={"gradient_as_bucket_view": True},
-                              on_fallback=_say_fallback)
+                              on_fallback=partial(log_fallback, name=graph_setting))  # in this trainer's words
     optimizer = build_optimizer(plan.optimizer, model.parameters(), device, captured=executor.captures_optimizer)
     schedule = build_schedule(plan.schedule, plan.optimizer.lr, total_steps)
     autocast = autocast_factory(plan.precision, device)
@@ -137,8 +136,3 @@ def _config_used(plan: RunPlan, recipe: Recipe, executor: Executor, rt: Runtime)
     config["world_size"] = rt.world_size
     return config
 
-
-def _say_fallback(failure: CaptureError) -> None:
-    """A capture given up under graph.on_failure=eager, in this trainer's words, said once."""
-    say = log.warning if env_rank() == 0 else log.info
-    say("%s\ngraph.on_failure=eager: every rank continues eagerly.", failure.render(graph_setting))
