@@ -53,6 +53,7 @@ _LAZY = {
     "StepTimer": "graphing.timing",
     "build_executor": "graphing.factory",
     "diagnose": "graphing.doctor",
+    "closure_problem": "graphing.optimizers",
     "float_learning_rate": "graphing.optimizers",
     "graph_safe_optimizer_kwargs": "graphing.optimizers",
     "optimizer_capture_problem": "graphing.optimizers",

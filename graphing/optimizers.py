@@ -69,3 +69,21 @@ def optimizer_capture_problem(optimizer: torch.optim.Optimizer) -> Optional[str]
 def float_learning_rate(optimizer: torch.optim.Optimizer) -> bool:
     """True when a param group's lr is a Python number: a capture freezes it."""
     return any(not isinstance(group.get("lr"), torch.Tensor) for group in optimizer.param_groups)
+
+
+def closure_problem(optimizer: torch.optim.Optimizer) -> Optional[str]:
+    """Why ``optimizer.step()`` cannot be called without arguments, or None.
+
+    A closure optimizer (``torch.optim.LBFGS``) re-evaluates the loss inside ``step(closure)``:
+    it runs the forward pass several times per step, with host-side line searches, so it fits
+    neither a step function that calls ``optimizer.step()`` nor a graph.
+    """
+    try:
+        param = inspect.signature(type(optimizer).step).parameters.get("closure")
+    except (TypeError, ValueError):
+        return None
+    if param is None or param.default is not inspect.Parameter.empty:
+        return None
+    cls = type(optimizer)
+    return (f"{cls.__module__}.{cls.__qualname__}.step needs a closure (it re-evaluates the loss itself, with "
+            "host-side decisions): use an optimizer whose step() takes no arguments (SGD, Adam, AdamW, ...)")
