@@ -15,14 +15,14 @@ import logging
 from collections import Counter
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from graphing.capture import CaptureError
-from graphing.options import GraphOptions
+from graphing.options import GraphOptions, literal, own_name
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ def is_main_rank() -> bool:
     return not distributed() or dist.get_rank() == 0
 
 
-def log_fallback(failure: CaptureError, name: Callable[[str], str] = str) -> None:
+def log_fallback(failure: CaptureError, name: Callable[[str], str] = own_name) -> None:
     """Says once that a capture was given up under ``on_failure=eager``, each setting named by ``name``."""
     say = log.warning if is_main_rank() else log.info  # the same on every rank
     say("%s\n%s=eager: every rank continues eagerly.", failure.render(name), name("on_failure"))
@@ -115,7 +115,7 @@ class Executor:
         if not distributed():
             return model
         device_ids = [self.device.index] if self.device.type == "cuda" else None
-        return DDP(model, device_ids=device_ids, **self.ddp_kwargs)
+        return DDP(model, **{"device_ids": device_ids, **self.ddp_kwargs})  # a re-wrapped DDP brings its own
 
     def phase(self, role: StepRole) -> str:
         return "warmup" if self.calls[role] < self.warmup_iters else "eager"
@@ -126,15 +126,24 @@ class Executor:
         stage()
         fn()
 
-    def _agree_on_capture(self, failure: Optional[str]) -> bool:
+    def _agree_on_capture(self, failure: Optional[str],
+                          find_the_line: Optional[Callable[[], List[str]]] = None) -> bool:
         """True when every rank captured. Otherwise every rank stops with the reason
         (``on_failure=fail``: CaptureError) or records the fallback and goes on eagerly (False).
-        ``failure``: this rank's ``CaptureError`` template, or None."""
+        ``failure``: this rank's ``CaptureError`` template, or None. ``find_the_line`` (a
+        collective, called on every rank only when the run stops): the doctor's findings."""
         if self._all_agree(failure is None):
             return True
-        error = CaptureError(failure or "CUDA graph capture failed on another rank; that rank's log says why.")
+        failure = failure or "CUDA graph capture failed on another rank; that rank's log says why."
         if self.options.on_failure == "fail":
-            raise error
+            if find_the_line is not None:
+                found = find_the_line()
+                failure += literal("\n  found by the graph doctor over one more eager step:" + "".join(
+                    f"\n    {line}" for line in found) if found else
+                    "\n  the graph doctor's checks over one more eager step named no line of the step")
+            raise CaptureError(failure)
+        error = CaptureError(failure + "\n  to find the line that breaks the capture, run the graph doctor over "
+                                       "this step ({doctor})")
         self.report.fallback = str(error)
         self.report.mode = "eager (fallback)"
         self.on_fallback(error)

@@ -1,8 +1,7 @@
 """``GraphedStep``: graph the training step of your own loop, with no config system.
 
     model = Net().cuda()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3, device="cuda"),
-                                  **graphing.graph_safe_optimizer_kwargs(torch.optim.AdamW, "cuda", {}))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
 
     def train_step(model, x, y):               # model: what GraphedStep built (DDP under torchrun)
         optimizer.zero_grad(set_to_none=True)
@@ -12,7 +11,9 @@
         return loss.detach()                   # outputs: device tensors, no .item() here
 
     step = graphing.GraphedStep(train_step, model, optimizer, capture_error_mode="thread_local")
-    for x, y in loader:
+    for it, (x, y) in enumerate(loader):
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(it)            # a float written between calls: carried into the graph
         loss = step(x, y)                      # copies x, y into static buffers, then runs the step
     step.close()                               # before dist.destroy_process_group()
 
@@ -20,6 +21,14 @@ What happens: the first ``warmup_iters`` calls (11, what DDP needs) run eagerly 
 stream, where DDP was also built; then all ranks meet, each captures its own graph
 with ``capture_error_mode``, and they agree on the outcome: every rank replays, or every
 rank stops with the reason (``on_failure="fail"``) or goes on eagerly (``"eager"``).
+A failed capture that stops the run is followed by one more eager step with the graph
+doctor's checks on, so that the error names the line in your code that broke it.
+
+What your loop does around the step is carried or refused, never silently frozen: the
+optimizer is made capturable if it was not (before its first step), the lr you write
+between calls is copied into the graph (graphing/hyperparams.py), a change to another
+hyperparameter after capture raises, and a model you wrapped in DDP yourself is re-wrapped
+with the same settings on the capture stream (graphing/ddp.py).
 """
 from __future__ import annotations
 
@@ -29,10 +38,12 @@ from typing import Any, Callable, Dict, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from graphing.ddp import merge_ddp_kwargs, unwrap_ddp
 from graphing.executor import ExecutionReport, Executor, StepRole, is_main_rank
 from graphing.factory import build_executor
-from graphing.optimizers import float_learning_rate, optimizer_capture_problem
-from graphing.options import STEP_MODES, GraphConfigError, GraphMode, GraphOptions
+from graphing.hyperparams import CarriedHyperparameters
+from graphing.optimizers import closure_problem, make_graph_safe
+from graphing.options import STEP_MODES, GraphConfigError, GraphMode, GraphOptions, literal
 
 log = logging.getLogger(__name__)
 
@@ -41,17 +52,19 @@ class GraphedStep:
     """Runs ``step_fn(model, *inputs)`` eagerly for warm-up, then as one CUDA graph per rank.
 
     ``step_fn`` must be graph-safe: static shapes, no host syncs (``.item()``, ``.cpu()``,
-    ``print(tensor)``, a tensor in an ``if``), a tensor learning rate if it is to change.
-    Each call copies its tensor arguments into static device buffers made at the first
-    call (later calls must bring the same shapes and dtypes) and returns what
-    ``step_fn`` returned: in graph phase the same tensors every time, overwritten by the
-    next call, so clone what you keep.
+    ``print(tensor)``, a tensor in an ``if``). Each call copies its tensor arguments into
+    static device buffers made at the first call (later calls must bring the same shapes
+    and dtypes) and returns what ``step_fn`` returned: in graph phase the same tensors
+    every time, overwritten by the next call, so clone what you keep.
 
     ``mode``: "full" (default), or "eager" to run the same loop without graphs (for
-    parity checks, or machines without CUDA). ``optimizer`` is checked before capture
-    (a host-side step counter would be frozen by the graph) and its gradients are set
-    to None right before capture. ``ddp_kwargs`` go to DistributedDataParallel, which
-    wraps ``model`` when a process group is initialized.
+    parity checks, or machines without CUDA). ``optimizer`` (full mode): made graph-safe
+    before the first call where it can be (``capturable=True``; ``fused=True`` for SGD),
+    refused with the fix where it cannot; each group's lr is carried into the graph (write
+    floats between calls as usual); its gradients are set to None right before capture.
+    ``model``: a module, or one you wrapped in DDP yourself; under a process group it is
+    wrapped in DistributedDataParallel with ``ddp_kwargs`` (and a DDP model's own settings).
+    ``self.model`` is what ``step_fn`` receives.
     """
 
     def __init__(self, step_fn: Callable[..., Any], model: torch.nn.Module,
@@ -70,17 +83,24 @@ class GraphedStep:
             raise GraphConfigError(f"{{mode}}={self.options.mode.value!r}: GraphedStep runs "
                                    f"{' or '.join(repr(m.value) for m in STEP_MODES)} "
                                    "(partial and compile graph the model, not a step)")
-        if optimizer is not None and self.options.mode is GraphMode.full:
-            problem = optimizer_capture_problem(optimizer)
+        if optimizer is not None:
+            problem = closure_problem(optimizer)
             if problem:
-                raise GraphConfigError(problem)
-            if float_learning_rate(optimizer) and is_main_rank():
-                log.warning("the optimizer's lr is a Python float: the graph keeps the value it had at capture. "
-                            "To change it while training, pass lr=torch.tensor(lr, device=...) and write it in place")
+                raise GraphConfigError(literal(problem))
+        self.made_safe: list = []  # what was changed on the optimizer for the graph
+        self.hyperparams: Optional[CarriedHyperparameters] = None
+        if optimizer is not None and self.options.mode is GraphMode.full:
+            self.made_safe = make_graph_safe(optimizer)
+            self.hyperparams = CarriedHyperparameters(optimizer, device)
+            if self.made_safe and is_main_rank():
+                log.info("GraphedStep made the optimizer graph-safe: %s", "; ".join(self.made_safe))
+        module, taken, comm_hooks = unwrap_ddp(model)
         self.step_fn, self.optimizer, self.device = step_fn, optimizer, device
-        self.executor: Executor = build_executor(self.options, device, ddp_kwargs)
-        self.module = model
-        self.model = self.executor.wrap_model(model)
+        self.executor: Executor = build_executor(self.options, device, merge_ddp_kwargs(taken, ddp_kwargs))
+        self.module = module
+        self.model = self.executor.wrap_model(module)
+        for hook, state in comm_hooks:
+            self.model.register_comm_hook(state, hook)
         self._static: Optional[Sequence[Any]] = None
         self._inputs: Sequence[Any] = ()
         self._outputs: Any = None
@@ -103,10 +123,23 @@ class GraphedStep:
         self._inputs = inputs
         if self.optimizer is not None and self.phase == "capture":
             self.optimizer.zero_grad(set_to_none=True)  # backward then allocates .grad in the graph's pool
-        self.executor.run(StepRole.train, self._stage, self._run)
+        hyperparams = self.hyperparams
+        if hyperparams is None:
+            self.executor.run(StepRole.train, self._stage, self._run)
+            return self._outputs
+        try:
+            self.executor.run(StepRole.train, self._stage, self._run)
+        except BaseException:
+            hyperparams.restore()
+            raise
+        hyperparams.after_call(getattr(self.step_fn, "__qualname__", "the step function"))
+        if self.phase == "graph":
+            hyperparams.freeze_the_rest()
         return self._outputs
 
     def _stage(self) -> None:
+        if self.hyperparams is not None:
+            self.hyperparams.before_call()  # the lr the loop wrote, into the tensor the step reads
         for buffer, value in zip(self._static, self._inputs):
             if isinstance(value, torch.Tensor):
                 buffer.copy_(value, non_blocking=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from enum import Enum
-from typing import Callable
+from typing import Callable, Optional
 
 DDP_MIN_WARMUP = 11  # DDP samples stats with host syncs and rebuilds buckets in its first 10 iterations
 
@@ -48,14 +48,22 @@ class SettingMessage:
         self.template = template  # str.format placeholders: {setting_name}
         super().__init__(self.render())
 
-    def render(self, name: Callable[[str], str] = str) -> str:
-        """The message, each setting named by ``name(setting)``."""
+    def render(self, name: Optional[Callable[[str], str]] = None) -> str:
+        """The message, each setting named by ``name(setting)`` (graphing's own names by default)."""
         return render(self.template, name)
 
 
-def render(template: str, name: Callable[[str], str] = str) -> str:
+# What graphing's own messages call the tools a caller may name differently.
+OWN_NAMES = {"doctor": "graphing.diagnose(step_fn, model, optimizer, inputs)"}
+
+
+def own_name(setting: str) -> str:
+    return OWN_NAMES.get(setting, setting)
+
+
+def render(template: str, name: Optional[Callable[[str], str]] = None) -> str:
     """A message template with each {setting} named by ``name(setting)``."""
-    return template.format_map(_Names(name))
+    return template.format_map(_Names(name or own_name))
 
 
 class _Names(dict):

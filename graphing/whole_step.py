@@ -5,7 +5,7 @@ graph per rank, and evaluation as a forward-only graph sharing its memory pool.
 from __future__ import annotations
 
 import gc
-from typing import Callable, Dict
+from typing import Callable, Dict, List
 
 import torch
 import torch.distributed as dist
@@ -38,7 +38,8 @@ class WholeStepGraphExecutor(Executor):
             # CUDA graphs cannot nest inside this capture.
             model = torch.compile(model, mode="default")
         self.eval_model = model
-        return run_on_stream(lambda: self._ddp(model), self.side)
+        self.train_model = run_on_stream(lambda: self._ddp(model), self.side)
+        return self.train_model
 
     def wrap_output_fn(self, fn):
         # Compiled too when the model is: the loss and the metrics read the whole output (a
@@ -82,7 +83,7 @@ class WholeStepGraphExecutor(Executor):
         graph, seconds, failure = capture(fn, self.side, self.pool, self.options.capture_error_mode)
         if failure is not None:  # a rank whose own capture succeeded has nothing to repair
             reset_rng_capture_state(self.side)
-        if not self._agree_on_capture(failure):
+        if not self._agree_on_capture(failure, lambda: self._find_the_line(fn)):
             self.fallen_back = True
             return False
         self.graphs[role] = graph
@@ -91,6 +92,14 @@ class WholeStepGraphExecutor(Executor):
         self.report.capture_s[role] = seconds
         self.report.graph_pool_mib = pool_mib(self.pool)
         return True
+
+    def _find_the_line(self, fn: Callable[[], None]) -> List[str]:
+        """The doctor's checks over one more eager step (every rank: its collectives must match)."""
+        from graphing.doctor.one_step import blocking_findings, describe, on_every_rank
+
+        model = next((m for m in (getattr(self, "train_model", None), self.eval_model) if m is not None),
+                     torch.nn.Module())  # an executor driven without wrap_model has no model to watch
+        return on_every_rank(describe(blocking_findings(fn, model, self.device, self.side)))
 
     def close(self) -> None:
         # Graphs hold a private memory pool and captured NCCL work: release them before the

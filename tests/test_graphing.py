@@ -124,3 +124,132 @@ def test_step_times_of_a_long_run_stay_bounded_with_median_and_p90_within_one_pe
     assert abs(summary["step_ms_p90"] / exact_p90 - 1) < 0.01
     assert summary["steps_timed"] == len(xs) and summary["step_ms_mean"] == pytest.approx(statistics.fmean(xs))
     assert few.summary()["step_ms_median"] == statistics.median(xs[:1000])  # below the limit: exact
+
+
+def _linear_step(optimizer):
+    def train_step(module, x, y):
+        optimizer.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.mse_loss(module(x), y)
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+    return train_step
+
+
+@pytest.mark.fast
+def test_a_float_lr_written_between_calls_reaches_the_step_and_the_loop_keeps_seeing_its_own_value():
+    from graphing.hyperparams import CarriedHyperparameters
+
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+    plain, carried = torch.nn.Linear(4, 1), torch.nn.Linear(4, 1)
+    carried.load_state_dict(plain.state_dict())
+    # foreach=False: the CPU's AdamW takes a tensor lr on that path
+    opt_plain = torch.optim.AdamW(plain.parameters(), lr=0.1, foreach=False)
+    opt_carried = torch.optim.AdamW(carried.parameters(), lr=0.1, foreach=False)
+    carry = CarriedHyperparameters(opt_carried, torch.device("cpu"))
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt_carried, lambda t: 0.5 ** t)  # a torch scheduler's floats
+    for t in range(6):
+        lr = 0.1 * 0.5 ** t
+        opt_plain.param_groups[0]["lr"] = lr
+        carry.before_call()
+        assert opt_carried.param_groups[0]["lr"] is carry.lrs[0]  # the one tensor a graph would read
+        _linear_step(opt_carried)(carried, x, y)
+        carry.after_call()
+        _linear_step(opt_plain)(plain, x, y)
+        assert opt_carried.param_groups[0]["lr"] == pytest.approx(lr)  # the loop sees the float it set
+        assert carry.lrs[0].item() == pytest.approx(lr)
+        schedule.step()  # writes the next float, between calls
+    for a, b in zip(plain.parameters(), carried.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)  # float32 lr tensor against a Python float
+
+
+@pytest.mark.fast
+def test_a_step_that_sets_its_own_lr_or_a_hyperparameter_changed_after_capture_is_refused_by_name():
+    from graphing.hyperparams import CarriedHyperparameters
+
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.01, foreach=False)
+    carry = CarriedHyperparameters(optimizer, torch.device("cpu"))
+    carry.before_call()
+    optimizer.param_groups[0]["lr"] = 0.3  # inside the step: a replay would never run this
+    with pytest.raises(GraphConfigError, match=r"train_step sets optimizer.param_groups\[0\]\['lr'\] \(to 0.3\) "
+                                               r"inside the step.*Set the lr in your loop before calling the step"):
+        carry.after_call("train_step")
+    assert optimizer.param_groups[0]["lr"] == 0.1  # the loop's value is back
+    carry.before_call()
+    carry.after_call()
+    carry.freeze_the_rest()  # captured: only lr may change from here on
+    optimizer.param_groups[0]["lr"] = 0.05
+    carry.before_call()  # fine: carried
+    carry.after_call()
+    optimizer.param_groups[0]["weight_decay"] = 0.1
+    with pytest.raises(GraphConfigError, match=r"param_groups\[0\]\['weight_decay'\] changed from 0.01 to 0.1 after "
+                                               r"the step was captured: the graph keeps 0.01 \(only 'lr' is carried"):
+        carry.before_call()
+    optimizer.param_groups[0]["weight_decay"] = 0.01
+    optimizer.add_param_group({"params": [torch.nn.Parameter(torch.zeros(1))]})
+    with pytest.raises(GraphConfigError, match="had 1 param groups at the first call and has 2 now"):
+        carry.before_call()
+
+
+@pytest.mark.fast
+def test_optimizers_are_made_graph_safe_before_their_first_step_or_refused_with_the_fix():
+    from graphing.optimizers import make_graph_safe
+
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    adamw = torch.optim.AdamW(params, lr=0.1, fused=True)  # nanoGPT's: fused, no capturable
+    assert "capturable=False" in optimizer_capture_problem(adamw)  # fused alone is refused by a capture
+    assert make_graph_safe(adamw) == ["param_groups[0]: capturable=True"]
+    assert optimizer_capture_problem(adamw) is None and adamw.defaults["capturable"]
+    sgd = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    assert make_graph_safe(sgd, dry_run=True) == ["param_groups[0]: fused=True (SGD's other paths read a tensor lr "
+                                                  "on the host)"]
+    assert not sgd.param_groups[0]["fused"]  # a dry run changes nothing
+    with pytest.raises(GraphConfigError, match=r"SGD was built with foreach=True.*build it with fused=True"):
+        make_graph_safe(torch.optim.SGD(params, lr=0.1, foreach=True))
+    stepped = torch.optim.Adam(params, lr=0.1)
+    params[0].grad = torch.ones(2)
+    stepped.step()
+    with pytest.raises(GraphConfigError, match="has stepped already.*hand it over before its first step"):
+        make_graph_safe(stepped)
+    with pytest.raises(GraphConfigError, match="LBFGS.step needs a closure"):
+        GraphedStep(lambda m: None, torch.nn.Linear(2, 1), torch.optim.LBFGS(params), mode="eager")
+
+
+@pytest.mark.fast
+def test_a_model_the_user_wrapped_in_ddp_is_rewrapped_once_with_its_settings():
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from conftest import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1)
+        users = DDP(model, bucket_cap_mb=1, gradient_as_bucket_view=True)
+        hooked = []
+
+        def counting_hook(state, bucket):
+            hooked.append(state)
+            fut = torch.futures.Future()
+            fut.set_result(bucket.buffer())
+            return fut
+
+        users.register_comm_hook("mine", counting_hook)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        step = GraphedStep(_linear_step(optimizer), users, optimizer, mode="eager")
+        assert isinstance(step.model, DDP) and step.model is not users
+        assert step.model.module is model and users.module is model  # not DDP(DDP(model)); the user's still works
+        assert step.model.bucket_bytes_cap == users.bucket_bytes_cap and step.model.gradient_as_bucket_view
+        x = torch.randn(16, 4)
+        y = x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]])
+        losses = [step(x, y).item() for _ in range(10)]
+        assert losses[-1] < losses[0] / 2
+        assert hooked and set(hooked) == {"mine"}  # the user's communication hook runs in the new wrapper
+        with pytest.raises(GraphConfigError, match=r"ddp_kwargs\['bucket_cap_mb'\]=25 differs from the DDP model's"):
+            GraphedStep(_linear_step(optimizer), users, optimizer, mode="eager", ddp_kwargs={"bucket_cap_mb": 25})
+        step.close()
+    finally:
+        dist.destroy_process_group()

@@ -31,7 +31,8 @@ from trainer.targets import import_target
 
 def graph_setting(name: str) -> str:
     """How this trainer's config names one of graphing's settings (messages name what to change)."""
-    return {"eager_steps_before_capture": "graph.compare_steps"}.get(name, f"graph.{name}")
+    return {"eager_steps_before_capture": "graph.compare_steps",
+            "doctor": "python scripts/doctor.py with this run's overrides"}.get(name, f"graph.{name}")
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,6 @@ from graphing.doctor.report import COLUMNS, SKIPPED_WITHOUT_CUDA, DoctorReport, 
 from graphing.doctor.step_runner import Inputs, StepRunner, on_side_stream
 from graphing.doctor.step_timing import gpu_busy_ms, median_step_ms
 from graphing.executor import distributed
-from graphing.optimizers import float_learning_rate
 from graphing.options import DDP_MIN_WARMUP
 
 __all__ = ["COLUMNS", "SKIPPED_WITHOUT_CUDA", "DoctorReport", "diagnose"]
@@ -57,7 +56,8 @@ def diagnose(step_fn: Callable[..., Any], model: torch.nn.Module,
     ``inputs``: the example inputs of every step (a tuple), or a callable (or iterator) that makes
     each step's inputs, e.g. the next batch; it runs outside the step, like a loader. Tensors are
     copied into static device buffers first, as ``GraphedStep`` does. ``optimizer``: one or a
-    list (checked for capturability, and its ``lr`` watched). ``warmup_iters``: eager steps
+    list, judged as GraphedStep takes it (on CUDA also made graph-safe the way GraphedStep
+    makes it), its ``lr`` watched. ``warmup_iters``: eager steps
     checked (11, what DDP needs before a capture). The capture is tried with
     ``capture_error_mode="global"``, then "thread_local" if another thread broke it: the report
     recommends the strictest that works. Under a process group ``model`` is wrapped in DDP
@@ -87,6 +87,8 @@ def diagnose(step_fn: Callable[..., Any], model: torch.nn.Module,
         is_ddp = True
     runner = StepRunner(step_fn, model, inputs, device, side)
     checks = EagerChecks(model, device, optimizers)
+    if check_optimizer:  # as handed over, before the checked steps make its state; on CUDA as GraphedStep takes it
+        checks.optimizer_watch.prepare(apply=cuda)
     outer_autocast = outer_autocast_site(sys._getframe(1), device)
     steps = max(int(warmup_iters), 1)
     # DDP syncs with the host in its first 10 iterations (runtime stats, bucket rebuild), from its
@@ -105,7 +107,11 @@ def diagnose(step_fn: Callable[..., Any], model: torch.nn.Module,
                 if i == 0 and outer_autocast is not None:
                     report_outer_autocast(checks.findings, outer_autocast)
                 with checks.watching(cuda_syncs=cuda and i >= sync_watch_from):
-                    runner.run(staged)
+                    checks.learning_rates.inside_step = True
+                    try:
+                        runner.run(staged)
+                    finally:
+                        checks.learning_rates.inside_step = False
             finally:
                 sys.settrace(previous_trace)
                 checks.end_step()
@@ -124,9 +130,11 @@ def diagnose(step_fn: Callable[..., Any], model: torch.nn.Module,
         if failure is not None and not any(f.effect == BLOCKS for f in findings):
             findings.insert(0, failure)
     notes = []
-    if any(float_learning_rate(o) for o in optimizers) and "lr_frozen" not in [f.kind for f in findings]:
-        notes.append("an optimizer's lr is a Python number: it did not change in these steps, but a graph would keep "
-                     "its capture-time value if a schedule changed it later (use a device tensor lr)")
+    if checks.learning_rates.carried and "lr_frozen" not in [f.kind for f in findings]:
+        notes.append("the lr changes between steps, set by the loop: GraphedStep carries it into the graph (copied "
+                     "into the device tensor the step reads before every call)")
+    if checks.optimizer_watch.made_safe:
+        notes.append("made graph-safe as GraphedStep makes it: " + "; ".join(checks.optimizer_watch.made_safe))
     if is_ddp and steps < DDP_MIN_WARMUP:
         notes.append(f"only {steps} steps checked under DDP: its first {DDP_MIN_WARMUP - 1} iterations sync with the "
                      f"host, so a capture needs warmup_iters >= {DDP_MIN_WARMUP}")

@@ -62,4 +62,4 @@ class EagerChecks:
         self.learning_rates.find_changes(self.optimizer_watch.call_site)
         self.memory.find_growth(len(self.records.calls) - 1, step_fn)
         if check_optimizer:
-            optimizer_findings(self.optimizers, self.findings, self.optimizer_watch.call_site)
+            optimizer_findings(self.optimizer_watch, self.findings)

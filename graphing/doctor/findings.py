@@ -18,9 +18,11 @@ FIXES: Dict[str, str] = {
                     "instead of a Python `if` on state that changes between steps.",
     "python_scalar": "Keep a value that changes between steps in a device tensor updated in place: the graph "
                      "keeps the Python number it saw at capture.",
-    "lr_frozen": "Build the optimizer with lr=torch.tensor(lr, device=...) and write the schedule into it in "
-                 "place (group['lr'].fill_(value), or a device-side schedule such as trainer/schedules.py).",
-    "optimizer": "Build the optimizer with capturable=True (or fused=True); graphing.graph_safe_optimizer_kwargs "
+    "lr_frozen": "Set the lr in your loop before each call (GraphedStep carries it into the graph), or write it "
+                 "into a device tensor lr in place (group['lr'].fill_(value), a device-side schedule such as "
+                 "trainer/schedules.py).",
+    "optimizer": "Build the optimizer with capturable=True, or hand it to GraphedStep before its first step (it "
+                 "turns capturable on); graphing.graph_safe_optimizer_kwargs "
                  "gives the arguments.",
     "grad_scaler": "Train in bf16 without a GradScaler, or give the scaler a fused optimizer (fused=True), "
                    "which checks for infs on the device.",

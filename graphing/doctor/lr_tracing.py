@@ -1,8 +1,12 @@
-"""lr_frozen: an optimizer's learning rate that changes between steps as a Python number (or is
-replaced by a new tensor). A captured step keeps the value, or the tensor, it saw at capture.
+"""lr_frozen: an optimizer's learning rate written *inside* the step (a Python number, or a new
+tensor in the group). A replay runs no Python, so that write happens at capture only: the graph
+keeps the value it saw then, and GraphedStep refuses such a step at its first call.
 
-Each step's lr is read at its first ``optimizer.step()`` (optimizer_checks.py hooks it); line
-tracing (``sys.settrace``, user frames only) finds the line that wrote each new value.
+Written between steps (the loop sets ``group["lr"]`` before calling the step, as nanoGPT does, or
+steps a torch lr scheduler there), the lr is no finding: GraphedStep carries it into the graph
+(graphing/hyperparams.py). Each step's lr is read at its first ``optimizer.step()``
+(optimizer_checks.py hooks it); line tracing (``sys.settrace``, user frames only) finds the line
+that wrote each new value, and whether it ran inside the step.
 """
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from graphing.doctor.attribution import is_user_file
-from graphing.doctor.findings import WRONG, Findings
+from graphing.doctor.findings import BLOCKS, Findings
 
 
 def lr_state(optimizers: Sequence[torch.optim.Optimizer]) -> Tuple:
@@ -30,7 +34,9 @@ class LearningRateWatch:
         self.optimizers = list(optimizers)
         self.findings = findings
         self.at_step: List[Optional[Tuple]] = []  # each step's first optimizer.step(): its groups' lr
-        self.set_at: Dict[Tuple, Tuple[str, int]] = {}  # an lr state -> the user line that wrote it
+        self.set_at: Dict[Tuple, Tuple[str, int, bool]] = {}  # lr state -> (file, line, inside the step)
+        self.inside_step = False  # set by the doctor while the step itself runs
+        self.carried = False  # the lr changed between steps: GraphedStep carries that
         self._last_seen = lr_state(self.optimizers)
 
     def begin_step(self) -> None:
@@ -54,7 +60,7 @@ class LearningRateWatch:
                 now = lr_state(self.optimizers)
                 if now != self._last_seen:
                     line = f.f_lineno if ev == "return" else last[0]
-                    self.set_at.setdefault(now, (os.path.abspath(f.f_code.co_filename), line))
+                    self.set_at.setdefault(now, (os.path.abspath(f.f_code.co_filename), line, self.inside_step))
                     self._last_seen = now
                 last[0] = f.f_lineno
             return local
@@ -62,7 +68,8 @@ class LearningRateWatch:
         return local
 
     def find_changes(self, call_site: Optional[Tuple[str, int]]) -> None:
-        """lr_frozen at the line that wrote the new lr (else where the step calls optimizer.step())."""
+        """lr_frozen at the line inside the step that wrote the new lr (else where the step calls
+        optimizer.step())."""
         last = len(self.at_step) - 1
         self.findings.step = last if last >= 2 else -1  # dated like step_diff's findings: the last step compared
         self._find_changes(call_site or ("", 0))
@@ -73,20 +80,19 @@ class LearningRateWatch:
         for before, after in zip(seen, seen[1:]):
             if before == after:
                 continue
-            where = self.set_at.get(after, site)
+            file, line, inside = self.set_at.get(after, (*site, False))
+            if not inside:
+                self.carried = True  # written by the loop between calls: carried into the graph
+                continue
             replaced = any(x[0] == "tensor" and y[0] == "tensor" and x != y for x, y in zip(before, after))
             if replaced:
-                what = "an optimizer's lr tensor is replaced by a new tensor between steps: the graph reads the old one"
+                what = ("the step puts a new tensor into an optimizer's lr: a graph replays without running that "
+                        "write and reads the tensor it was captured with (GraphedStep refuses it)")
             else:
                 pair = next((x[1], y[1]) for x, y in zip(before, after) if x != y) if len(before) == len(after) \
                     else (None, None)
-                what = (f"an optimizer's lr is a Python number that changes between steps ({pair[0]!r} then "
-                        f"{pair[1]!r}): the graph keeps the value it had at capture")
-            self.findings.add("lr_frozen", WRONG, *where, what)
+                what = (f"the step writes an optimizer's lr as a Python number ({pair[0]!r} then {pair[1]!r}): a "
+                        "graph replays without running that write and keeps the lr of the capture (GraphedStep "
+                        "refuses it)")
+            self.findings.add("lr_frozen", BLOCKS, file, line, what)
             return
-        for opt in self.optimizers:
-            if getattr(opt.step, "_wrapped_by_lr_sched", False) and any(
-                    not isinstance(g.get("lr"), torch.Tensor) for g in opt.param_groups):
-                self.findings.add("lr_frozen", WRONG, *site,
-                                  "a torch.optim.lr_scheduler drives this optimizer's Python-number lr: the graph "
-                                  "keeps the value it had at capture")

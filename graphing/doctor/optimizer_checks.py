@@ -1,5 +1,7 @@
 """The optimizers: where the user's step calls ``optimizer.step()``, and whether a capture accepts
-the optimizer (optimizer: capturable or fused on CUDA, as GraphedStep and the trainer require)."""
+the optimizer as GraphedStep would take it: judged as the user handed it over, before the checked
+steps make its state. On CUDA the doctor makes it graph-safe the way GraphedStep does
+(``make_graph_safe``: capturable, fused SGD), so that its capture attempt is GraphedStep's."""
 from __future__ import annotations
 
 import sys
@@ -10,7 +12,8 @@ import torch
 from graphing.doctor.attribution import user_site
 from graphing.doctor.findings import BLOCKS, FIXES, Findings, place_of
 from graphing.doctor.lr_tracing import LearningRateWatch
-from graphing.optimizers import optimizer_capture_problem
+from graphing.optimizers import make_graph_safe
+from graphing.options import GraphConfigError
 
 
 class OptimizerWatch:
@@ -22,7 +25,17 @@ class OptimizerWatch:
         self.findings = findings
         self.learning_rates = learning_rates
         self.call_site: Optional[Tuple[str, int]] = None
+        self.problems: List[Tuple[torch.optim.Optimizer, str]] = []  # what GraphedStep would refuse
+        self.made_safe: List[str] = []  # what was changed, as GraphedStep changes it (CUDA)
         self._hooks: List[Any] = []
+
+    def prepare(self, apply: bool) -> None:
+        """Judges each optimizer as handed over; with ``apply``, changes it as GraphedStep would."""
+        for opt in self.optimizers:
+            try:
+                self.made_safe += make_graph_safe(opt, dry_run=not apply)
+            except GraphConfigError as refused:
+                self.problems.append((opt, str(refused)))
 
     def start(self) -> None:
         for opt in self.optimizers:
@@ -42,14 +55,10 @@ class OptimizerWatch:
                 self.call_site = place_of(frame)
 
 
-def optimizer_findings(optimizers: Sequence[torch.optim.Optimizer], findings: Findings,
-                       call_site: Optional[Tuple[str, int]]) -> None:
-    """Optimizers whose step a capture refuses or would freeze; GraphedStep and the trainer refuse them too."""
-    for opt in optimizers:
-        problem = optimizer_capture_problem(opt)
-        if not problem:
-            continue
+def optimizer_findings(watch: OptimizerWatch, findings: Findings) -> None:
+    """Optimizers whose step a capture refuses or would freeze, even after GraphedStep's changes."""
+    for opt, problem in watch.problems:
         has_mode = any("capturable" in g for g in opt.param_groups)
         fix = FIXES["optimizer"] if has_mode else ("Use an optimizer class with a capturable or fused CUDA mode "
                                                    "(SGD, Adam, AdamW, RMSprop, ...).")
-        findings.add("optimizer", BLOCKS, *(call_site or ("", 0)), problem.split(";")[0], fix)
+        findings.add("optimizer", BLOCKS, *(watch.call_site or ("", 0)), problem.split(":")[0].split(";")[0], fix)

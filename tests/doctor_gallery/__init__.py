@@ -20,8 +20,8 @@ import torch.nn as nn
 
 CASES = [
     "sync_item", "sync_print", "sync_tensor_if", "sync_mask", "sync_cpu", "sync_linalg", "shape_change",
-    "host_to_device", "lr_float", "optimizer_not_capturable", "grad_scaler", "autocast_outer",
-    "autocast_inside", "ddp_find_unused", "sync_batchnorm", "generator", "memory_growth", "control_flow",
+    "host_to_device", "lr_float", "lr_between_calls", "optimizer_not_capturable", "adam_as_built", "grad_scaler",
+    "autocast_outer", "autocast_inside", "ddp_find_unused", "sync_batchnorm", "generator", "memory_growth", "control_flow",
     "python_scalar", "two_defects", "clean",
 ]
 MARKER = re.compile(r"#\s*doctor:\s*([a-z_]+)")

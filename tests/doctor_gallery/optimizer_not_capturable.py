@@ -1,4 +1,6 @@
-"""Adam built without capturable=True: its step counter stays on the host, and a capture refuses it."""
+"""Adam built without capturable=True that has already stepped before it is handed over: its step
+counters were made on the host, where a captured step would freeze them. (Handed over before its
+first step, GraphedStep turns capturable on itself: see adam_as_built.py.)"""
 from __future__ import annotations
 
 import torch
@@ -10,6 +12,7 @@ from doctor_gallery import Case, batches, small_model
 def build(device):
     model = small_model(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    inputs = batches(device)
 
     def step(model, x, y):
         optimizer.zero_grad(set_to_none=True)
@@ -18,4 +21,5 @@ def build(device):
         optimizer.step()  # doctor: optimizer
         return loss.detach()
 
-    return Case(step, model, optimizer, batches(device), verdict="blocked", expect="fails")
+    step(model, *inputs())  # a step of the user's own, before the hand-over
+    return Case(step, model, optimizer, inputs, verdict="blocked", expect="fails")

@@ -1,0 +1,51 @@
+"""The doctor's checks over one eager step, for a capture that failed: which line of the user's
+code broke it. Run on every rank (the step's collectives must match) once the run is stopping."""
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from graphing.doctor.eager_checks import EagerChecks
+from graphing.doctor.findings import BLOCKS, Finding, in_report_order
+from graphing.doctor.step_runner import on_side_stream
+from graphing.executor import distributed
+
+
+def blocking_findings(fn: Callable[[], None], model: torch.nn.Module, device: torch.device,
+                      stream: Optional["torch.cuda.Stream"] = None,
+                      optimizers: Sequence[torch.optim.Optimizer] = ()) -> List[Finding]:
+    """Runs ``fn`` once eagerly (on ``stream``) with the doctor's checks on; what would block a capture."""
+    checks = EagerChecks(model, device, optimizers)
+    checks.start()
+    try:
+        checks.begin_step(0, ())
+        with checks.watching(cuda_syncs=torch.device(device).type == "cuda"):
+            on_side_stream(fn, stream)
+    except Exception:  # the step may fail after the capture that failed: what was found so far still counts
+        pass
+    finally:
+        checks.end_step()
+        checks.stop()
+    return [f for f in in_report_order(checks.findings) if f.effect == BLOCKS]
+
+
+def describe(findings: Sequence[Finding]) -> List[str]:
+    """One line per finding: kind, file:line, what was seen, and the fix."""
+    return [f"{f.kind} at {f.where}: {f.what}. Fix: {f.fix}" for f in findings]
+
+
+def on_every_rank(lines: List[str]) -> List[str]:
+    """Every rank's lines, each once, marked with the ranks that saw it (a collective when distributed)."""
+    if not distributed():
+        return lines
+    gathered: List[Optional[List[str]]] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, lines)
+    ranks_of: dict = {}
+    for rank, seen in enumerate(gathered):
+        for line in seen or []:
+            ranks_of.setdefault(line, []).append(rank)
+    everyone = list(range(len(gathered)))
+    return [line if ranks == everyone else f"{line} (rank {', '.join(map(str, ranks))})"
+            for line, ranks in ranks_of.items()]
