@@ -3,9 +3,14 @@
 DDP must be built on the stream that warms up and captures the step (PyTorch's CUDA
 graph notes), and wrapping a DDP model again would all-reduce twice. So a step that
 is handed a DDP model is given its ``module`` and the wrapper's settings, and builds
-its own DDP with them where it should. The user's wrapper stays as it was: its
-``module`` is the same object (parameters, ``state_dict``, evaluation through it all
-keep working); its reducer stays idle as long as its own forward is not used to train.
+its own DDP with them where it should.
+
+The user's wrapper hands over (``hand_over``): its reducer is released before the new DDP is
+built, because it keeps the parameters' gradient accumulators alive, and those remember the
+stream they were made on (the default stream): a backward captured on the side stream would
+then wait on the default stream, which a capture refuses. Its ``forward`` then goes through
+the new wrapper, so the user's references keep working: ``module`` is the same object
+(parameters, ``state_dict``), and calling the old wrapper runs the new one.
 """
 from __future__ import annotations
 
@@ -66,3 +71,15 @@ def merge_ddp_kwargs(taken: Dict[str, Any], given: Optional[Dict[str, Any]]) -> 
                 f"ddp_kwargs[{key!r}]={value!r} differs from the DDP model's own {key}={taken[key]!r}: pass either "
                 "the unwrapped module with ddp_kwargs, or the DDP model without them"))
     return {**taken, **given}
+
+
+def release_reducer(ddp: DDP) -> None:
+    """Frees the wrapper's reducer (and the logger that shares it): its gradient accumulators go with it."""
+    for name in ("logger", "reducer"):
+        if name in ddp.__dict__:
+            delattr(ddp, name)
+
+
+def forward_through(old: DDP, new: torch.nn.Module) -> None:
+    """Calls of the user's old wrapper run the new one."""
+    old.forward = new.forward

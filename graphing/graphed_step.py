@@ -38,7 +38,7 @@ from typing import Any, Callable, Dict, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from graphing.ddp import merge_ddp_kwargs, unwrap_ddp
+from graphing.ddp import forward_through, merge_ddp_kwargs, release_reducer, unwrap_ddp
 from graphing.executor import ExecutionReport, Executor, StepRole, is_main_rank
 from graphing.factory import build_executor
 from graphing.hyperparams import CarriedHyperparameters
@@ -98,9 +98,13 @@ class GraphedStep:
         self.step_fn, self.optimizer, self.device = step_fn, optimizer, device
         self.executor: Executor = build_executor(self.options, device, merge_ddp_kwargs(taken, ddp_kwargs))
         self.module = module
+        if module is not model:
+            release_reducer(model)  # before the new DDP takes the gradient accumulators (graphing/ddp.py)
         self.model = self.executor.wrap_model(module)
         for hook, state in comm_hooks:
             self.model.register_comm_hook(state, hook)
+        if module is not model:
+            forward_through(model, self.model)
         self._static: Optional[Sequence[Any]] = None
         self._inputs: Sequence[Any] = ()
         self._outputs: Any = None

@@ -248,6 +248,11 @@ def test_a_model_the_user_wrapped_in_ddp_is_rewrapped_once_with_its_settings():
         losses = [step(x, y).item() for _ in range(10)]
         assert losses[-1] < losses[0] / 2
         assert hooked and set(hooked) == {"mine"}  # the user's communication hook runs in the new wrapper
+        # The user's wrapper handed over: its reducer (which held the gradient accumulators) is gone, and
+        # calling it runs the new wrapper.
+        assert "reducer" not in users.__dict__
+        with torch.no_grad():
+            torch.testing.assert_close(users(x), step.model(x))
         with pytest.raises(GraphConfigError, match=r"ddp_kwargs\['bucket_cap_mb'\]=25 differs from the DDP model's"):
             GraphedStep(_linear_step(optimizer), users, optimizer, mode="eager", ddp_kwargs={"bucket_cap_mb": 25})
         step.close()

@@ -1,4 +1,6 @@
-"""GradScaler with an unfused optimizer: scaler.step reads the inf check on the host."""
+"""GradScaler with an optimizer that cannot take the scale itself (capturable Adam, not fused):
+scaler.step reads the inf check on the host. (Fused ones take it on the device; GraphedStep makes
+SGD fused, so plain SGD is no example of this any more.)"""
 from __future__ import annotations
 
 import torch
@@ -9,7 +11,7 @@ from doctor_gallery import Case, batches, small_model
 
 def build(device):
     model = small_model(device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)  # foreach on CUDA, not fused
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, capturable=device.type == "cuda")  # not fused
     scaler = torch.amp.GradScaler(device.type)
 
     def step(model, x, y):
