@@ -1,7 +1,8 @@
 """How one training step executes: eager, one CUDA graph per rank, partial graphs, or
 torch.compile. A library for any DDP loop: it imports only torch, torch.distributed and
 the standard library. The trainer uses it through ``build_executor``; your own loop can
-use ``GraphedStep`` (see graphing/graphed_step.py and scripts/own_loop.py).
+use ``GraphedStep`` (see graphing/graphed_step.py and scripts/own_loop.py), with
+``RunningMeans`` for metrics on the device, read once per log interval.
 
 The contract is typed: modes are ``GraphMode`` members, steps are chosen by ``StepRole``
 (train, eval: one graph each, sharing one memory pool), an executor's ``report`` is an
@@ -49,6 +50,7 @@ _LAZY = {
     "ExecutionReport": "graphing.executor",
     "Executor": "graphing.executor",
     "GraphedStep": "graphing.graphed_step",
+    "RunningMeans": "graphing.metrics",
     "StepRole": "graphing.executor",
     "StepTimer": "graphing.timing",
     "build_executor": "graphing.factory",
