@@ -3,7 +3,8 @@
 The script runs as a real subprocess, under plain python or torchrun, the way a user
 starts it. CPU tests hide any GPU (CUDA_VISIBLE_DEVICES=""), so they check the CPU
 behaviour (gloo, eager; full refused) on every machine. The GPU tests run eager and full
-with the same seed (one GPU, and two under torchrun) and compare them step for step.
+with the same seed (one GPU, and two under torchrun) and compare them step for step. The
+README's own-loop code is checked to be the script's, verbatim.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import math
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -58,9 +60,25 @@ def assert_lr_schedule_followed(res: Dict) -> None:
         assert lr == pytest.approx(expected_lr(t, res["lr_schedule"]), rel=1e-9), f"step {t}: lr {lr}"
 
 
+def readme_excerpt() -> str:
+    """The part of scripts/own_loop.py between its `# >>> README` and `# <<< README` lines, dedented."""
+    lines = (ROOT / SCRIPT).read_text().splitlines(keepends=True)
+    begin = next(i for i, line in enumerate(lines) if line.strip().startswith("# >>> README"))
+    end = next(i for i, line in enumerate(lines) if line.strip().startswith("# <<< README"))
+    return textwrap.dedent("".join(lines[begin + 1:end]))
+
+
 # --- CPU ------------------------------------------------------------------------------------------
 
 SMALL = ["--context", "32", "--micro-batch", "8", "--log-every", "10", "--eval-every", "15"]  # a quick run
+
+
+@pytest.mark.fast
+def test_the_readme_shows_the_scripts_loop_verbatim():
+    excerpt = readme_excerpt()
+    assert "graphing.GraphedStep(" in excerpt and "graphing.micro_batches(" in excerpt  # the essential loop
+    assert f"```python\n{excerpt}```" in (ROOT / "README.md").read_text(), (
+        "README.md's own-loop code block differs from scripts/own_loop.py's README part; paste this:\n" + excerpt)
 
 
 def test_two_ranks_without_cuda_run_the_loop_eagerly_and_learn(tmp_path):
