@@ -1,7 +1,9 @@
 """How one training step executes: eager, one CUDA graph per rank, partial graphs, or
 torch.compile. A library for any DDP loop: it imports only torch, torch.distributed and
 the standard library. The trainer uses it through ``build_executor``; your own loop can
-use ``GraphedStep`` (see graphing/graphed_step.py and scripts/own_loop.py).
+use ``GraphedStep`` (see graphing/graphed_step.py and scripts/own_loop.py), with the small
+tools such a loop needs inside a graph: ``RunningMeans`` (metrics on the device, read once
+per log interval) and ``micro_batches`` (gradient accumulation with DDP's ``no_sync``).
 
 The contract is typed: modes are ``GraphMode`` members, steps are chosen by ``StepRole``
 (train, eval: one graph each, sharing one memory pool), an executor's ``report`` is an
@@ -22,6 +24,9 @@ Graph-safety rules, stated once (PyTorch's CUDA graph notes, torch/cuda/graphs.p
 - Inputs reach the graph through static buffers (or a device-side cursor into a
   device-resident dataset); shapes never change; outputs are overwritten by the next
   replay.
+- Gradient clipping: ``torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)``
+  returns the norm as a device tensor and scales on the device; ``error_if_nonfinite=True``
+  would read the norm on the host, so it stays False.
 - Optimizers run graph-safe: capturable/fused, with the learning rate in a device
   tensor that a device-side schedule rewrites in place (graphing/optimizers.py says
   which classes qualify).
@@ -49,6 +54,7 @@ _LAZY = {
     "ExecutionReport": "graphing.executor",
     "Executor": "graphing.executor",
     "GraphedStep": "graphing.graphed_step",
+    "RunningMeans": "graphing.metrics",
     "StepRole": "graphing.executor",
     "StepTimer": "graphing.timing",
     "build_executor": "graphing.factory",
@@ -56,6 +62,8 @@ _LAZY = {
     "closure_problem": "graphing.optimizers",
     "float_learning_rate": "graphing.optimizers",
     "graph_safe_optimizer_kwargs": "graphing.optimizers",
+    "micro_batches": "graphing.accumulation",
+    "no_sync_except_last": "graphing.accumulation",
     "optimizer_capture_problem": "graphing.optimizers",
 }
 

@@ -2,8 +2,9 @@
 
 The script runs as a real subprocess, under plain python or torchrun, the way a user
 starts it. CPU tests hide any GPU (CUDA_VISIBLE_DEVICES=""), so they check the CPU
-behaviour (gloo, eager; full refused) on every machine. The GPU test runs eager and full
-with the same seed and compares them step for step.
+behaviour (gloo, eager; full refused) on every machine. The GPU tests run eager and full
+with the same seed (one GPU, and two under torchrun) and compare them step for step. The
+README's own-loop code is checked to be the script's, verbatim.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import math
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -51,41 +53,69 @@ def expected_lr(t: int, schedule: Dict) -> float:
 
 
 def assert_lr_schedule_followed(res: Dict) -> None:
-    """Every step used the lr of its own index: the device-side counter advanced on every step."""
+    """Every step got the lr of its own index: warm-up, then cosine, as the script states."""
     lrs = res["lrs"]
     assert len(lrs) == res["steps"]
     for t, lr in enumerate(lrs):
-        assert lr == pytest.approx(expected_lr(t, res["lr_schedule"]), rel=1e-5), f"step {t}: lr {lr}"
+        assert lr == pytest.approx(expected_lr(t, res["lr_schedule"]), rel=1e-9), f"step {t}: lr {lr}"
+
+
+def readme_excerpt() -> str:
+    """The part of scripts/own_loop.py between its `# >>> README` and `# <<< README` lines, dedented."""
+    lines = (ROOT / SCRIPT).read_text().splitlines(keepends=True)
+    begin = next(i for i, line in enumerate(lines) if line.strip().startswith("# >>> README"))
+    end = next(i for i, line in enumerate(lines) if line.strip().startswith("# <<< README"))
+    return textwrap.dedent("".join(lines[begin + 1:end]))
 
 
 # --- CPU ------------------------------------------------------------------------------------------
 
+SMALL = ["--context", "32", "--micro-batch", "8", "--log-every", "10", "--eval-every", "15"]  # a quick run
+
+
+@pytest.mark.fast
+def test_the_readme_shows_the_scripts_loop_verbatim():
+    excerpt = readme_excerpt()
+    assert "graphing.GraphedStep(" in excerpt and "graphing.micro_batches(" in excerpt  # the essential loop
+    assert f"```python\n{excerpt}```" in (ROOT / "README.md").read_text(), (
+        "README.md's own-loop code block differs from scripts/own_loop.py's README part; paste this:\n" + excerpt)
+
+
 def test_two_ranks_without_cuda_run_the_loop_eagerly_and_learn(tmp_path):
     output = tmp_path / "eager.json"
     # No --mode: without CUDA the default is eager.
-    proc = run_own_loop(["--steps", "30", "--log-every", "10", "--output", str(output)], nproc=2, env=NO_GPU)
+    proc = run_own_loop(["--steps", "30", *SMALL, "--output", str(output)], nproc=2, env=NO_GPU)
     res = results_of(proc, output)
 
-    assert (res["mode"], res["world_size"], res["device"], res["steps"]) == ("eager", 2, "cpu", 30)
+    assert (res["mode"], res["world_size"], res["device"], res["steps"], res["accum"]) == ("eager", 2, "cpu", 30, 2)
     assert res["info"]["mode"] == "eager" and res["info"]["capture_error_mode"] is None
-    assert res["steps_by_phase"] == {"warmup": 11, "eager": 19}
     digests = res["param_digests"]
     assert len(digests) == 2 and digests[0] == digests[1], f"ranks disagree on the parameters: {digests}"
 
     losses = res["losses"]
     assert len(losses) == 30 and all(math.isfinite(x) and x > 0 for x in losses)  # every step wrote its slot
+    assert losses[0] == pytest.approx(math.log(64), abs=0.1)  # an untrained model: uniform over the vocabulary
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
-    assert last < first - 0.3, f"loss did not fall: first five {first:.4f}, last five {last:.4f}"
+    assert last < first - 1.0, f"loss did not fall: first five {first:.4f}, last five {last:.4f}"
     assert_lr_schedule_followed(res)
 
+    # The job's means, read once per log interval; evaluation outside the step at steps 15 and 30.
+    logged = [(entry["step"], entry["phase"]) for entry in res["logged"]]
+    assert logged == [(10, "warmup"), (20, "eager"), (30, "eager")]  # 11 warm-up steps, then eager (no GPU)
+    assert all(0 < entry["loss"] < 4.5 and 0 < entry["grad_norm"] < 100 for entry in res["logged"])
+    assert res["logged"][-1]["loss"] < res["logged"][0]["loss"] - 1.0
+    assert [entry["step"] for entry in res["evaluated"]] == [15, 30]
+    assert res["evaluated"][-1]["val_loss"] < 2.0
+
     assert proc.stdout.count("own_loop: mode=eager world_size=2") == 1, proc.stdout  # rank 0 speaks, once
-    assert "step    30/30 | loss" in proc.stdout and "on every rank" in proc.stdout
+    assert "step    30/30 | loss" in proc.stdout and "val loss" in proc.stdout and "on every rank" in proc.stdout
 
 
 @pytest.mark.parametrize("nproc", [2], ids=["torchrun2"])  # one rank's case is the same code, printing once
 def test_full_without_cuda_fails_once_with_graphings_message(tmp_path, nproc):
     output = tmp_path / "full.json"
-    proc = run_own_loop(["--mode", "full", "--steps", "20", "--output", str(output)], nproc=nproc, env=NO_GPU)
+    proc = run_own_loop(["--mode", "full", "--steps", "20", *SMALL, "--output", str(output)], nproc=nproc,
+                        env=NO_GPU)
     text = proc.stdout + proc.stderr
     assert proc.returncode != 0, text
     assert text.count("needs a CUDA GPU") == 1, text  # rank 0 only, however many ranks
@@ -96,48 +126,47 @@ def test_full_without_cuda_fails_once_with_graphings_message(tmp_path, nproc):
 
 # --- GPU ------------------------------------------------------------------------------------------
 
-LOSS_TOL = 1e-3  # absolute, on losses of order 0.3..2.3; a frozen lr or stale inputs moves them by 1e-2 and more
-PARAM_TOL = 1e-4  # relative to each parameter's sum of |values|
+# bf16 autocast and fused AdamW, run eagerly with a float lr and replayed with the lr carried into
+# the graph as a tensor (read as float32 by the fused kernel): the same kernels, but last-bit
+# differences in the lr and in bf16 rounding grow over the steps. Relative, on losses of 0.8..4.2.
+LOSS_RTOL = 2e-2
+STEPS, WARMUP = 60, 11
+LR_WARMUP = 30  # the capture (step 12) falls inside the lr warm-up: a frozen lr would stay at 0.4 of its peak
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_full_matches_eager_step_for_step(tmp_path):
-    nproc = 2 if torch.cuda.device_count() >= 2 else 1
-    steps, warmup = 60, 11
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs"))], ids=["1gpu", "2gpus"])
+def test_full_matches_eager_step_for_step(tmp_path, nproc):
     runs = {}
     for mode in ("eager", "full"):
         output = tmp_path / f"{mode}.json"
-        proc = run_own_loop(["--mode", mode, "--steps", str(steps), "--seed", "3", "--warmup-iters", str(warmup),
-                             "--log-every", "20", "--output", str(output)], nproc=nproc, timeout=300)
+        proc = run_own_loop(["--mode", mode, "--steps", str(STEPS), "--seed", "3", "--warmup-iters", str(WARMUP),
+                             "--lr-warmup", str(LR_WARMUP), "--log-every", "20", "--eval-every", "30",
+                             "--output", str(output)], nproc=None if nproc == 1 else nproc, timeout=300)
         runs[mode] = results_of(proc, output)
-        print(proc.stdout)
+        print(proc.stdout, proc.stderr[-2000:])
     eager, full = runs["eager"], runs["full"]
 
-    # full really graphed: one capture after the warm-up, every later step a replay
+    # full really graphed: one capture after the warm-up, replays from then on (a graph never goes back)
     assert full["info"]["mode"] == "full" and full["info"]["capture_error_mode"] == "global"
     assert full["info"]["train_capture_s"] > 0
-    assert full["steps_by_phase"] == {"warmup": warmup, "capture": 1, "graph": steps - warmup - 1}
+    assert [entry["phase"] for entry in full["logged"]] == ["graph"] * 3
     assert eager["info"]["mode"] == "eager" and "train_capture_s" not in eager["info"]
+    assert [entry["phase"] for entry in eager["logged"]] == ["eager"] * 3
     for res in (eager, full):
         assert res["world_size"] == nproc and res["device"] == "cuda"
         assert len(set(res["param_digests"])) == 1, res["param_digests"]
+        assert_lr_schedule_followed(res)
 
-    # the schedule advanced on every replay (a captured host-side lr would stay at its capture value)
-    assert_lr_schedule_followed(full)
-    assert_lr_schedule_followed(eager)
-    assert len(set(full["lrs"][warmup:])) > steps - warmup - 5
-
-    loss_diff = max(abs(a - b) for a, b in zip(eager["losses"], full["losses"]))
-    lr_diff = max(abs(a - b) for a, b in zip(eager["lrs"], full["lrs"]))
-    param_diff = max(max(abs(e[0] - f[0]), abs(e[1] - f[1])) / max(e[1], 1e-12)
-                     for e, f in ((eager["param_stats"][k], full["param_stats"][k]) for k in eager["param_stats"]))
-    print(f"nproc={nproc}: max |loss eager - full| = {loss_diff:.3e}, max |lr diff| = {lr_diff:.3e}, "
-          f"max param-sum diff (relative) = {param_diff:.3e}, digests eager {eager['param_digests'][0]} "
-          f"full {full['param_digests'][0]}")
-    assert len(eager["losses"]) == len(full["losses"]) == steps
-    assert loss_diff < LOSS_TOL
-    assert lr_diff < 1e-9
-    assert param_diff < PARAM_TOL
-    # the comparison can fail: the losses move far more over the run than the tolerance allows
-    assert full["losses"][0] - full["losses"][-1] > 50 * LOSS_TOL
+    rel = [abs(f - e) / e for e, f in zip(eager["losses"], full["losses"])]
+    worst = max(range(STEPS), key=rel.__getitem__)
+    print(f"nproc={nproc}: max relative |loss full - eager| = {rel[worst]:.2e} at step {worst + 1}; final losses "
+          f"eager {eager['losses'][-1]:.4f} full {full['losses'][-1]:.4f}; val eager "
+          f"{eager['evaluated'][-1]['val_loss']:.4f} full {full['evaluated'][-1]['val_loss']:.4f}")
+    assert len(full["losses"]) == STEPS and rel[worst] < LOSS_RTOL
+    assert full["losses"][-1] == pytest.approx(eager["losses"][-1], rel=LOSS_RTOL)
+    assert full["evaluated"][-1]["val_loss"] == pytest.approx(eager["evaluated"][-1]["val_loss"], rel=LOSS_RTOL)
+    # the comparison can fail: the loss moves far more over the run than the tolerance allows
+    assert full["losses"][-1] < 0.5 * full["losses"][0]
