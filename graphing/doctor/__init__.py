@@ -134,7 +134,8 @@ def diagnose(step_fn: Callable[..., Any], model: torch.nn.Module,
         notes.append("the lr changes between steps, set by the loop: GraphedStep carries it into the graph (copied "
                      "into the device tensor the step reads before every call)")
     if checks.optimizer_watch.made_safe:
-        notes.append("made graph-safe as GraphedStep makes it: " + "; ".join(checks.optimizer_watch.made_safe))
+        notes.append(("changed the optimizer as GraphedStep does: " if cuda else
+                      "on CUDA GraphedStep changes the optimizer: ") + "; ".join(checks.optimizer_watch.made_safe))
     if is_ddp and steps < DDP_MIN_WARMUP:
         notes.append(f"only {steps} steps checked under DDP: its first {DDP_MIN_WARMUP - 1} iterations sync with the "
                      f"host, so a capture needs warmup_iters >= {DDP_MIN_WARMUP}")
