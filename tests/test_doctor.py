@@ -155,11 +155,13 @@ def test_a_bad_setting_is_a_config_error_named_once(tmp_path, capsys):
 
 
 @pytest.mark.fast
-def test_torch_internal_calls_are_not_blamed_on_the_user():
-    """AdamW on the CPU reads its host-side step counter with .item() inside torch.optim: not the user's sync."""
+def test_torch_internal_calls_are_not_blamed_on_the_user_and_a_graph_safe_cpu_optimizer_is_not_blocked():
+    """AdamW on the CPU, built with graph_safe_optimizer_kwargs, reads its host-side step counter with .item()
+    inside torch.optim: not the user's sync."""
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3), foreach=False)
+    kwargs = graphing.graph_safe_optimizer_kwargs(torch.optim.AdamW, "cpu", {})  # foreach=False: a tensor lr on CPU
+    optimizer = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3), **kwargs)
 
     def step(model, x, y):
         optimizer.zero_grad(set_to_none=True)
