@@ -55,6 +55,9 @@ class RunningMeans:
                     raise ValueError(f"RunningMeans.add({name}=...) takes one value, got shape {tuple(value.shape)}: "
                                      "reduce it first (.mean() or .sum())")
                 value = value.detach().reshape(())
+            elif self.totals.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise ValueError(f"RunningMeans.add({name}={value!r}) while a graph is captured: a Python number "
+                                 "would be replayed as this constant forever; pass a device tensor")
             self.totals[0, i].add_(value)  # add_ on the view: `totals[0, i] += v` would also copy it back
             self.totals[1, i].add_(1)
 
