@@ -13,7 +13,7 @@ work on static shapes, no ``.item()`` or other host syncs (see graphing/__init__
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Tuple, Union
+from typing import Callable, Dict, Optional, Tuple, Union
 
 import torch
 
@@ -71,6 +71,12 @@ class Recipe:
     units_per_sample: int = 1  # tokens per sample for language models
     unit: str = "samples"
     flops_per_unit: float = 0.0  # training FLOPs per sample (or token), for MFU; 0: unknown
+    # How a (preprocessed) batch reaches the model: ``forward(model, batch) -> output``, e.g.
+    # ``model(batch["x"], batch["attention_mask"])``; None: ``model(batch["x"])``. It runs inside
+    # the step (device work only); ``batch["x"]`` is already in the run's memory format. Under
+    # graph.mode=partial it must call the model once, with tensors as positional arguments
+    # (what torch.cuda.make_graphed_callables replays).
+    forward: Optional[Callable[[torch.nn.Module, Batch], torch.Tensor]] = None
 
 
 def top1_correct(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
