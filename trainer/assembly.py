@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 
 from graphing import Executor, build_executor
 from graphing.executor import log_fallback
-from trainer.data import make_loader
+from trainer.data import item_problem, make_loader
 from trainer.errors import ConfigError
 from trainer.optim import build_optimizer, build_schedule
 from trainer.perf import Perf
@@ -125,6 +125,14 @@ def _recipe(plan: RunPlan, rt: Runtime) -> Recipe:
     if recipe.forward is not None and not callable(recipe.forward):
         raise ConfigError(f"recipe._target_={target} returned a Recipe whose forward is a "
                           f"{type(recipe.forward).__name__}: make it forward(model, batch) -> output, or None")
+    for split, dataset in (("train", recipe.data.train), ("test", recipe.data.test)):
+        problem = item_problem(dataset)
+        if problem:
+            raise ConfigError(
+                f"recipe._target_={target} returned data the loaders cannot read: in its {split} split, {problem}. "
+                'A dataset item is (x, y), or for a model with several inputs a dict {"x": ..., "y": ..., '
+                "<input name>: ...} that Recipe.forward passes on (trainer/recipe.py, SplitLike): change the "
+                "dataset's items to one of these")
     return recipe
 
 

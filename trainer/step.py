@@ -12,7 +12,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
-from trainer.recipe import Batch, Recipe
+from trainer.recipe import PADDING_MASK, Batch, Recipe
 from trainer.schedules import LRSchedule
 
 
@@ -189,4 +189,4 @@ class EvalStep:
         with self.autocast():
             output = self.forward(self.model_fn(), batch)
         accumulate(self.metrics, self.loss(output, batch["y"]), self.recipe.correct(output, batch["y"]),
-                   batch["mask"])
+                   batch[PADDING_MASK])
