@@ -16,6 +16,7 @@
 | a host-side LR scheduler                       | 2    | recipe.schedule._target_               |
 | an optimizer a graph would freeze (full mode)  | 2    | recipe.optim._target_ / .capturable    |
 | an optimizer whose step needs a closure (LBFGS)| 2    | recipe.optim._target_ (any graph mode) |
+| a dataset item not (x, y) nor a dict of fields | 2    | recipe._target_ (test_several_inputs)  |
 | device=cuda without CUDA                       | 2    | device                                 |
 
 The messages are checked in one process (fast); that each is printed once under
