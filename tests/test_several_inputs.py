@@ -150,9 +150,9 @@ def test_partial_graphs_take_the_positional_tensors_forward_passes_and_refuse_ke
 
     keywords = plan_run(compose([*ARGS, "recipe._target_=user_inputs.masked_sum.build_with_keywords"]),
                         torch.device("cpu"), world_size=1)
+    recipe = build_recipe_alone(keywords.cfg)
     with pytest.raises(ConfigError) as err:
-        positional_model_inputs(keywords, build_recipe_alone(keywords.cfg).model, batch,
-                                build_recipe_alone(keywords.cfg))
+        positional_model_inputs(keywords, recipe.model, batch, recipe)
     assert "graph.mode=partial" in str(err.value) and "keyword arguments (attention_mask)" in str(err.value)
     assert "recipe._target_=user_inputs.masked_sum.build_with_keywords" in str(err.value)
 
