@@ -101,8 +101,9 @@ class Executor:
                    ) -> torch.nn.Module:
         """The module the training step calls (DDP-wrapped when a process group is up).
 
-        ``sample_inputs`` returns one model input (only modes that trace the model ahead
-        of time call it); ``autocast`` is the precision context the step runs under.
+        ``sample_inputs`` returns the tensors the step passes the model, positionally, for one
+        batch (only modes that trace the model ahead of time call it); ``autocast`` is the
+        precision context the step runs under.
         """
         self.eval_model = model
         return self._ddp(model)

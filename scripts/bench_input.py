@@ -79,10 +79,10 @@ def host_costs(run, batches: int = 20):
     began = time.perf_counter()
     stacked = [collate(batch) for batch in items]
     collate_s = (time.perf_counter() - began) / batches
-    pinned = torch.empty_like(stacked[0][0], pin_memory=True)
+    pinned = torch.empty_like(stacked[0]["x"], pin_memory=True)
     began = time.perf_counter()
-    for x, _ in stacked:
-        host_copy(pinned, x)  # as the loader copies
+    for fields in stacked:
+        host_copy(pinned, fields["x"])  # as the loader copies
     copy = (time.perf_counter() - began) / batches
     return {"decode_ms_per_batch": 1e3 * decode, "collate_ms_per_batch": 1e3 * collate_s,
             "pinned_copy_ms_per_batch": 1e3 * copy}

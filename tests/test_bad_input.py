@@ -15,6 +15,8 @@
 | an optimizer argument the class does not take  | 2    | recipe.optim.<key>                     |
 | a host-side LR scheduler                       | 2    | recipe.schedule._target_               |
 | an optimizer a graph would freeze (full mode)  | 2    | recipe.optim._target_ / .capturable    |
+| an optimizer whose step needs a closure (LBFGS)| 2    | recipe.optim._target_ (any graph mode) |
+| a dataset item not (x, y) nor a dict of fields | 2    | recipe._target_ (test_several_inputs)  |
 | device=cuda without CUDA                       | 2    | device                                 |
 
 The messages are checked in one process (fast); that each is printed once under
@@ -54,6 +56,9 @@ CASES = [
                  ["recipe.optim.momentum is not an argument of torch.optim.AdamW", "~recipe.optim.momentum"],
                  id="optimizer-argument"),
     pytest.param(["recipe.optim.lr=-1"], ["recipe.optim.lr=-1 must be a positive number"], id="negative-lr"),
+    pytest.param(["recipe.optim._target_=torch.optim.LBFGS"],  # mnist's momentum key too: the closure is named first
+                 ["recipe.optim._target_=torch.optim.LBFGS cannot be used", "step needs a closure",
+                  "set recipe.optim._target_=torch.optim.AdamW"], id="closure-optimizer"),
     pytest.param(["recipe._target_=my_missing_package.recipe.build"],
                  ["recipe._target_=my_missing_package.recipe.build cannot be imported", "PYTHONPATH"],
                  id="unknown-recipe-target"),

@@ -131,6 +131,86 @@ def test_samples_of_different_shapes_are_named():
         loader.stage()
 
 
+class MaskedPoints(Points):
+    """Items with a second input: ``{"x", "attention_mask", "y"}``, the mask a function of x (checkable)."""
+
+    def __getitem__(self, i):
+        x, y = super().__getitem__(i)
+        return {"x": x, "attention_mask": x > 0, "y": y}
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("workers", [0, 2])
+def test_both_loaders_carry_a_second_input_beside_x_row_for_row(workers):
+    data = MaskedPoints(500)
+    rt = runtime(1, 2)
+    host = HostLoader(data, 16, rt, train=True, seed=5, num_workers=workers, batches_per_step=2)
+    device = make_loader(data, 16, rt, kind="device", train=True, seed=5, batches_per_step=2)  # reads every item
+    assert isinstance(device, DeviceLoader)
+
+    def micro_batches(loader):  # as the step reads them: one stage per step, two micro-batches
+        out = []
+        for _ in range(loader.steps):
+            loader.stage()
+            out += [{k: v.clone() for k, v in loader.next_batch().items()} for _ in range(2)]
+        return out
+
+    got, want = micro_batches(host), micro_batches(device)
+    assert len(got) == 2 * (500 // 2 // 32)
+    for a, b in zip(got, want):
+        assert set(a) == set(b) == {"x", "attention_mask", "y"}
+        assert a["attention_mask"].dtype == torch.bool and a["attention_mask"].shape == (16, 3)
+        assert torch.equal(a["attention_mask"], a["x"] > 0)  # each mask row beside its own x row
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    evaluation = make_loader(data, 64, rt, kind="host", train=False, seed=0)
+    assert set(batches(evaluation, 1)[0]) == {"x", "attention_mask", "y", "mask"}  # mask: the padding
+
+
+@pytest.mark.fast
+def test_a_split_with_extra_inputs_is_gathered_on_the_device_with_them():
+    data = Points(100)
+    split = Split(data.x, data.y, {"attention_mask": data.x > 0})
+    assert set(split[3]) == {"x", "attention_mask", "y"}
+    loader = DeviceLoader(split, 10, runtime(0, 1), train=False, seed=0)
+    b = batches(loader, 1)[0]
+    assert torch.equal(b["attention_mask"], b["x"] > 0) and b["mask"].all()
+
+
+class Items(torch.utils.data.Dataset):
+    def __init__(self, item):
+        self.item = item
+
+    def __len__(self):
+        return 10
+
+    def __getitem__(self, i):
+        return self.item
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("dataset,named", [
+    (Items((torch.zeros(3), torch.ones(3), 1)), "item 0 is a tuple of 3 values"),
+    (Items(torch.zeros(3)), "item 0 is a Tensor, not a pair (x, y)"),
+    (Items(("images/0.png", 1)), "item 0's 'x' is a builtins.str, not a tensor"),
+    (Items({"x": torch.zeros(3), "label": 1}), "item 0 is a dict without 'y' (it has 'x', 'label')"),
+    (Items({"x": torch.zeros(3), "y": 1, "mask": torch.ones(3)}), "a field is named 'mask', the trainer's own"),
+    (Split(torch.zeros(10, 3), torch.zeros(9)), "the Split has 10 samples in 'x' but 9 in 'y'"),
+])
+def test_a_dataset_item_that_does_not_fit_the_contract_is_described(dataset, named):
+    from trainer.data import item_problem
+
+    assert named in item_problem(dataset)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("dataset", [Points(4), MaskedPoints(4), Items((torch.zeros(2, 2).numpy(), 3.5)),
+                                     Split(torch.zeros(4, 3), torch.zeros(4), {"lengths": torch.ones(4)})])
+def test_items_that_fit_the_contract_pass(dataset):
+    from trainer.data import item_problem
+
+    assert item_problem(dataset) is None
+
+
 RECIPE = '''
 """A recipe whose data is a plain map-style Dataset, not tensors."""
 import torch

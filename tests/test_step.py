@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from trainer.recipe import Datasets, Recipe, Split, top1_correct
 from trainer.schedules import Constant, Cosine
-from trainer.step import TrainStep, mean_loss, per_sample_loss, takes_reduction
+from trainer.step import EvalStep, TrainStep, mean_loss, per_sample_loss, takes_reduction
 
 pytestmark = pytest.mark.fast
 
@@ -86,3 +86,38 @@ def test_the_step_counter_advances_only_for_a_schedule_that_reads_it():
     assert int(constant.step) == 0 and int(cosine.step) == 3
     lr_after_3 = Cosine(base_lr=0.1, total_steps=10, warmup_steps=2).value(torch.tensor(2)).item()
     assert cosine.optimizer.param_groups[0]["lr"].item() == pytest.approx(lr_after_3)
+
+
+class TwoInputs(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 3)
+
+    def forward(self, x, keep):
+        return self.linear(torch.where(keep, x, 0.0))
+
+
+def test_a_recipes_forward_gives_the_model_a_second_input_in_training_and_evaluation():
+    torch.manual_seed(0)
+    model = TwoInputs()
+    x, y, keep = torch.randn(8, 4), torch.tensor([0, 1, 2, 0, 1, 2, 0, 1]), torch.rand(8, 4) > 0.5
+    batch = {"x": x, "y": y, "keep": keep}
+    loader = FixedBatches(x, y)
+    loader.batch = batch
+    recipe = Recipe(name="t", model=model, data=Datasets(Split(x, y), Split(x, y), "t"),
+                    preprocess=lambda batch, train: batch, criterion=F.cross_entropy, correct=top1_correct,
+                    forward=lambda model, batch: model(batch["x"], batch["keep"]))
+    with torch.no_grad():
+        expected = F.cross_entropy(model(x, keep), y).item()
+        without = F.cross_entropy(model(x, torch.ones_like(keep)), y).item()
+    assert expected != pytest.approx(without)  # the second input changes the output
+    optimizer = torch.optim.SGD(model.parameters(), lr=torch.tensor(0.0))
+    step = TrainStep(recipe, model, optimizer, Constant(base_lr=0.0, total_steps=1), loader, grad_accum=1,
+                     grad_clip=0.0, autocast=contextlib.nullcontext, device=torch.device("cpu"))
+    step()
+    assert step.totals()[0].item() == pytest.approx(expected, rel=1e-6)
+
+    loader.batch = {**batch, "mask": torch.ones(8, dtype=torch.bool)}  # evaluation's padding mask: all real
+    evaluation = EvalStep(recipe, lambda: model, loader, autocast=contextlib.nullcontext, device=torch.device("cpu"))
+    evaluation()
+    assert evaluation.metrics[0].item() / 8 == pytest.approx(expected, rel=1e-6)

@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 
 from graphing import Executor, build_executor
 from graphing.executor import log_fallback
-from trainer.data import make_loader
+from trainer.data import item_problem, make_loader
 from trainer.errors import ConfigError
 from trainer.optim import build_optimizer, build_schedule
 from trainer.perf import Perf
@@ -27,7 +27,7 @@ from trainer.recipe import Recipe
 from trainer.runtime import Runtime, seed_rank_streams
 from trainer.schedules import LRSchedule
 from trainer.state import TrainingState
-from trainer.step import EvalStep, TrainStep, autocast_factory, model_input
+from trainer.step import EvalStep, TrainStep, autocast_factory, model_call, model_call_arguments
 
 
 @dataclass
@@ -84,11 +84,11 @@ def build_run(plan: RunPlan, rt: Runtime) -> Run:
     schedule = build_schedule(plan.schedule, plan.optimizer.lr, total_steps)
     autocast = autocast_factory(plan.precision, device)
 
-    def sample_inputs():  # one preprocessed training input, for executors that trace the model ahead of time
+    def sample_inputs():  # the model's inputs for one preprocessed training batch, for executors that trace it
         train_loader.stage()
-        x = model_input(recipe.preprocess(train_loader.next_batch(), True), plan.memory_format)
+        inputs = positional_model_inputs(plan, model, recipe.preprocess(train_loader.next_batch(), True), recipe)
         train_loader.start_epoch(0)
-        return (x,)
+        return inputs
 
     wrapped = executor.wrap_model(model, sample_inputs, autocast)
     train_step = TrainStep(recipe, wrapped, optimizer, schedule, train_loader, grad_accum=loop.grad_accum,
@@ -117,11 +117,41 @@ def build_recipe_alone(cfg) -> Recipe:
 
 
 def _recipe(plan: RunPlan, rt: Runtime) -> Recipe:
+    target = plan.cfg.recipe._target_
     recipe = plan.build_recipe(plan.cfg, rt)
     if not isinstance(recipe, Recipe):
-        raise ConfigError(f"recipe._target_={plan.cfg.recipe._target_} returned a {type(recipe).__name__}, not a "
+        raise ConfigError(f"recipe._target_={target} returned a {type(recipe).__name__}, not a "
                           "trainer.recipe.Recipe: see trainer/recipe.py for the contract")
+    if recipe.forward is not None and not callable(recipe.forward):
+        raise ConfigError(f"recipe._target_={target} returned a Recipe whose forward is a "
+                          f"{type(recipe.forward).__name__}: make it forward(model, batch) -> output, or None")
+    for split, dataset in (("train", recipe.data.train), ("test", recipe.data.test)):
+        problem = item_problem(dataset)
+        if problem:
+            raise ConfigError(
+                f"recipe._target_={target} returned data the loaders cannot read: in its {split} split, {problem}. "
+                'A dataset item is (x, y), or for a model with several inputs a dict {"x": ..., "y": ..., '
+                "<input name>: ...} that Recipe.forward passes on (trainer/recipe.py, SplitLike): change the "
+                "dataset's items to one of these")
     return recipe
+
+
+def positional_model_inputs(plan: RunPlan, model: torch.nn.Module, batch, recipe: Recipe) -> tuple:
+    """The tensors the step passes the model for ``batch``, for executors that trace the model
+    ahead of time (graph.mode=partial: torch.cuda.make_graphed_callables replays positional tensors)."""
+    try:
+        args, kwargs = model_call_arguments(model_call(recipe, plan.memory_format), model, batch)
+    except ValueError:
+        args, kwargs = None, {}
+    if args is not None and not kwargs and all(torch.is_tensor(a) for a in args):
+        return args
+    how = ("never calls the model" if args is None
+           else f"calls the model with keyword arguments ({', '.join(kwargs)})" if kwargs
+           else "passes the model arguments that are not tensors")
+    raise ConfigError(f"graph.mode=partial graphs the model with torch.cuda.make_graphed_callables, which replays "
+                      f"tensors passed positionally, but the Recipe.forward of recipe._target_="
+                      f"{plan.cfg.recipe._target_} {how}: pass the model tensors positionally in Recipe.forward, "
+                      "or set graph=full (or graph=eager)")
 
 
 def _config_used(plan: RunPlan, recipe: Recipe, executor: Executor, rt: Runtime) -> Dict[str, Any]:

@@ -13,7 +13,9 @@ Both loaders yield the same batches in the same order for a given seed, epoch an
   while a graph is captured, so the default ``capture_error_mode=global`` holds.
 Training drops each rank's last partial batch; evaluation pads the last batch and
 returns a ``mask`` so that every sample counts exactly once. Resuming mid-epoch starts
-the epoch's sampler at the exact batch; nothing before it is read.
+the epoch's sampler at the exact batch; nothing before it is read. Both carry every field
+of the dataset's items: ``x``, ``y`` and, for a model with several inputs, the others by
+name (trainer/recipe.py, ``SplitLike``); ``item_problem`` checks item 0 against that once.
 """
 from __future__ import annotations
 
@@ -21,13 +23,13 @@ import math
 import os
 import signal
 import time
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from trainer.errors import ConfigError
-from trainer.recipe import Batch, Split, SplitLike
+from trainer.recipe import PADDING_MASK, Batch, Split, SplitLike
 from trainer.runtime import Runtime
 
 DEVICE_MEMORY_SHARE = 0.3  # loader=auto keeps a split on the device when it takes at most this share of free memory
@@ -81,8 +83,8 @@ class DeviceLoader:
                  batches_per_step: int = 1):
         self.train, self.seed, self.rt, self.batch_size = train, seed, rt, batch_size
         self.batches_per_step = batches_per_step
-        self.x = split.x.to(rt.device)
-        self.y = split.y.to(rt.device)
+        self.fields = {name: values.to(rt.device) for name, values in split.fields().items()}
+        self.n = len(split)
         self.steps, self.length = plan_epoch(len(split), rt.world_size, batch_size, batches_per_step, train)
         # The epoch's indices as rows of one micro-batch; the cursor is the row to read next.
         self.rows = torch.zeros(self.length // batch_size, batch_size, dtype=torch.long, device=rt.device)
@@ -91,7 +93,7 @@ class DeviceLoader:
         self.start_epoch(0)
 
     def start_epoch(self, epoch: int) -> None:
-        index, mask = epoch_index(len(self.y), self.length, self.rt, train=self.train, seed=self.seed, epoch=epoch)
+        index, mask = epoch_index(self.n, self.length, self.rt, train=self.train, seed=self.seed, epoch=epoch)
         self.rows.copy_(index.view_as(self.rows))
         self.mask_rows.copy_(mask.view_as(self.mask_rows))
         self.cursor.zero_()
@@ -107,27 +109,86 @@ class DeviceLoader:
         """Nothing to release."""
 
     def next_batch(self) -> Batch:
-        # Four small kernels per batch inside the graph: the row of indices, two gathers, the cursor.
+        # Small kernels inside the graph: the row of indices, one gather per field (two for
+        # (x, y)), the cursor.
         idx = self.rows.index_select(0, self.cursor).view(-1)
-        batch = {"x": self.x.index_select(0, idx), "y": self.y.index_select(0, idx)}
+        batch = {name: values.index_select(0, idx) for name, values in self.fields.items()}
         if not self.train:
-            batch["mask"] = self.mask_rows.index_select(0, self.cursor).view(-1)
+            batch[PADDING_MASK] = self.mask_rows.index_select(0, self.cursor).view(-1)
         self.cursor.add_(1)
         return batch
 
 
-def collate(items: Sequence[Tuple]) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Stacks dataset items ``(x, y)`` into two batch tensors; unequal samples are named."""
-    xs = [torch.as_tensor(x) for x, _ in items]
-    first = xs[0]
-    for i, x in enumerate(xs):
-        if x.shape != first.shape or x.dtype != first.dtype:
-            raise ConfigError(f"the dataset's samples differ: one is {tuple(first.shape)} {first.dtype}, another "
-                              f"{tuple(x.shape)} {x.dtype} (batch position {i}); a graphed step needs every "
-                              "sample of one shape and dtype: resize or pad them in the dataset")
-    ys = [y for _, y in items]
-    y = torch.stack([torch.as_tensor(v) for v in ys]) if torch.is_tensor(ys[0]) else torch.as_tensor(ys)
-    return torch.stack(xs), y.long() if not y.is_floating_point() else y
+def item_fields(item) -> Mapping[str, Any]:
+    """A dataset item by field: ``(x, y)`` as {"x", "y"}; a dict as it is (item 0 was checked)."""
+    if isinstance(item, Mapping):
+        return item
+    x, y = item
+    return {"x": x, "y": y}
+
+
+def item_problem(dataset: SplitLike) -> Optional[str]:
+    """What makes ``dataset``'s items unfit for the loaders (the contract: trainer/recipe.py,
+    ``SplitLike``), judged on item 0; None when they fit."""
+    if isinstance(dataset, Split):
+        fields = dataset.fields()
+        for name, values in fields.items():  # "x" first: its length is the split's
+            if not torch.is_tensor(values):
+                return f"the Split's {name!r} is a {type(values).__name__}, not a tensor"
+            if values.dim() == 0:
+                return f"the Split's {name!r} is a scalar, not one value per sample"
+            if len(values) != len(dataset.x):
+                return f"the Split has {len(dataset.x)} samples in 'x' but {len(values)} in {name!r}"
+    elif len(dataset) == 0:
+        return None  # sample_item names an empty dataset, with the settings that size it
+    else:
+        item = dataset[0]
+        if isinstance(item, Mapping):
+            missing = [f"{name!r}" for name in ("x", "y") if name not in item]
+            if missing:
+                return f"item 0 is a dict without {' and '.join(missing)} (it has {', '.join(map(repr, item))})"
+            fields = dict(item)
+        elif isinstance(item, (tuple, list)) and len(item) == 2:
+            fields = {"x": item[0], "y": item[1]}
+        elif isinstance(item, (tuple, list)):
+            return f"item 0 is a {type(item).__name__} of {len(item)} values"
+        else:
+            return f"item 0 is a {type(item).__name__}, not a pair (x, y)"
+    if PADDING_MASK in fields:
+        return (f"a field is named {PADDING_MASK!r}, the trainer's own name (evaluation's padding mask): name it "
+                "otherwise (attention_mask, ...) in the dataset and in Recipe.forward")
+    for name, value in fields.items():
+        if not isinstance(name, str):
+            return f"a field is named {name!r}: name each field with a string"
+        try:
+            torch.as_tensor(value)
+        except Exception:  # what collate would meet: a file path, None, an object torch cannot read
+            return f"item 0's {name!r} is a {type(value).__module__}.{type(value).__name__}, not a tensor"
+    return None
+
+
+def collate(items: Sequence) -> Batch:
+    """Stacks dataset items (``(x, y)`` or dicts of fields) into batch tensors by field;
+    unequal samples are named."""
+    rows = [item_fields(item) for item in items]
+    batch: Batch = {}
+    for name in rows[0]:
+        values = [row[name] for row in rows]
+        if name == "y":
+            y = torch.stack([torch.as_tensor(v) for v in values]) if torch.is_tensor(values[0]) \
+                else torch.as_tensor(values)
+            batch["y"] = y.long() if not y.is_floating_point() else y
+            continue
+        tensors = [torch.as_tensor(v) for v in values]
+        first = tensors[0]
+        for i, t in enumerate(tensors):
+            if t.shape != first.shape or t.dtype != first.dtype:
+                what = "samples" if name == "x" else f"{name!r} fields"
+                raise ConfigError(f"the dataset's {what} differ: one is {tuple(first.shape)} {first.dtype}, "
+                                  f"another {tuple(t.shape)} {t.dtype} (batch position {i}); a graphed step needs "
+                                  "every sample of one shape and dtype: resize or pad them in the dataset")
+        batch[name] = torch.stack(tensors)
+    return batch
 
 
 class BatchReader(torch.utils.data.Dataset):
@@ -143,11 +204,11 @@ class BatchReader(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitems__(self, indices: List[int]) -> Tuple[torch.Tensor, torch.Tensor]:
+    def __getitems__(self, indices: List[int]) -> Batch:
         ds = self.dataset
         if isinstance(ds, Split):
             idx = torch.as_tensor(indices)
-            return ds.x[idx], ds.y[idx]
+            return {name: values[idx] for name, values in ds.fields().items()}
         items = ds.__getitems__(indices) if hasattr(ds, "__getitems__") else [ds[i] for i in indices]
         return collate(items)
 
@@ -186,10 +247,10 @@ class HostLoader:
         self.batch_size, self.batches_per_step, self.num_workers = batch_size, batches_per_step, num_workers
         self.steps, self.length = plan_epoch(len(dataset), rt.world_size, batch_size, batches_per_step, train)
         self.rows_per_load = batch_size * batches_per_step if train else batch_size
-        x, y = sample_item(dataset)
-        shapes = {"x": ((self.rows_per_load, *x.shape), x.dtype), "y": ((self.rows_per_load, *y.shape), y.dtype)}
+        shapes = {name: ((self.rows_per_load, *value.shape), value.dtype)
+                  for name, value in sample_item(dataset).items()}
         if not train:
-            shapes["mask"] = ((self.rows_per_load,), torch.bool)
+            shapes[PADDING_MASK] = ((self.rows_per_load,), torch.bool)
         self.static: Batch = {k: torch.empty(s, dtype=d, device=rt.device) for k, (s, d) in shapes.items()}
         pin = rt.device.type == "cuda"
         # Two pinned buffers: the host fills one while the other's copy may still be in flight.
@@ -231,11 +292,10 @@ class HostLoader:
         if self._it is None:
             self._it = iter(self.loader)
         began = time.perf_counter()
-        x, y = next(self._it)
+        batch = dict(next(self._it))
         self.waited_s += time.perf_counter() - began  # the loop waiting for its workers
-        batch = {"x": x, "y": y}
         if not self.train:
-            batch["mask"] = self.mask[self._row]
+            batch[PADDING_MASK] = self.mask[self._row]
         self._row += 1
         if not self.pinned:  # CPU training: the batch is already where the step reads it
             for k, v in batch.items():
@@ -274,19 +334,17 @@ def host_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
 
-def sample_item(dataset: SplitLike) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Item 0 as tensors: the shape and dtype of every sample."""
+def sample_item(dataset: SplitLike) -> Dict[str, torch.Tensor]:
+    """Item 0 as tensors by field: the shape and dtype of every sample."""
     if len(dataset) == 0:
         raise ConfigError("the recipe's dataset is empty: check recipe.data.root and recipe.data.train_size")
     if isinstance(dataset, Split):
-        return dataset.x[0], dataset.y[0]
-    x, y = collate([dataset[0]])
-    return x[0], y[0]
+        return {name: values[0] for name, values in dataset.fields().items()}
+    return {name: values[0] for name, values in collate([dataset[0]]).items()}
 
 
 def split_bytes(dataset: SplitLike) -> int:
-    x, y = sample_item(dataset)
-    return len(dataset) * (x.numel() * x.element_size() + y.numel() * y.element_size())
+    return len(dataset) * sum(v.numel() * v.element_size() for v in sample_item(dataset).values())
 
 
 def read_every_item(dataset: SplitLike, num_workers: int, batch: int = 512) -> Split:
@@ -296,8 +354,9 @@ def read_every_item(dataset: SplitLike, num_workers: int, batch: int = 512) -> S
         BatchReader(dataset), collate_fn=_keep, num_workers=num_workers if len(dataset) > batch else 0,
         generator=torch.Generator(),  # leaves the global RNG (dropout) alone
         batch_sampler=[list(range(i, min(i + batch, len(dataset)))) for i in range(0, len(dataset), batch)])
-    xs, ys = zip(*loader)
-    return Split(torch.cat(xs), torch.cat(ys))
+    batches = list(loader)
+    fields = {name: torch.cat([b[name] for b in batches]) for name in batches[0]}
+    return Split(fields.pop("x"), fields.pop("y"), fields)
 
 
 def read_all(dataset: SplitLike, num_workers: int) -> Split:

@@ -17,12 +17,12 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, Optional
 
 import torch
 from omegaconf import OmegaConf
 
-from graphing import GraphConfigError, GraphMode, GraphOptions
+from graphing import GraphConfigError, GraphMode, GraphOptions, closure_problem
 from trainer.data import choose_loader
 from trainer.errors import ConfigError
 from trainer.schedules import LRSchedule
@@ -172,6 +172,10 @@ def optimizer_spec(cfg_optim) -> OptimizerSpec:
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
         raise ConfigError(f"recipe.optim._target_={target!r} is not a torch.optim.Optimizer class: "
                           "set recipe.optim._target_=torch.optim.SGD (or another optimizer class)")
+    problem = _closure_problem(cls, float(lr))
+    if problem:
+        raise ConfigError(f"recipe.optim._target_={target} cannot be used: {problem}; set "
+                          "recipe.optim._target_=torch.optim.AdamW, for one")
     parameters = inspect.signature(cls).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
     kwargs = {k: v for k, v in settings.items() if k not in ("_target_", "_partial_", "lr")}
@@ -180,6 +184,17 @@ def optimizer_spec(cfg_optim) -> OptimizerSpec:
             raise ConfigError(f"recipe.optim.{key} is not an argument of {target}: remove it "
                               f"(~recipe.optim.{key}) or choose a class that takes it")
     return OptimizerSpec(target=target, cls=cls, kwargs=kwargs, lr=float(lr), accepted=frozenset(parameters))
+
+
+def _closure_problem(cls: type, lr: float) -> Optional[str]:
+    """graphing's ``closure_problem`` for an optimizer class, asked of a one-parameter instance
+    (nothing else is built before the ranks meet); None when that instance cannot be made:
+    ``build_optimizer`` then says why."""
+    try:
+        probe = cls([torch.zeros(1, requires_grad=True)], lr=lr)
+    except Exception:
+        return None
+    return closure_problem(probe)
 
 
 def schedule_spec(cfg_schedule) -> ScheduleSpec:

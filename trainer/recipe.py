@@ -9,29 +9,45 @@ the choices it owns (its data sources, its model options) once, raising
 A recipe knows its model, data and loss; it never needs to know whether its step is
 graphed. What it provides runs inside the step, so it must be graph-safe: device-side
 work on static shapes, no ``.item()`` or other host syncs (see graphing/__init__.py).
+
+A model with one input gets ``batch["x"]``. A model with several (an attention mask beside
+the tokens, a second image) gets them from its dataset's further fields: an item is then a
+dict ``{"x": ..., "y": ..., "attention_mask": ...}`` (or a ``Split`` with ``extra_inputs``),
+and ``Recipe.forward`` says how a batch reaches the model, e.g.
+``lambda model, batch: model(batch["x"], batch["attention_mask"])``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Dict, Tuple, Union
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Optional, Tuple, Union
 
 import torch
 
-Batch = Dict[str, torch.Tensor]  # "x", "y", and for evaluation "mask" (False on padding)
+# "x", "y", the dataset's further inputs by name, and for evaluation "mask" (False on padding).
+Batch = Dict[str, torch.Tensor]
+PADDING_MASK = "mask"  # the trainer's own field: a dataset's fields must be named otherwise
 
 
 @dataclass
 class Split(torch.utils.data.Dataset):
-    """One split held in memory as two tensors: inputs (any dtype, first dim = sample) and labels."""
+    """One split held in memory as tensors whose first dim is the sample: inputs ``x`` (any
+    dtype), labels ``y``, and for a model with several inputs the others by name."""
 
     x: torch.Tensor
     y: torch.Tensor
+    extra_inputs: Dict[str, torch.Tensor] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return self.x.shape[0]
 
-    def __getitem__(self, i: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        return self.x[i], self.y[i]
+    def __getitem__(self, i: int) -> Union[Tuple[torch.Tensor, torch.Tensor], Dict[str, torch.Tensor]]:
+        if not self.extra_inputs:
+            return self.x[i], self.y[i]
+        return {name: values[i] for name, values in self.fields().items()}
+
+    def fields(self) -> Dict[str, torch.Tensor]:
+        """Every tensor of the split by its batch name: "x", "y" and the extra inputs."""
+        return {"x": self.x, "y": self.y, **self.extra_inputs}
 
     def to_split(self) -> "Split":
         return self
@@ -39,10 +55,13 @@ class Split(torch.utils.data.Dataset):
 
 # A split is a ``Split`` or any map-style ``torch.utils.data.Dataset`` (a torchvision
 # dataset, a folder of images, a memory-mapped token file, your own) whose item ``i`` is
-# ``(x, y)``: ``x`` a tensor of the same shape and dtype for every sample, ``y`` an int or
-# a tensor. The host loader reads it through DataLoader workers; the device loader needs
-# it in device memory and asks ``dataset.to_split()`` for its tensors when the dataset has
-# that method (a fast path), otherwise it reads every item once.
+# ``(x, y)``, or for a model with several inputs a dict ``{"x": ..., "y": ..., <name>: ...}``
+# (any names but "mask", the trainer's padding mask). ``x`` and every further input: a tensor
+# (or numpy array) of the same shape and dtype for every sample; ``y`` an int or a tensor.
+# Item 0 is checked when the recipe is built. Both loaders carry every field: the host
+# loader reads the dataset through DataLoader workers; the device loader needs it in device
+# memory and asks ``dataset.to_split()`` for its tensors when the dataset has that method
+# (a fast path), otherwise it reads every item once.
 SplitLike = Union[Split, torch.utils.data.Dataset]
 
 
@@ -71,6 +90,12 @@ class Recipe:
     units_per_sample: int = 1  # tokens per sample for language models
     unit: str = "samples"
     flops_per_unit: float = 0.0  # training FLOPs per sample (or token), for MFU; 0: unknown
+    # How a (preprocessed) batch reaches the model: ``forward(model, batch) -> output``, e.g.
+    # ``model(batch["x"], batch["attention_mask"])``; None: ``model(batch["x"])``. It runs inside
+    # the step (device work only); ``batch["x"]`` is already in the run's memory format. Under
+    # graph.mode=partial it must call the model once, with tensors as positional arguments
+    # (what torch.cuda.make_graphed_callables replays).
+    forward: Optional[Callable[[torch.nn.Module, Batch], torch.Tensor]] = None
 
 
 def top1_correct(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from typing import Callable, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
-from trainer.recipe import Recipe
+from trainer.recipe import PADDING_MASK, Batch, Recipe
 from trainer.schedules import LRSchedule
 
 
@@ -27,6 +27,42 @@ def model_input(batch, memory_format: torch.memory_format) -> torch.Tensor:
     """The batch's input in the model's memory format (a device copy inside the step: shapes stay static)."""
     x = batch["x"]
     return x.contiguous(memory_format=memory_format) if x.dim() == 4 else x
+
+
+def model_call(recipe: Recipe, memory_format: torch.memory_format) -> Callable[[torch.nn.Module, Batch], Any]:
+    """How the step calls the model on a batch: ``model(batch["x"])``, or the recipe's own
+    ``forward(model, batch)`` (several inputs); ``x`` in the model's memory format either way."""
+    forward = recipe.forward
+    if forward is None:
+        return lambda model, batch: model(model_input(batch, memory_format))
+    return lambda model, batch: forward(model, {**batch, "x": model_input(batch, memory_format)})
+
+
+class _Recorded(Exception):
+    """Stops the model's forward at its first call, once the arguments are recorded."""
+
+
+def model_call_arguments(call: Callable[[torch.nn.Module, Batch], Any], model: torch.nn.Module,
+                         batch: Batch) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+    """The (args, kwargs) that ``call(model, batch)`` calls ``model`` with; the model itself
+    does not run. Raises ValueError when ``call`` never calls ``model``."""
+    seen = []
+
+    def record(_module, args, kwargs):
+        seen.append((args, kwargs))
+        raise _Recorded
+
+    handle = model.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            call(model, batch)
+    except _Recorded:
+        pass
+    finally:
+        handle.remove()
+    if not seen:
+        raise ValueError("the model was not called")
+    return seen[0]
 
 
 def autocast_factory(precision: str, device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
@@ -63,7 +99,7 @@ class TrainStep:
                  autocast: Callable, device: torch.device,
                  memory_format: torch.memory_format = torch.contiguous_format,
                  wrap_output_fn: Callable[[Callable], Callable] = lambda fn: fn):
-        self.memory_format = memory_format
+        self.forward = model_call(recipe, memory_format)
         self.recipe, self.model, self.optimizer, self.schedule, self.loader = recipe, model, optimizer, schedule, loader
         self.grad_accum, self.grad_clip, self.autocast = grad_accum, grad_clip, autocast
         # graph.compile_model compiles these with the model
@@ -93,7 +129,7 @@ class TrainStep:
             sync = contextlib.nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync()
             with sync:
                 with self.autocast():
-                    output = self.model(model_input(batch, self.memory_format))
+                    output = self.forward(self.model, batch)
                 loss = self.loss(output, batch["y"])
                 joined = self._count(loss, output, batch["y"])
                 (loss / self.grad_accum if self.grad_accum > 1 else loss).backward()
@@ -142,7 +178,7 @@ class EvalStep:
     def __init__(self, recipe: Recipe, model_fn: Callable[[], torch.nn.Module], loader, *,
                  autocast: Callable, device: torch.device,
                  memory_format: torch.memory_format = torch.contiguous_format):
-        self.memory_format = memory_format
+        self.forward = model_call(recipe, memory_format)
         self.recipe, self.model_fn, self.loader, self.autocast = recipe, model_fn, loader, autocast
         self.loss = per_sample_loss(recipe.criterion)
         self.metrics = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, samples
@@ -151,6 +187,6 @@ class EvalStep:
     def __call__(self) -> None:
         batch = self.recipe.preprocess(self.loader.next_batch(), False)
         with self.autocast():
-            output = self.model_fn()(model_input(batch, self.memory_format))
+            output = self.forward(self.model_fn(), batch)
         accumulate(self.metrics, self.loss(output, batch["y"]), self.recipe.correct(output, batch["y"]),
-                   batch["mask"])
+                   batch[PADDING_MASK])
