@@ -68,6 +68,12 @@ def build_with_triples(cfg, runtime):
     return build(cfg, runtime, WithTriples)
 
 
+def build_without_forward(cfg, runtime):  # the mask would never reach the model
+    recipe = build(cfg, runtime)
+    recipe.forward = None
+    return recipe
+
+
 def build_with_keywords(cfg, runtime):  # fine eagerly and in a whole-step graph; not for graph=partial
     recipe = build(cfg, runtime)
     recipe.forward = lambda model, batch: model(batch["x"], attention_mask=batch["attention_mask"])
@@ -133,6 +139,17 @@ def test_a_dataset_item_of_three_values_is_named_once_before_training(train_here
     assert 'a dict {"x": ..., "y": ..., <input name>: ...}' in text
     assert "Traceback" not in text and "unpack" not in text
     assert not done.output_root.exists(), "a config error leaves no run directory behind"
+
+
+@pytest.mark.fast
+def test_inputs_no_forward_passes_on_are_refused_not_dropped(train_here, importable):
+    done = train_here([*ARGS, "recipe._target_=user_inputs.masked_sum.build_without_forward"])
+    text = done.stdout + done.stderr
+    assert done.returncode == 2, text[-3000:]
+    needle = ("returned train data with the inputs 'attention_mask' besides 'x' and 'y', but no Recipe.forward to "
+              "pass them to the model")
+    assert text.count(needle) == 1, text[-3000:]
+    assert "Traceback" not in text and not done.output_root.exists()
 
 
 @pytest.mark.fast

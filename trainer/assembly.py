@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 
 from graphing import Executor, build_executor
 from graphing.executor import log_fallback
-from trainer.data import item_problem, make_loader
+from trainer.data import extra_input_names, item_problem, make_loader
 from trainer.errors import ConfigError
 from trainer.optim import build_optimizer, build_schedule
 from trainer.perf import Perf
@@ -133,6 +133,13 @@ def _recipe(plan: RunPlan, rt: Runtime) -> Recipe:
                 'A dataset item is (x, y), or for a model with several inputs a dict {"x": ..., "y": ..., '
                 "<input name>: ...} that Recipe.forward passes on (trainer/recipe.py, SplitLike): change the "
                 "dataset's items to one of these")
+        unread = extra_input_names(dataset) if recipe.forward is None else []
+        if unread:
+            raise ConfigError(
+                f"recipe._target_={target} returned {split} data with the inputs {', '.join(map(repr, unread))} "
+                "besides 'x' and 'y', but no Recipe.forward to pass them to the model (without one the model "
+                "gets batch['x'] only): add forward=lambda model, batch: model(batch['x'], ...) to the Recipe, "
+                "or drop those fields")
     return recipe
 
 

@@ -167,6 +167,17 @@ def item_problem(dataset: SplitLike) -> Optional[str]:
     return None
 
 
+def extra_input_names(dataset: SplitLike) -> List[str]:
+    """The fields of ``dataset``'s items besides "x" and "y" (judged on item 0): inputs for Recipe.forward."""
+    if isinstance(dataset, Split):
+        names = list(dataset.fields())
+    elif len(dataset) == 0 or not isinstance(dataset[0], Mapping):
+        return []
+    else:
+        names = list(dataset[0])
+    return [name for name in names if name not in ("x", "y")]
+
+
 def collate(items: Sequence) -> Batch:
     """Stacks dataset items (``(x, y)`` or dicts of fields) into batch tensors by field;
     unequal samples are named."""
