@@ -41,6 +41,7 @@ class LoaderKind(Enum):
 class Precision(Enum):
     fp32 = "fp32"
     bf16 = "bf16"  # autocast to bfloat16 (weights, grads and optimizer state stay fp32)
+    fp16 = "fp16"  # autocast to float16 with a dynamic loss scale (GradScaler), for GPUs without fast bf16 (T4, V100)
     auto = "auto"  # bf16 on CUDA, fp32 elsewhere
 
 
@@ -100,6 +101,13 @@ class GraphConfig:
 
 
 @dataclass
+class LossScaleConfig:
+    """The dynamic loss scale of train.precision=fp16 (torch.amp.GradScaler's settings)."""
+    init: float = 65536.0  # the scale at the start
+    growth_interval: int = 2000  # doubled after this many steps without an inf/NaN gradient; halved on one
+
+
+@dataclass
 class TrainLoopConfig:
     epochs: int = 10
     max_steps: Optional[int] = None  # stop early after this many optimizer steps
@@ -109,6 +117,7 @@ class TrainLoopConfig:
     grad_clip: float = 0.0  # max global grad norm; 0 disables
     grad_accum: int = 1  # micro-batches per optimizer step, all inside one graph
     precision: Precision = Precision.fp32
+    loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)  # fp16 only
     memory_format: MemoryFormat = MemoryFormat.auto  # of the model and its 4-D inputs (set inside the step)
     progress: bool = True  # progress bar on rank 0
 

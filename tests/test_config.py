@@ -60,7 +60,7 @@ def test_defaults_are_the_readme_defaults():
     ("graph.on_failure", "fail, eager"),
     ("device", "auto, cpu, cuda"),
     ("recipe.data.loader", "auto, device, host"),
-    ("train.precision", "fp32, bf16, auto"),
+    ("train.precision", "fp32, bf16, fp16, auto"),
     ("logger.backend", "wandb, none"),
     ("logger.wandb.mode", "offline, online, disabled"),
 ])

@@ -80,7 +80,12 @@ def build_run(plan: RunPlan, rt: Runtime) -> Run:
     # copied back into them (one copy kernel per parameter less in every step).
     executor = build_executor(plan.graph, device, ddp_kwargs={"gradient_as_bucket_view": True},
                               on_fallback=partial(log_fallback, name=graph_setting))  # in this trainer's words
-    optimizer = build_optimizer(plan.optimizer, model.parameters(), device, captured=executor.captures_optimizer)
+    optimizer = build_optimizer(plan.optimizer, model.parameters(), device, captured=executor.captures_optimizer,
+                                loss_scaled=plan.precision == "fp16")
+    scaler = None
+    if plan.precision == "fp16":
+        scaler = torch.amp.GradScaler(device.type, init_scale=loop.loss_scale.init,
+                                      growth_interval=loop.loss_scale.growth_interval)
     schedule = build_schedule(plan.schedule, plan.optimizer.lr, total_steps)
     autocast = autocast_factory(plan.precision, device)
 
@@ -93,14 +98,14 @@ def build_run(plan: RunPlan, rt: Runtime) -> Run:
     wrapped = executor.wrap_model(model, sample_inputs, autocast)
     train_step = TrainStep(recipe, wrapped, optimizer, schedule, train_loader, grad_accum=loop.grad_accum,
                            grad_clip=loop.grad_clip, autocast=autocast, device=device,
-                           memory_format=plan.memory_format, wrap_output_fn=executor.wrap_output_fn)
+                           memory_format=plan.memory_format, wrap_output_fn=executor.wrap_output_fn, scaler=scaler)
     eval_step = EvalStep(recipe, lambda: executor.eval_model, eval_loader, autocast=autocast, device=device,
                          memory_format=plan.memory_format)
     global_batch = data_cfg.batch_size * loop.grad_accum * rt.world_size
     perf = Perf(device, units_per_step=global_batch * recipe.units_per_sample, unit=recipe.unit,
                 world_size=rt.world_size, flops_per_unit=recipe.flops_per_unit, precision=plan.precision)
     config = _config_used(plan, recipe, executor, rt)
-    state = TrainingState(rt, model=model, optimizer=optimizer, step_counter=train_step.step,
+    state = TrainingState(rt, model=model, optimizer=optimizer, step_counter=train_step.step, scaler=scaler,
                           recipe_name=recipe.name, config=config, seed=cfg.seed, keep=cfg.checkpoint.keep)
     return Run(plan=plan, rt=rt, recipe=recipe, raw_model=model, model=wrapped, executor=executor,
                optimizer=optimizer, schedule=schedule, train_loader=train_loader, eval_loader=eval_loader,

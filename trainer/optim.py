@@ -20,10 +20,11 @@ from trainer.schedules import LRSchedule
 
 
 def build_optimizer(spec: OptimizerSpec, params: Iterable[torch.nn.Parameter], device: torch.device,
-                    captured: bool) -> torch.optim.Optimizer:
+                    captured: bool, loss_scaled: bool = False) -> torch.optim.Optimizer:
     """The optimizer ``spec`` names, with a device-tensor lr and graph-safe options.
 
     ``captured``: the optimizer's step runs inside a CUDA graph (graph mode full).
+    ``loss_scaled``: a GradScaler drives its step (train.precision=fp16).
     """
     if captured:
         for key in ("capturable", "fused"):
@@ -48,6 +49,12 @@ def build_optimizer(spec: OptimizerSpec, params: Iterable[torch.nn.Parameter], d
         problem = optimizer_capture_problem(optimizer)
         if problem:
             raise ConfigError(f"recipe.optim._target_: {problem} (or set graph=partial / graph=eager)")
+        if loss_scaled and not getattr(optimizer, "_step_supports_amp_scaling", False):
+            raise ConfigError(
+                f"recipe.optim._target_={spec.target} with train.precision=fp16 under a whole-step graph: the loss "
+                "scaler's step reads the inf check on the host unless the optimizer takes the scale itself, on the "
+                "device, as the fused SGD, Adam and AdamW do (fused=True, the default here on CUDA) and this one "
+                "does not; use one of those, train.precision=bf16, or graph=eager / graph=partial")
     return optimizer
 
 

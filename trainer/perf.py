@@ -34,7 +34,9 @@ def peak_tflops(device_name: str, precision: str) -> Optional[Tuple[str, float]]
     """("<GPU> <bf16|tf32> dense", TFLOP/s) for a known GPU, else None."""
     for part, label, bf16, tf32 in PEAK_TFLOPS:
         if part.lower() in device_name.lower():
-            return (f"{label} bf16 dense", bf16) if precision == "bf16" else (f"{label} tf32 dense", tf32)
+            if precision in ("bf16", "fp16"):  # the same tensor-core peak for both 16-bit formats
+                return f"{label} {precision} dense", bf16
+            return f"{label} tf32 dense", tf32
     return None
 
 

@@ -59,7 +59,7 @@ class RunPlan:
     device: torch.device
     world_size: int
     graph: GraphOptions  # resolved: auto decided, checked for this machine
-    precision: str  # fp32 | bf16
+    precision: str  # fp32 | bf16 | fp16
     build_recipe: Callable  # build(cfg, runtime) -> trainer.recipe.Recipe
     optimizer: OptimizerSpec
     schedule: ScheduleSpec
@@ -99,6 +99,9 @@ def _check_values(cfg) -> None:
                        ("recipe.data.num_workers", d.num_workers), ("recipe.label_smoothing", cfg.recipe.label_smoothing)):
         if value < 0:
             raise ConfigError(f"{key}={value} must be >= 0 (0 turns it off)")
+    if t.loss_scale.init <= 0 or t.loss_scale.growth_interval < 1:
+        raise ConfigError(f"train.loss_scale.init={t.loss_scale.init} must be > 0 and train.loss_scale.growth_interval="
+                          f"{t.loss_scale.growth_interval} at least 1")
     if t.max_steps is not None and t.max_steps < 1:
         raise ConfigError(f"train.max_steps={t.max_steps} must be at least 1 (or null for whole epochs)")
     if c.resume not in ("auto", "never") and not Path(c.resume).is_file():
@@ -113,9 +116,13 @@ def _check_values(cfg) -> None:
 
 
 def resolve_precision(setting: str, device: torch.device) -> str:
-    """``train.precision`` as fp32 or bf16 (auto: bf16 on CUDA, where it is fast; fp32 on the CPU)."""
+    """``train.precision`` as fp32, bf16 or fp16 (auto: bf16 on CUDA, where it is fast; fp32 on the CPU)."""
     if setting == "auto":
         return "bf16" if device.type == "cuda" else "fp32"
+    if setting == "fp16" and device.type != "cuda":
+        raise ConfigError("train.precision=fp16 needs a CUDA GPU: float16 autocast with a loss scale is for GPUs "
+                          "without fast bf16 (T4, V100), and the CPU has no float16 autocast to speak of; set "
+                          "train.precision=bf16 or fp32 here")
     return setting
 
 

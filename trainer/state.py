@@ -1,8 +1,8 @@
 """What a checkpoint holds of a training run, and putting it back.
 
 Saved by rank 0 (trainer/checkpoint.py writes the file atomically): model, optimizer,
-step (so the position in the epoch), every rank's RNG states, the W&B run id, the
-recipe and the resolved config. Restored on every rank before warm-up and capture, in
+fp16's loss scaler (scale and growth tracker), step (so the position in the epoch), every
+rank's RNG states, the W&B run id, the recipe and the resolved config. Restored on every rank before warm-up and capture, in
 place, so that DDP and any captured graph keep reading the same tensors.
 """
 from __future__ import annotations
@@ -24,8 +24,10 @@ log = logging.getLogger(__name__)
 
 class TrainingState:
     def __init__(self, rt: Runtime, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 step_counter: torch.Tensor, recipe_name: str, config: Dict[str, Any], seed: int, keep: int):
+                 step_counter: torch.Tensor, recipe_name: str, config: Dict[str, Any], seed: int, keep: int,
+                 scaler: Optional["torch.amp.GradScaler"] = None):
         self.rt, self.model, self.optimizer, self.step_counter = rt, model, optimizer, step_counter
+        self.scaler = scaler
         self.recipe_name, self.config, self.seed, self.keep = recipe_name, config, seed, keep
         self.last_saved: Optional[Path] = None  # the newest checkpoint this run wrote (rank 0 knows the path)
         self.best: Optional[Dict[str, Any]] = None  # {"metric", "value", "step"} of best.pt, carried across resumes
@@ -49,6 +51,8 @@ class TrainingState:
                 "wandb_run_id": wandb_run_id, "recipe": self.recipe_name, "config": self.config,
                 "best": self.best,
             }
+            if self.scaler is not None:
+                state["scaler"] = self.scaler.state_dict()  # scale and growth tracker: the next steps depend on them
             self.last_saved = save_checkpoint(self.rt.run_dir, step, state, self.keep)
         self.rt.barrier()
 
@@ -77,6 +81,8 @@ class TrainingState:
         check_compatible(state, self.recipe_name, resume=resume, path=path)
         self.model.load_state_dict(state["model"])  # in place: DDP and graphed callables see it
         load_optimizer_state(self.optimizer, state["optimizer"])
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])  # in place where the scale exists already
         self.step_counter.fill_(state["step"])
         self._restore_rng(state)
         self.best = state.get("best")

@@ -66,9 +66,10 @@ def model_call_arguments(call: Callable[[torch.nn.Module, Batch], Any], model: t
 
 
 def autocast_factory(precision: str, device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
-    if precision == "bf16":
+    if precision in ("bf16", "fp16"):
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float16
         # No autocast weight cache: a cached cast made during capture would be stale on replay.
-        return lambda: torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=False)
+        return lambda: torch.autocast(device.type, dtype=dtype, cache_enabled=False)
     return contextlib.nullcontext
 
 
@@ -98,8 +99,13 @@ class TrainStep:
                  schedule: LRSchedule, loader, *, grad_accum: int, grad_clip: float,
                  autocast: Callable, device: torch.device,
                  memory_format: torch.memory_format = torch.contiguous_format,
-                 wrap_output_fn: Callable[[Callable], Callable] = lambda fn: fn):
+                 wrap_output_fn: Callable[[Callable], Callable] = lambda fn: fn,
+                 scaler: Optional["torch.amp.GradScaler"] = None):
         self.forward = model_call(recipe, memory_format)
+        # fp16's dynamic loss scale. All of it runs on the device when the optimizer takes the scale
+        # itself (fused: ``_step_supports_amp_scaling``), so it is captured with the step: scaling,
+        # unscaling before clipping, skipping a step whose gradients overflowed, and the scale update.
+        self.scaler = scaler
         self.recipe, self.model, self.optimizer, self.schedule, self.loader = recipe, model, optimizer, schedule, loader
         self.grad_accum, self.grad_clip, self.autocast = grad_accum, grad_clip, autocast
         # graph.compile_model compiles these with the model
@@ -132,13 +138,20 @@ class TrainStep:
                     output = self.forward(self.model, batch)
                 loss = self.loss(output, batch["y"])
                 joined = self._count(loss, output, batch["y"])
-                (loss / self.grad_accum if self.grad_accum > 1 else loss).backward()
+                backward = loss / self.grad_accum if self.grad_accum > 1 else loss
+                (self.scaler.scale(backward) if self.scaler is not None else backward).backward()
             joined()  # before output and labels can be freed and their memory reused
         if self.grad_clip > 0:
+            if self.scaler is not None:
+                self.scaler.unscale_(self.optimizer)  # clip the true gradients; the step then skips re-scaling
             norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip, foreach=True)
             self.grad_norm.copy_(norm)
         self.schedule.apply(self.step, self.optimizer)
-        self.optimizer.step()
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)  # skipped on the device when a gradient is inf/NaN
+            self.scaler.update()  # halves the scale after an overflow, doubles it after growth_interval good steps
+        else:
+            self.optimizer.step()
         if self.advance_step:
             self.step += 1
 
