@@ -57,8 +57,9 @@ def test_a_resumed_fp16_run_continues_bit_for_bit(out):
     # during the run: a resume that lost the scaler's state would not end bitwise equal.
     args = [*COMMON, *RECIPES["mnist"], "graph=full", "train.loss_scale.growth_interval=7", "checkpoint.every_steps=20"]
     clean = launch([*args, "train.max_steps=40"], out / "clean", timeout=600)
-    first = launch([*args, "train.max_steps=20"], out / "resumed", timeout=600)
-    second = launch([*args, "train.max_steps=40"], out / "resumed", timeout=600)
+    run_dir = out / "resumed" / "run"  # the same directory twice: the second run resumes the first
+    first = launch([*args, "train.max_steps=20", f"run_dir={run_dir}"], out / "resumed", timeout=600)
+    second = launch([*args, "train.max_steps=40", f"run_dir={run_dir}"], out / "resumed", timeout=600)
     for done in (clean, first, second):
         assert done.returncode == 0, done.stderr[-4000:]
     assert "resumed from" in second.stdout + second.stderr
