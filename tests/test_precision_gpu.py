@@ -37,10 +37,12 @@ def _losses(done):
     return [(m["step"], m["train/loss"]) for m in done.metrics() if "train/loss" in m]
 
 
-@pytest.mark.parametrize("recipe", sorted(RECIPES))
-def test_fp16_graphed_trains_like_fp16_eager(out, recipe):
+@pytest.mark.parametrize("recipe,nproc", [("mnist", None), ("cifar10_resnet18", None),
+                                          pytest.param("mnist", 2, marks=pytest.mark.skipif(
+                                              cuda_count() < 2, reason="needs 2 GPUs"))])
+def test_fp16_graphed_trains_like_fp16_eager(out, recipe, nproc):
     runs = {mode: launch([*COMMON, *RECIPES[recipe], f"train.max_steps={STEPS}", f"graph={mode}"], out / mode,
-                         timeout=600) for mode in ("eager", "full")}
+                         nproc=nproc, timeout=600) for mode in ("eager", "full")}
     for done in runs.values():
         assert done.returncode == 0, done.stderr[-4000:]
     e, g = runs["eager"].results(), runs["full"].results()

@@ -21,8 +21,8 @@ import torch.nn as nn
 CASES = [
     "sync_item", "sync_print", "sync_tensor_if", "sync_mask", "sync_cpu", "sync_linalg", "shape_change",
     "host_to_device", "lr_float", "lr_between_calls", "optimizer_not_capturable", "adam_as_built", "grad_scaler",
-    "autocast_outer", "autocast_inside", "ddp_find_unused", "sync_batchnorm", "generator", "memory_growth", "control_flow",
-    "python_scalar", "two_defects", "clean",
+    "grad_scaler_fused", "autocast_outer", "autocast_inside", "ddp_find_unused", "sync_batchnorm", "generator",
+    "memory_growth", "control_flow", "python_scalar", "two_defects", "clean",
 ]
 MARKER = re.compile(r"#\s*doctor:\s*([a-z_]+)")
 VERDICT_OF = {"blocks": "blocked", "wrong": "captures-but-wrong"}
