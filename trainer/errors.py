@@ -16,3 +16,7 @@ class Preempted(Exception):
         super().__init__(f"stopped on SIGTERM at step {step}, checkpoint written: {checkpoint}. To resume, run the "
                          f"same command with run_dir={run_dir} (checkpoint.resume=auto finds it)")
         self.step, self.checkpoint = step, checkpoint
+
+
+class RunDirInUse(ConfigError):
+    """Another run owns the run directory (trainer/run_lock.py); the message names it. Exit 2: ``run_dir``."""

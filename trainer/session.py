@@ -86,7 +86,8 @@ class Session:
         device = pick_device(cfg.device.value)
         self.plan = plan_run(cfg, device, int(os.environ.get("WORLD_SIZE", "1")))
         name = f"{cfg.recipe.name}_{self.purpose or self.plan.mode}"
-        self.rt = start(device, cfg.output_root, cfg.run_dir or multirun_job_dir(), name)
+        self.rt = start(device, cfg.output_root, cfg.run_dir or multirun_job_dir(), name,
+                        take_over_run_dir=cfg.take_over_run_dir)
         self._handlers = _start_logging(self.rt)
         seed_everything(cfg.seed, cfg.deterministic)
 
