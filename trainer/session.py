@@ -30,7 +30,7 @@ from typing import Any, Callable, Dict, List, Optional
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 
-EXIT_CONFIG, EXIT_CAPTURE, EXIT_NONFINITE, EXIT_CRASH = 2, 3, 4, 1  # and trainer/stop.py: 130, 143
+EXIT_CONFIG, EXIT_CAPTURE, EXIT_NONFINITE, EXIT_STORAGE, EXIT_CRASH = 2, 3, 4, 5, 1  # and trainer/stop.py: 130, 143
 
 log = logging.getLogger("train")
 
@@ -46,26 +46,29 @@ class Session:
     def execute(self, job: Callable[["Session"], int]) -> int:
         """Runs ``job(self)`` inside the session; returns the process's exit code."""
         from graphing import CaptureError
-        from trainer.errors import ConfigError, NonFiniteLossError, Preempted
+        from trainer.errors import ConfigError, NonFiniteLossError, Preempted, StorageError
         from trainer.plan import graph_setting
         from trainer.runtime import env_rank, print_once
         from trainer.stop import EXIT_PREEMPTED
 
         code, clean = 0, False  # clean: the ranks end together (no peer is gone)
+        failed_together = False  # a clean end that is still a failure for the W&B run (storage, SIGTERM)
         try:
             self._start()
             code = job(self) or 0  # a job's own verdict (the doctor's) is a clean end for its W&B run
             clean = True
-        except (ConfigError, CaptureError, NonFiniteLossError) as e:
+        except (ConfigError, CaptureError, NonFiniteLossError, StorageError) as e:
             code = next(c for kind, c in ((ConfigError, EXIT_CONFIG), (CaptureError, EXIT_CAPTURE),
-                                          (NonFiniteLossError, EXIT_NONFINITE)) if isinstance(e, kind))
+                                          (NonFiniteLossError, EXIT_NONFINITE), (StorageError, EXIT_STORAGE))
+                        if isinstance(e, kind))
+            clean = failed_together = isinstance(e, StorageError)  # every rank raised it after one broadcast
             said = e.render(graph_setting) if isinstance(e, CaptureError) else str(e)  # in this trainer's words
             message = f"Error: {said}"
             print_once(message, file=sys.stderr)
             if env_rank() == 0:  # the same on every rank: once in the report too
                 tell_torchrun(message)
         except Preempted as e:  # every rank agreed on the step and the checkpoint is written: an orderly end
-            code, clean = EXIT_PREEMPTED, True
+            code, clean, failed_together = EXIT_PREEMPTED, True, True
             print_once(str(e), file=sys.stderr)
         except Exception:
             code = EXIT_CRASH
@@ -75,7 +78,7 @@ class Session:
                 print(f"[rank {env_rank()}] {text}", file=sys.stderr, flush=True)
             tell_torchrun(text)
         finally:
-            self._close(logger_code=0 if clean and code != EXIT_PREEMPTED else code, clean=clean)
+            self._close(logger_code=code if failed_together or not clean else 0, clean=clean)
         return code
 
     def _start(self) -> None:
@@ -143,8 +146,10 @@ def run(cfg) -> int:
 
 def _train(session: Session) -> int:
     from trainer.loop import Trainer
+    from trainer.errors import StorageError
     from trainer.results import print_summary, write_json
     from trainer.runtime import print_once
+    from trainer.storage import write_text_atomically
 
     cfg, run = session.cfg, session.build()
     rt = run.rt
@@ -155,9 +160,14 @@ def _train(session: Session) -> int:
                    "to continue it, or set run_dir=... for a new run")
         return 0
     session.open_run_dir()
+    failed = None
     if rt.is_main:
-        (rt.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(run.config))
-        (rt.run_dir / "overrides.yaml").write_text(OmegaConf.to_yaml(_overrides()))
+        try:
+            write_text_atomically("config.yaml", rt.run_dir / "config.yaml", OmegaConf.to_yaml(run.config))
+            write_text_atomically("overrides.yaml", rt.run_dir / "overrides.yaml", OmegaConf.to_yaml(_overrides()))
+        except StorageError as e:
+            failed = run.state.storage_advice(str(e))
+    run.state.agree_on_storage(failed)
     print_once(f"run {rt.run_dir} | recipe {cfg.recipe.name} ({run.recipe.data.source} data) | "
                f"mode {run.plan.mode} | {rt.world_size} x {rt.device.type} | "
                f"{run.steps_per_epoch} steps/epoch of {run.global_batch} samples")
@@ -165,9 +175,15 @@ def _train(session: Session) -> int:
     logger = session.open_logger(run.config, job_type=run.plan.mode, run_id=wandb_run_id)
     summary = Trainer(run, logger, start_step).fit()
     log.info("summary: %s", summary)
+    failed = None
     if rt.is_main:  # an evaluation of a run's weights never replaces that run's results
-        write_json(rt.run_dir / ("eval.json" if cfg.train.eval_only else "results.json"), summary)
         print_summary(summary)
+        try:
+            logger.write_pending()  # rows a full disk held back since the last checkpoint
+            write_json(rt.run_dir / ("eval.json" if cfg.train.eval_only else "results.json"), summary)
+        except StorageError as e:
+            failed = run.state.storage_advice(str(e))
+    run.state.agree_on_storage(failed)  # a run whose results are not on disk does not exit 0
     return 0
 
 
@@ -223,9 +239,26 @@ def _start_logging(rt) -> list:
 
 def _log_to_file(rt, held) -> None:
     """From here on the rank's records go to rank<N>.log, beginning with those held so far."""
-    handler = logging.FileHandler(rt.run_dir / f"rank{rt.rank}.log")
+    handler = _QuietFileHandler(rt.run_dir / f"rank{rt.rank}.log")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     held.setTarget(handler)
     held.flush()
     held.flushLevel = logging.DEBUG  # pass every later record straight through
     held.capacity = 1
+
+
+class _QuietFileHandler(logging.FileHandler):
+    """A rank's log file that a full disk cannot turn into tracebacks: a failed record is said once.
+
+    (logging's default prints "--- Logging error ---" and a traceback for every record.)
+    """
+
+    _said = False
+
+    def handleError(self, record) -> None:
+        if not self._said:
+            self._said = True
+            from trainer.runtime import print_once
+
+            print_once(f"[logger] cannot write {self.baseFilename} ({sys.exc_info()[1]}); its records are lost "
+                       "from here", file=sys.stderr)
