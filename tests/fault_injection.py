@@ -4,7 +4,9 @@
     GRAPHED_DDP_TEST_QUOTA_AT_STEP=12 torchrun ... tests/fault_injection.py <train.py overrides>
 
 - KILL_AT_STEP, "STEP" or "STEP:RANK" (rank 1 by default): kills that rank hard right after
-  that step, on a job's first attempt only (the restart tests).
+  that step, on a job's first attempt only (the restart tests). A comma-separated list names
+  one kill per attempt: "25:1,45:0" kills rank 1 at step 25 on the first attempt and rank 0
+  at step 45 on the second (the restart), and nothing on the third.
 - QUOTA_AT_STEP, "STEP": from right after that step, rank 0's ``torch.save`` fails the way it
   does on a disk quota or a disk filled by someone else: it writes part of the file, then
   raises torch's errno-less ``RuntimeError: [enforce fail at inline_container.cc...] ... file
@@ -66,9 +68,10 @@ if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
     from trainer import hooks  # import-free: train.py still takes the signals before any thread starts
 
-    spec = os.environ.get(KILL_AT_STEP_ENV)
-    if spec and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
-        hooks.after_step.append(kill_at(spec))
+    kills = [k for k in os.environ.get(KILL_AT_STEP_ENV, "").split(",") if k]
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt < len(kills):
+        hooks.after_step.append(kill_at(kills[attempt]))
     if os.environ.get(QUOTA_AT_STEP_ENV):
         hooks.after_step.append(quota_at(os.environ[QUOTA_AT_STEP_ENV]))
     sys.argv[0] = str(ROOT / "train.py")

@@ -11,8 +11,9 @@
       the metrics logger (W&B), the process group, the log handlers.
 
 Each expected failure becomes one message, printed by rank 0, and an exit code; a crash
-prints its traceback once per rank and exits 1. ``run(cfg)`` is train.py's job. Whatever a
-run must hold for its whole life (a lock on its run directory) is taken in ``_start`` and
+prints its traceback once per rank and exits 1, except a collective that lost its peer (a
+rank killed or crashed elsewhere): one line from rank 0, the trace in each rank's log file.
+``run(cfg)`` is train.py's job. Whatever a run must hold for its whole life (a lock on its run directory) is taken in ``_start`` and
 given back in ``_close``.
 """
 from __future__ import annotations
@@ -49,7 +50,7 @@ class Session:
         from trainer.errors import ConfigError, NonFiniteLossError, Preempted, StorageError
         from trainer.plan import graph_setting
         from trainer.runtime import env_rank, print_once
-        from trainer.stop import EXIT_PREEMPTED
+        from trainer.stop import EXIT_PREEMPTED, stop_requested
 
         code, clean = 0, False  # clean: the ranks end together (no peer is gone)
         failed_together = False  # a clean end that is still a failure for the W&B run (storage, SIGTERM)
@@ -70,13 +71,24 @@ class Session:
         except Preempted as e:  # every rank agreed on the step and the checkpoint is written: an orderly end
             code, clean, failed_together = EXIT_PREEMPTED, True, True
             print_once(str(e), file=sys.stderr)
-        except Exception:
+        except Exception as e:
             code = EXIT_CRASH
             text = traceback.format_exc()
-            log.error("crashed:\n%s", text)  # the rank's log file; rank 0's console too
-            if self.rt is None or not self.rt.is_main:
-                print(f"[rank {env_rank()}] {text}", file=sys.stderr, flush=True)
-            tell_torchrun(text)
+            if peer_gone(e) or stop_requested():  # not this rank's fault: one line, the trace in its log file
+                # (torchrun stops the survivors of a failed rank with SIGTERM, their loader workers too)
+                log.info("a peer rank is gone or the job is being stopped:\n%s", text)
+                if stop_requested():
+                    code = EXIT_PREEMPTED
+                said = (f"[rank {env_rank()}] stopping: another rank is gone or the job is being stopped "
+                        f"({_first_line(e)}); torchrun restarts the job if --max-restarts allows, and its report "
+                        "names the rank that failed first")
+                print_once(said, file=sys.stderr)
+                tell_torchrun(said)
+            else:
+                log.error("crashed:\n%s", text)  # the rank's log file; rank 0's console too
+                if self.rt is None or not self.rt.is_main:
+                    print(f"[rank {env_rank()}] {text}", file=sys.stderr, flush=True)
+                tell_torchrun(text)
         finally:
             self._close(logger_code=code if failed_together or not clean else 0, clean=clean)
         return code
@@ -201,6 +213,22 @@ def tell_torchrun(message: str) -> None:
             json.dump({"message": entry}, f)
     except OSError:
         pass  # the report falls back to its generic line
+
+
+def peer_gone(e: BaseException) -> bool:
+    """Whether ``e`` says a collective lost its peer (a rank killed or crashed), rather than a bug here."""
+    import torch.distributed as dist
+
+    kinds = tuple(k for k in (getattr(dist, "DistNetworkError", None), getattr(dist, "DistBackendError", None)) if k)
+    text = str(e)
+    return isinstance(e, kinds) or (isinstance(e, RuntimeError) and any(
+        mark in text for mark in ("Connection reset by peer", "Connection closed by peer", "gloo/transport/tcp",
+                                  "Broken pipe", "NCCL communicator was aborted")))
+
+
+def _first_line(e: BaseException) -> str:
+    line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return f"{type(e).__name__}: {line[:160]}"
 
 
 def multirun_job_dir():

@@ -1,7 +1,7 @@
 """Stopping on a signal without losing work and without waiting on a peer that may be gone.
 
-- SIGINT (Ctrl-C; torchrun forwards it to every rank): each rank prints one line and exits
-  at once with 130, skipping the orderly teardown. A rank that waited for its peers in a
+- SIGINT (Ctrl-C; torchrun forwards it to every rank): every rank exits at once with 130,
+  skipping the orderly teardown; rank 0 says so in one line (every rank got the same signal). A rank that waited for its peers in a
   barrier or a collective could wait forever if one of them is already gone.
 - SIGTERM (SLURM preemption, ``scancel``, Kubernetes): the ranks agree to stop at the same
   step (``StopAgreement``), write a checkpoint and exit with 143; the same command
@@ -43,7 +43,9 @@ def stop_requested() -> bool:
     return _stop_requested.is_set()
 
 
-def _say(line: str) -> None:
+def _say(line: str, every_rank: bool = True) -> None:
+    if not every_rank and os.environ.get("RANK", "0") != "0":
+        return
     try:
         sys.stderr.write(f"[rank {os.environ.get('RANK', '0')}] {line}\n")
         sys.stderr.flush()
@@ -56,7 +58,7 @@ def _take_signals(signals) -> None:
         sig = signal.sigwait(signals)
         if sig == signal.SIGINT or _stop_requested.is_set():
             name = "interrupted (SIGINT)" if sig == signal.SIGINT else "second SIGTERM"
-            _say(f"{name}: stopping now, without writing a checkpoint")
+            _say(f"{name}: stopping now, without writing a checkpoint", every_rank=False)  # all got it
             os._exit(EXIT_INTERRUPTED if sig == signal.SIGINT else EXIT_PREEMPTED)
         _stop_requested.set()  # said once the ranks have stopped (trainer/errors.py Preempted)
         threading.Thread(target=_exit_after_grace, name="stop-deadline", daemon=True).start()
