@@ -14,6 +14,10 @@
   ``statvfs``), so the trainer's own room check passes and the failure path is what runs.
   This patches ``torch.save`` of files (not of in-memory buffers) in rank 0's process, only here.
 
+- STOP_CHECK_S, seconds: the ranks ask each other about a stop request (SIGTERM) about every that
+  many seconds of training instead of 2 (``trainer.stop.StopAgreement``'s spacing), so that a short
+  test run stops within a few steps of the signal; the agreement itself is the same code.
+
 Every rank that torchrun starts runs this file, so the hooks reach every rank; train.py itself
 never reads these variables.
 """
@@ -24,7 +28,8 @@ from pathlib import Path
 
 KILL_AT_STEP_ENV = "GRAPHED_DDP_TEST_KILL_AT_STEP"
 QUOTA_AT_STEP_ENV = "GRAPHED_DDP_TEST_QUOTA_AT_STEP"
-FAULT_ENVS = (KILL_AT_STEP_ENV, QUOTA_AT_STEP_ENV)
+STOP_CHECK_S_ENV = "GRAPHED_DDP_TEST_STOP_CHECK_S"
+FAULT_ENVS = (KILL_AT_STEP_ENV, QUOTA_AT_STEP_ENV, STOP_CHECK_S_ENV)
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -74,5 +79,9 @@ if __name__ == "__main__":
         hooks.after_step.append(kill_at(kills[attempt]))
     if os.environ.get(QUOTA_AT_STEP_ENV):
         hooks.after_step.append(quota_at(os.environ[QUOTA_AT_STEP_ENV]))
+    if os.environ.get(STOP_CHECK_S_ENV):
+        from trainer.stop import StopAgreement  # import-free of threads: the signals are taken in train.py
+
+        StopAgreement.__init__.__defaults__ = (float(os.environ[STOP_CHECK_S_ENV]),)
     sys.argv[0] = str(ROOT / "train.py")
     runpy.run_path(sys.argv[0], run_name="__main__")
