@@ -2,20 +2,21 @@
 
 | fault                                   | exit: torchrun (rank)  | one message                              | on disk afterwards                                  |
 |-----------------------------------------|------------------------|------------------------------------------|-----------------------------------------------------|
-| SIGINT (Ctrl-C) under torchrun          | 1 (130), within 5 s    | interrupted (SIGINT): stopping now       | checkpoints intact; the next launch takes over      |
+| SIGINT (Ctrl-C) under torchrun          | 1, within 5 s          | interrupted (SIGINT): stopping now       | checkpoints intact; the next launch takes over      |
 | SIGINT to `python train.py`             | 130, within 5 s        | interrupted (SIGINT)                     | checkpoints intact                                  |
-| SIGTERM (preemption)                    | 1 (143), within 10 s   | stopped on SIGTERM at step N ... run_dir | step_N.pt newest; the resumed run ends bit for bit  |
+| SIGTERM (preemption)                    | 1, within 10 s         | stopped on SIGTERM at step N ... run_dir | step_N.pt newest; the resumed run ends bit for bit  |
 |                                         |                        |                                          | like an unbroken one                                |
 | SIGKILL of rank 1 (host loader, 2       | 0 (restarted)          | killing this rank (the test's); rank 0:  | bit for bit like an unbroken run; newest 2 kept     |
 | workers each), --max-restarts=1         |                        | another rank is gone, one line           |                                                     |
 | re-run of a finished run                | 0                      | run ... is complete: 64 of 64 steps      | results.json, metrics.jsonl unchanged               |
+| ... asking for more steps               | 0                      | resumed from                             | extended; metrics.jsonl appended, never replaced    |
 | two launches into one run_dir           | 1 (2), within 10 s     | run_dir=... is in use by another run:    | nothing written by the second launch                |
 |                                         |                        | pid P on host H, since T                 |                                                     |
 | full disk (a real small tmpfs)          | 1 (5)                  | cannot write checkpoint ...: not enough  | the last good checkpoints, no temp file, rows kept  |
 |                                         |                        | free space; needs about N, M free        |                                                     |
 | quota / failed write (injected)         | 1 (5)                  | cannot write checkpoint ...: RuntimeError| the last good checkpoint, no temp file, no results  |
 | truncated newest checkpoint (auto)      | 0                      | skipping unreadable checkpoint ...       | resumed from the one before; the damaged one removed|
-| unreadable checkpoint.resume=<file>     | 1 (2) / 2 in-process   | checkpoint.resume=<file> cannot be read  | nothing trained, the file kept                      |
+| unreadable checkpoint.resume=<file>     | 2 (in-process)         | checkpoint.resume=<file> cannot be read  | nothing trained, the file kept                      |
 | (truncated, garbage, foreign pickle)    |                        |                                          |                                                     |
 | another recipe's checkpoint             | 2 (in-process)         | of recipe 'gpt_tiny' but recipe=mnist    | nothing trained                                     |
 | half a row at the end of metrics.jsonl  | 0                      | ... ends in an incomplete row            | the bad row kept on its own line, new rows whole    |
@@ -28,9 +29,15 @@
 
 Every row also asserts: no stack trace of ours (torchrun's own report aside), and no process
 of the launch left behind (each launch's processes carry a marker in their environment).
+Under torchrun, "1 (N)" is torchrun's exit status and N every rank's, read from torchrun's
+report (on SIGINT and SIGTERM torchrun prints none: the ranks exit 130 and 143). The rows
+marked in-process run train.py's session in this process (one rank): variants whose
+second rank adds nothing, kept as cheap as they were.
 Launches are shared where one serves several rows: one unbroken run is the reference of
-the SIGTERM and SIGKILL rows and then the directory of the re-run, truncation, metrics-row
-and "asking for more" rows; the SIGTERM run is the owner that the second launch meets.
+the SIGTERM and SIGKILL rows and then the directory of the re-run, truncation, metrics-row,
+W&B and "asking for more" rows; the SIGTERM run is the owner that the second launch meets;
+the NaN run continues the SIGINT run, taking over from its dead owner. Launches that no row
+times run two at a time, after the timed ones.
 """
 from __future__ import annotations
 

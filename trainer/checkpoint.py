@@ -37,6 +37,7 @@ import torch
 
 from trainer import storage
 from trainer.errors import ConfigError
+from trainer.stop import writing
 
 log = logging.getLogger(__name__)
 
@@ -96,11 +97,11 @@ def _write_atomically(final: Path, state: Dict[str, Any]) -> Path:
     temp_name = None
     try:
         fd, temp_name = tempfile.mkstemp(prefix=f"{_TEMP_PREFIX}{final.stem}_", suffix=".pt", dir=folder)
-        with os.fdopen(fd, "wb") as f:
+        with writing(temp_name), os.fdopen(fd, "wb") as f:  # a Ctrl-C meanwhile removes it
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(temp_name, final)
+            os.replace(temp_name, final)
     except BaseException as e:
         if temp_name is not None:
             try:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from trainer.errors import StorageError
+from trainer.stop import writing
 
 # Errors that mean "this storage cannot take the write", as opposed to a bug in what is written.
 _STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO, errno.EFBIG,
@@ -104,11 +105,11 @@ def write_text_atomically(what: str, path: Path, text: str) -> None:
     check_room(what, path, needed)
     temp = path.with_name(f".tmp_{path.name}.{os.getpid()}")
     try:
-        with open(temp, "wb") as f:
+        with writing(temp), open(temp, "wb") as f:  # a Ctrl-C meanwhile removes it
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(temp, path)
+            os.replace(temp, path)
     except OSError as e:
         try:
             temp.unlink(missing_ok=True)
