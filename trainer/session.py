@@ -13,8 +13,8 @@
 Each expected failure becomes one message, printed by rank 0, and an exit code; a crash
 prints its traceback once per rank and exits 1, except a collective that lost its peer (a
 rank killed or crashed elsewhere): one line from rank 0, the trace in each rank's log file.
-``run(cfg)`` is train.py's job. Whatever a run must hold for its whole life (a lock on its run directory) is taken in ``_start`` and
-given back in ``_close``.
+``run(cfg)`` is train.py's job. Whatever a run must hold for its whole life (a lock on its run
+directory, trainer/run_lock.py) is taken in ``_start`` and given back in ``_close``.
 """
 from __future__ import annotations
 
