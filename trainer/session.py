@@ -167,9 +167,11 @@ def _train(session: Session) -> int:
     rt = run.rt
     start_step, wandb_run_id = run.state.resume(cfg.checkpoint)  # before any warm-up or capture
     if start_step >= run.total_steps and not cfg.train.eval_only:  # a finished run: leave it alone
-        print_once(f"run {rt.run_dir} is complete: {start_step} of {run.total_steps} steps done; "
-                   f"results in {rt.run_dir / 'results.json'}. Ask for more (train.epochs, train.max_steps) "
-                   "to continue it, or set run_dir=... for a new run")
+        results = rt.run_dir / "results.json"
+        where = (f"results in {results}" if results.exists() else  # its final write failed (exit 5)
+                 f"{results.name} could not be written at its end: its summary is the last row of metrics.jsonl")
+        print_once(f"run {rt.run_dir} is complete: {start_step} of {run.total_steps} steps done; {where}. "
+                   "Ask for more (train.epochs, train.max_steps) to continue it, or set run_dir=... for a new run")
         return 0
     session.open_run_dir()
     failed = None
