@@ -165,6 +165,7 @@ class TrainConfig:
     device: Device = Device.auto
     output_root: str = "outputs"
     run_dir: Optional[str] = None  # default: <output_root>/<date>/<time>_<recipe>_<mode>
+    take_over_run_dir: bool = False  # only where locks are refused: claim a run_dir whose owner record names another host
 
 
 def register_configs() -> None:

@@ -49,24 +49,27 @@ class Finished:
 
 def launch(args: List[str], output_root: Path, *, nproc: Optional[int] = None, timeout: float = 300,
            env: Optional[Dict[str, str]] = None, torchrun_args: Optional[List[str]] = None,
-           kill_at_step: Optional[str] = None) -> Finished:
+           kill_at_step: Optional[str] = None, faults: Optional[Dict[str, str]] = None) -> Finished:
     """Runs ``python train.py args`` (nproc None) or ``torchrun --nproc_per_node=nproc train.py args``.
 
     ``kill_at_step`` ("STEP" or "STEP:RANK"): through tests/fault_injection.py instead, which
     kills that rank (1 by default) right after that step, on the job's first attempt.
+    ``faults``: other tests/fault_injection.py variables (``{QUOTA_AT_STEP_ENV: "12"}``).
     """
-    from fault_injection import KILL_AT_STEP_ENV
+    from fault_injection import FAULT_ENVS, KILL_AT_STEP_ENV
 
-    script = "train.py" if kill_at_step is None else "tests/fault_injection.py"
+    faults = dict(faults or {})
+    if kill_at_step is not None:
+        faults[KILL_AT_STEP_ENV] = kill_at_step
+    script = "train.py" if not faults else "tests/fault_injection.py"
     if nproc is None:
         cmd = [sys.executable, script]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
                *(torchrun_args or ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
                                    "--rdzv-id=test"]), script]
-    full_env = {k: v for k, v in os.environ.items() if k not in ("WANDB_MODE", KILL_AT_STEP_ENV)}  # tests see the default: offline
-    if kill_at_step is not None:
-        full_env[KILL_AT_STEP_ENV] = kill_at_step
+    full_env = {k: v for k, v in os.environ.items() if k != "WANDB_MODE" and k not in FAULT_ENVS}  # W&B: offline
+    full_env.update(faults)
     full_env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true", **(env or {})})
     proc = subprocess.run([*cmd, f"output_root={output_root}", *args], cwd=ROOT, env=full_env,
                           capture_output=True, text=True, timeout=timeout)

@@ -1,10 +1,25 @@
 """Test-only entry point: train.py with a fault injected through the loop's after-step hook.
 
     GRAPHED_DDP_TEST_KILL_AT_STEP=25:1 torchrun ... tests/fault_injection.py <train.py overrides>
+    GRAPHED_DDP_TEST_QUOTA_AT_STEP=12 torchrun ... tests/fault_injection.py <train.py overrides>
 
-"STEP" or "STEP:RANK" (rank 1 by default) kills that rank hard right after that step, on
-a job's first attempt only (the restart tests). Every rank that torchrun starts runs this
-file, so the hook reaches every rank; train.py itself never reads the variable.
+- KILL_AT_STEP, "STEP" or "STEP:RANK" (rank 1 by default): kills that rank hard right after
+  that step, on a job's first attempt only (the restart tests). A comma-separated list names
+  one kill per attempt: "25:1,45:0" kills rank 1 at step 25 on the first attempt and rank 0
+  at step 45 on the second (the restart), and nothing on the third.
+- QUOTA_AT_STEP, "STEP": from right after that step, rank 0's ``torch.save`` fails the way it
+  does on a disk quota or a disk filled by someone else: it writes part of the file, then
+  raises torch's errno-less ``RuntimeError: [enforce fail at inline_container.cc...] ... file
+  write failed``. The filesystem's free space is left as it is (quotas are invisible to
+  ``statvfs``), so the trainer's own room check passes and the failure path is what runs.
+  This patches ``torch.save`` of files (not of in-memory buffers) in rank 0's process, only here.
+
+- STOP_CHECK_S, seconds: the ranks ask each other about a stop request (SIGTERM) about every that
+  many seconds of training instead of 2 (``trainer.stop.StopAgreement``'s spacing), so that a short
+  test run stops within a few steps of the signal; the agreement itself is the same code.
+
+Every rank that torchrun starts runs this file, so the hooks reach every rank; train.py itself
+never reads these variables.
 """
 import os
 import runpy
@@ -12,6 +27,9 @@ import sys
 from pathlib import Path
 
 KILL_AT_STEP_ENV = "GRAPHED_DDP_TEST_KILL_AT_STEP"
+QUOTA_AT_STEP_ENV = "GRAPHED_DDP_TEST_QUOTA_AT_STEP"
+STOP_CHECK_S_ENV = "GRAPHED_DDP_TEST_STOP_CHECK_S"
+FAULT_ENVS = (KILL_AT_STEP_ENV, QUOTA_AT_STEP_ENV, STOP_CHECK_S_ENV)
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -26,12 +44,44 @@ def kill_at(spec: str):
     return hook
 
 
+def quota_at(spec: str):
+    def hook(step: int, rank: int) -> None:
+        if step != int(spec) or rank != 0:
+            return
+        import io
+
+        import torch
+
+        real_save = torch.save
+
+        def save_over_quota(obj, f, *args, **kwargs):
+            if not hasattr(f, "fileno") or isinstance(f, io.BytesIO):  # in-memory (collectives pickle with it)
+                return real_save(obj, f, *args, **kwargs)
+            buffer = io.BytesIO()
+            real_save(obj, buffer, *args, **kwargs)
+            f.write(buffer.getvalue()[: buffer.tell() // 2])  # part of the file reaches the disk
+            f.flush()
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . PytorchStreamWriter failed writing "
+                               "file data/0: file write failed")
+
+        torch.save = save_over_quota
+
+    return hook
+
+
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
-    spec = os.environ.get(KILL_AT_STEP_ENV)
-    if spec and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
-        from trainer import hooks  # import-free: train.py still takes the signals before any thread starts
+    from trainer import hooks  # import-free: train.py still takes the signals before any thread starts
 
-        hooks.after_step.append(kill_at(spec))
+    kills = [k for k in os.environ.get(KILL_AT_STEP_ENV, "").split(",") if k]
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt < len(kills):
+        hooks.after_step.append(kill_at(kills[attempt]))
+    if os.environ.get(QUOTA_AT_STEP_ENV):
+        hooks.after_step.append(quota_at(os.environ[QUOTA_AT_STEP_ENV]))
+    if os.environ.get(STOP_CHECK_S_ENV):
+        from trainer.stop import StopAgreement  # import-free of threads: the signals are taken in train.py
+
+        StopAgreement.__init__.__defaults__ = (float(os.environ[STOP_CHECK_S_ENV]),)
     sys.argv[0] = str(ROOT / "train.py")
     runpy.run_path(sys.argv[0], run_name="__main__")

@@ -20,7 +20,9 @@
 | device=cuda without CUDA                       | 2    | device                                 |
 
 The messages are checked in one process (fast); that each is printed once under
-torchrun, with torchrun's exit status, is checked on a few representative cases.
+torchrun, with torchrun's exit status and no run directory left, is checked on a few
+representative cases in tests/test_fault_table.py (Hydra's, ours, mnist offline, an
+unwritable output directory).
 """
 from __future__ import annotations
 
@@ -31,7 +33,6 @@ from omegaconf import OmegaConf
 
 from conf.schema import compose
 from graphing import GraphMode
-from conftest import launch
 from trainer.errors import ConfigError
 
 QUICK = ["recipe.data.source=synthetic", "recipe.data.train_size=2048", "recipe.data.test_size=256",
@@ -100,47 +101,6 @@ def test_compose_time_errors_name_the_key(args, needle):
     with pytest.raises(ConfigCompositionException) as err:
         compose([*QUICK, *args])
     assert needle in str(err.value) + str(err.value.__cause__)
-
-
-@pytest.mark.parametrize("args,code,needle", [
-    (["graph.capture_error_mode=sometimes"], 1, "expected one of [global, thread_local, relaxed]"),  # Hydra's
-    (["recipe.data.batch_size=5000"], 2, "asks for 5000 samples per step on each rank"),  # ours, after the ranks meet
-])
-def test_bad_input_under_torchrun_is_reported_once(out, args, code, needle):
-    done = launch([*QUICK, *args], out, nproc=2, timeout=120)
-    text = done.stdout + done.stderr
-    assert done.returncode != 0
-    assert f"exitcode  : {code}" in text, text[-3000:]  # the rank's own code, in torchrun's report
-    # Rank 0 prints it once; ours (exit 2) also reach torchrun's report, once, in place of its generic line.
-    in_report = sum(1 for line in text.splitlines() if "traceback : Error: " in line and needle in line)
-    assert in_report == (1 if code == 2 else 0), text[-3000:]
-    assert text.count(needle) == 1 + in_report, f"expected {needle!r} once (and once in the report):\n{text[-3000:]}"
-    # torchrun's agent prints its own failure report; the ranks print no stack trace of ours.
-    assert 'train.py", line' not in text and 'recipes/' not in text and 'graphing/' not in text
-    assert 'trainer/' not in text
-    assert not out.exists(), "a config error leaves no run directory behind"
-
-
-def test_mnist_requested_offline_without_files(out, tmp_path):
-    # A closed local proxy makes this machine offline for the download, whatever its network.
-    offline = {"http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9",
-               "HTTP_PROXY": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9"}
-    done = launch(["recipe.data.source=mnist", f"recipe.data.root={tmp_path / 'empty'}", "logger=none"], out,
-                  nproc=2, env=offline, timeout=180)
-    text = done.stdout + done.stderr
-    assert done.returncode != 0
-    assert text.count("recipe.data.source=mnist but mnist is not under recipe.data.root") == 2, text[-3000:]  # + report
-    assert "recipe.data.source=synthetic" in text
-
-
-def test_unwritable_output_directory(tmp_path):
-    blocker = tmp_path / "file"
-    blocker.write_text("not a directory")
-    done = launch([*QUICK], blocker / "outputs", nproc=2, timeout=120)
-    text = done.stdout + done.stderr
-    assert done.returncode != 0
-    assert text.count("cannot write to the run directory") == 2, text[-3000:]  # rank 0, and torchrun's report
-    assert "output_root=" in text
 
 
 # ---- checks that depend on the machine or the world size, in one process -----------------

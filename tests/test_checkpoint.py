@@ -300,3 +300,89 @@ def test_checkpoint_of_another_recipe_names_the_settings(tmp_path):
     assert "recipe 'gpt_tiny'" in message and "recipe=mnist" in message
     assert "checkpoint.resume=never" in message and "recipe=gpt_tiny" in message
     check_compatible(state, "gpt_tiny")  # the same recipe resumes
+
+
+# ---- storage that cannot take a write (trainer/storage.py) ---------------------------------
+
+def test_a_save_without_room_is_refused_before_writing_and_names_the_sizes(tmp_path, monkeypatch):
+    import trainer.storage as storage
+    from trainer.errors import StorageError
+
+    _save(tmp_path, 10, keep=2)
+    monkeypatch.setattr(storage, "free_bytes", lambda path: 1000)
+    with pytest.raises(StorageError) as err:
+        _save(tmp_path, 20, keep=2)
+    message = str(err.value)
+    assert str(tmp_path / "checkpoints" / "step_00000020.pt") in message and "not enough free space" in message
+    assert "1000 bytes free" in message and err.value.needed > 1000 and "needs about" in message
+    assert _files(tmp_path) == ["step_00000010.pt"]
+
+
+def test_a_write_that_fails_without_an_errno_leaves_no_temp_file_and_keeps_the_last_good_one(tmp_path, monkeypatch):
+    from trainer.errors import StorageError
+
+    _save(tmp_path, 10, keep=2)
+    real_save = torch.save
+
+    def fails_midway(obj, f):
+        real_save(obj, f)  # bytes on disk, then torch's C++ writer gives up without an errno
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . PytorchStreamWriter failed writing file "
+                           "data/0: file write failed")
+
+    monkeypatch.setattr(torch, "save", fails_midway)
+    with pytest.raises(StorageError, match=r"step_00000020.pt: RuntimeError: \[enforce fail.*free there"):
+        _save(tmp_path, 20, keep=2)
+    assert _files(tmp_path) == ["step_00000010.pt"] and torch_loads(tmp_path / "checkpoints" / "step_00000010.pt")
+
+
+def test_results_are_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    from trainer.errors import StorageError
+    from trainer.results import write_json
+
+    write_json(tmp_path / "results.json", {"steps": 1})
+
+    def no_space(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", no_space)
+    with pytest.raises(StorageError, match=r"results.json: ENOSPC \(No space left on device\); it needs about"):
+        write_json(tmp_path / "results.json", {"steps": 2})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json"]
+    assert (tmp_path / "results.json").read_text().strip() == '{\n  "steps": 1\n}'
+
+
+def test_metrics_rows_a_full_disk_refuses_wait_in_memory_and_never_leave_half_a_row(tmp_path, monkeypatch, capsys):
+    import errno
+    import json
+    import os
+
+    from trainer.errors import StorageError
+    from trainer.metrics_logger import JsonLines
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2, "trunc')  # a crash while writing row 2
+    rows = JsonLines(path)
+    assert "ends in an incomplete row" in capsys.readouterr().err
+    rows.append({"step": 3})
+    real_write = os.write
+
+    def half_then_full(fd, data):
+        real_write(fd, data[: len(data) // 2])
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "write", half_then_full)
+    rows.append({"step": 4})
+    rows.append({"step": 5})
+    assert capsys.readouterr().err.count("kept in memory") == 1
+    with pytest.raises(StorageError, match="metrics rows to"):
+        rows.write_pending()  # what the next checkpoint does first
+    assert path.read_text().endswith('"step": 3}\n')  # cut back to the last whole row
+    monkeypatch.setattr(os, "write", real_write)  # space again
+    rows.write_pending()
+    rows.close()
+    lines = path.read_text().splitlines()
+    assert lines[1] == '{"step": 2, "trunc'  # the damaged row stays, alone on its line
+    assert [json.loads(line)["step"] for line in lines[:1] + lines[2:]] == [1, 3, 4, 5]

@@ -35,7 +35,9 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
+from trainer import storage
 from trainer.errors import ConfigError
+from trainer.stop import writing
 
 log = logging.getLogger(__name__)
 
@@ -79,18 +81,35 @@ def save_best(run_dir: Path, state: Dict[str, Any]) -> Path:
 
 
 def _write_atomically(final: Path, state: Dict[str, Any]) -> Path:
-    """torch.save to a temp file in the same folder, fsync, rename: never a partial file under ``final``."""
+    """torch.save to a temp file in the same folder, fsync, rename: never a partial file under ``final``.
+
+    The room is checked first (the tensors' bytes against the filesystem's free bytes), so a full
+    disk is refused before writing; a write that fails anyway (quota, another writer filled the
+    disk, read-only) removes its temp file and becomes a StorageError naming the path and sizes.
+    """
     folder = final.parent
-    folder.mkdir(parents=True, exist_ok=True)
-    fd, temp_name = tempfile.mkstemp(prefix=f"{_TEMP_PREFIX}{final.stem}_", suffix=".pt", dir=folder)
+    needed = storage.nbytes(state) + storage.HEADROOM
     try:
-        with os.fdopen(fd, "wb") as f:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise (storage.failure("checkpoint", final, needed, e) if storage.is_storage_failure(e) else e) from None
+    storage.check_room("checkpoint", final, needed)
+    temp_name = None
+    try:
+        fd, temp_name = tempfile.mkstemp(prefix=f"{_TEMP_PREFIX}{final.stem}_", suffix=".pt", dir=folder)
+        with writing(temp_name), os.fdopen(fd, "wb") as f:  # a Ctrl-C meanwhile removes it
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(temp_name, final)
-    except BaseException:
-        Path(temp_name).unlink(missing_ok=True)
+            os.replace(temp_name, final)
+    except BaseException as e:
+        if temp_name is not None:
+            try:
+                Path(temp_name).unlink(missing_ok=True)
+            except OSError:
+                pass
+        if isinstance(e, Exception) and storage.is_storage_failure(e):
+            raise storage.failure("checkpoint", final, needed, e) from None
         raise
     _fsync_dir(folder)  # the rename itself survives a power loss only once the directory is synced
     return final

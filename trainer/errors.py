@@ -16,3 +16,19 @@ class Preempted(Exception):
         super().__init__(f"stopped on SIGTERM at step {step}, checkpoint written: {checkpoint}. To resume, run the "
                          f"same command with run_dir={run_dir} (checkpoint.resume=auto finds it)")
         self.step, self.checkpoint = step, checkpoint
+
+
+class RunDirInUse(ConfigError):
+    """Another run owns the run directory (trainer/run_lock.py); the message names it. Exit 2: ``run_dir``."""
+
+
+class StorageError(Exception):
+    """A checkpoint, results or metrics write failed for lack of room or rights (trainer/storage.py).
+
+    Every rank stops with it at the collective that ends the write; the run exits 5 and the
+    message names the path, the bytes needed and free, the last good checkpoint and what to do.
+    """
+
+    def __init__(self, message: str, path=None, needed=None, free=None):
+        super().__init__(message)
+        self.path, self.needed, self.free = path, needed, free

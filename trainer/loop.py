@@ -87,7 +87,8 @@ class Trainer:
                     last_read = step
                     if save or clock_due:
                         self.checkpoints.saved()
-                        run.state.save(step, step // run.steps_per_epoch, self.logger.run_id)
+                        run.state.save(step, step // run.steps_per_epoch, self.logger.run_id,
+                                       before=self.logger.write_pending)  # rows a full disk held back
                     run.perf.timer.restart()
                 if preempted:
                     raise Preempted(step, run.state.last_saved, self.rt.run_dir)

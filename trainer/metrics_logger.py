@@ -15,6 +15,7 @@ time to write the run's files), and never longer: a stuck W&B cannot hang the ex
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pickle
@@ -28,7 +29,8 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from trainer import wandb_sidecar
+from trainer import storage, wandb_sidecar
+from trainer.errors import StorageError
 from trainer.wandb_sidecar import FAILURE_HINT
 
 SIDECAR = Path(wandb_sidecar.__file__)  # run as a script: it imports the standard library and wandb only
@@ -40,7 +42,7 @@ class MetricsLogger:
                  run_id: Optional[str] = None, enabled: bool = True):
         """``run_id``: rank 0's W&B run to continue (resume); ``enabled=False`` logs nothing."""
         self.enabled = enabled and rank == 0  # metrics.jsonl and the summaries
-        self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1) if self.enabled else None
+        self._jsonl = JsonLines(run_dir / "metrics.jsonl") if self.enabled else None
         wandb_cfg = cfg_logger.wandb
         use_wandb = enabled and cfg_logger.backend.value == "wandb" and (rank == 0 or wandb_cfg.all_ranks)
         # Chosen here, not by W&B, so that a checkpoint written before W&B is up still names its run.
@@ -53,15 +55,20 @@ class MetricsLogger:
 
     def log(self, metrics: Dict[str, Any], step: int) -> None:
         if self._jsonl is not None:
-            self._jsonl.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
+            self._jsonl.append({"step": step, "time": time.time(), **metrics})
         if self._sidecar is not None:
             self._sidecar.send("log", {"step": step, **metrics})
 
     def summary(self, values: Dict[str, Any]) -> None:
         if self._jsonl is not None:
-            self._jsonl.write(json.dumps({"summary": values, "time": time.time()}) + "\n")
+            self._jsonl.append({"summary": values, "time": time.time()})
         if self._sidecar is not None:
             self._sidecar.send("summary", dict(values))
+
+    def write_pending(self) -> None:
+        """Appends the rows a failed write left in memory; raises StorageError if they still cannot be written."""
+        if self._jsonl is not None:
+            self._jsonl.write_pending()
 
     def table(self, key: str, columns: List[str], rows: List[List[Any]], bar: Optional[tuple] = None) -> None:
         """A W&B table (and optionally a bar chart of column ``bar[1]`` by ``bar[0]``)."""
@@ -158,3 +165,67 @@ class WandbSidecar:
 def new_run_id() -> str:
     """A W&B run id (8 lowercase letters and digits), made without importing wandb."""
     return "".join(random.SystemRandom().choice(string.ascii_lowercase + string.digits) for _ in range(8))
+
+
+class JsonLines:
+    """metrics.jsonl, appended one whole row at a time; a row that cannot be written waits in memory.
+
+    Only rank 0 of the run directory's owner (trainer/run_lock.py) appends, so a failed write
+    can be cut back to the last whole row: a full disk never leaves half a row. A file that
+    already ends in half a row (a crash, a power loss) gets a line break first, so that the
+    bad row stays one unreadable line and every new row is whole. Rows that fail (no space,
+    quota, read-only) are kept in memory in order, retried with the next row, and written
+    before the next checkpoint (``write_pending``), where a lasting failure stops the run
+    (trainer/storage.py).
+    """
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        self._pending: List[bytes] = []
+        self._warned = False
+        if self._ends_in_half_a_row():
+            print(f"[logger] {path} ends in an incomplete row (a crash while writing it); it stays as one "
+                  "unreadable line and new rows start on the next line", file=sys.stderr, flush=True)
+            self._pending.append(b"\n")
+
+    def _ends_in_half_a_row(self) -> bool:
+        size = os.fstat(self._fd).st_size
+        if size == 0:
+            return False
+        with open(self.path, "rb") as f:  # another descriptor of this file: no lock lives on it
+            f.seek(size - 1)
+            return f.read(1) != b"\n"
+
+    def append(self, row: Dict[str, Any]) -> None:
+        self._pending.append((json.dumps(row) + "\n").encode())
+        try:
+            self.write_pending()
+        except StorageError as e:  # said once, retried with the next row and before the next checkpoint
+            if not self._warned:
+                self._warned = True
+                print(f"[logger] {e}; rows are kept in memory and written before the next checkpoint",
+                      file=sys.stderr, flush=True)
+
+    def write_pending(self) -> None:
+        while self._pending and self._fd is not None:
+            data = self._pending[0]
+            size = os.fstat(self._fd).st_size
+            try:
+                written = os.write(self._fd, data)
+                if written != len(data):
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            except OSError as e:
+                try:
+                    os.ftruncate(self._fd, size)  # never half a row
+                except OSError:
+                    pass
+                if not storage.is_storage_failure(e):
+                    raise
+                raise storage.failure("metrics rows to", self.path, sum(map(len, self._pending)), e) from None
+            self._pending.pop(0)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None

@@ -7,7 +7,10 @@ from typing import Any, Dict, List
 
 
 def write_json(path: Path, obj: Any) -> None:
-    path.write_text(json.dumps(obj, indent=2, default=str) + "\n")
+    """Whole or not at all; a failure for lack of room or rights is a StorageError naming the path (trainer/storage.py)."""
+    from trainer.storage import write_text_atomically
+
+    write_text_atomically(path.name, path, json.dumps(obj, indent=2, default=str) + "\n")
 
 
 def markdown_table(columns: List[str], rows: List[List[Any]]) -> str:

@@ -19,7 +19,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, RunDirInUse
+from trainer.run_lock import RunDirLock, acquire
 
 _LOADED_AT = time.time()
 
@@ -54,6 +55,8 @@ class Runtime:
     device: torch.device
     distributed: bool
     run_dir: Path
+    lock: Optional["RunDirLock"] = None  # rank 0's claim on run_dir (trainer/run_lock.py)
+    opened: bool = False  # the run directory is in use (make_run_dir): it stays when the run ends
 
     @property
     def is_main(self) -> bool:
@@ -75,6 +78,7 @@ class Runtime:
         """Creates the agreed run directory (rank 0) once the run is built; every rank waits for it."""
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.opened = True
         self.barrier()
 
     def close(self, clean: bool = True) -> None:
@@ -87,6 +91,9 @@ class Runtime:
                 except Exception:
                     pass
             dist.destroy_process_group()
+        if self.lock is not None:  # last: no rank of this job writes into the directory any more
+            self.lock.release(remove_dirs=not self.opened)
+            self.lock = None
 
 
 def pick_device(requested: str) -> torch.device:
@@ -113,8 +120,9 @@ def pick_device(requested: str) -> torch.device:
 
 
 def start(device: torch.device, output_root: str, run_dir: Optional[str], run_name: str,
-          collective_timeout_s: float = 600.0) -> Runtime:
-    """Joins the process group (when launched by torchrun) and agrees on one run directory."""
+          collective_timeout_s: float = 600.0, take_over_run_dir: bool = False) -> Runtime:
+    """Joins the process group (when launched by torchrun) and agrees on one run directory, which
+    rank 0 claims for the whole job (trainer/run_lock.py) before anything is written there."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = env_rank(), int(os.environ.get("LOCAL_RANK", "0"))
     distributed = "RANK" in os.environ and "MASTER_ADDR" in os.environ
@@ -132,10 +140,19 @@ def start(device: torch.device, output_root: str, run_dir: Optional[str], run_na
         decided = None
         if rank == 0:
             chosen = _choose_run_dir(output_root, run_dir, run_name)
-            decided = (chosen, _why_not_writable(Path(chosen)))
-        chosen, problem = rt.broadcast_object(decided)
+            problem, error = _why_not_writable(Path(chosen)), ConfigError
+            if problem is None:
+                try:
+                    rt.lock = acquire(Path(chosen), take_over=take_over_run_dir)
+                except RunDirInUse as e:
+                    problem, error = str(e), RunDirInUse
+                except OSError as e:
+                    problem = (f"cannot claim the run directory {chosen!r} ({e.strerror}: {e.filename!r}): "
+                               "set output_root=... or run_dir=... to a writable place")
+            decided = (chosen, problem, error.__name__)
+        chosen, problem, error = rt.broadcast_object(decided)
         if problem:  # every rank stops with rank 0's reason, none waits for it
-            raise ConfigError(problem)
+            raise (RunDirInUse if error == RunDirInUse.__name__ else ConfigError)(problem)
         rt.run_dir = Path(chosen)
     except BaseException:
         rt.close(clean=False)
@@ -171,8 +188,9 @@ def _choose_run_dir(output_root: str, run_dir: Optional[str], run_name: str) -> 
 def _why_not_writable(path: Path) -> Optional[str]:
     """Why ``path`` could not be created and written, or None; creates nothing.
 
-    The run directory itself is made only once the run is built (``Runtime.make_run_dir``),
-    so that a config error leaves no empty directory behind.
+    The run directory is made when rank 0 claims it (trainer/run_lock.py); if the run ends
+    before it opens the directory (``Runtime.make_run_dir``: a config error found while
+    building), the claim removes what it made, so that no empty directory stays behind.
     """
     existing = path
     while not existing.exists() and existing != existing.parent:

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from trainer.checkpoint import (UnreadableCheckpoint, check_compatible, latest_checkpoint, load_checkpoint,
                                 load_optimizer_state, rng_state, save_checkpoint, save_best, set_rng_state)
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, StorageError
 from trainer.runtime import Runtime, print_once, seed_rank_streams
 
 log = logging.getLogger(__name__)
@@ -30,6 +30,7 @@ class TrainingState:
         self.scaler = scaler
         self.recipe_name, self.config, self.seed, self.keep = recipe_name, config, seed, keep
         self.last_saved: Optional[Path] = None  # the newest checkpoint this run wrote (rank 0 knows the path)
+        self.last_good: Optional[Path] = None  # the newest checkpoint on disk known good: resumed from, or written
         self.best: Optional[Dict[str, Any]] = None  # {"metric", "value", "step"} of best.pt, carried across resumes
 
     def _all_rng_states(self):
@@ -41,9 +42,16 @@ class TrainingState:
         dist.all_gather_object(states, mine)
         return states
 
-    def save(self, step: int, epoch: int, wandb_run_id: Optional[str]) -> None:
-        """Rank 0 writes the full training state; every rank takes part (RNG states) and waits for it."""
+    def save(self, step: int, epoch: int, wandb_run_id: Optional[str],
+             before: Optional[Callable[[], None]] = None) -> None:
+        """Rank 0 writes the full training state; every rank takes part (RNG states) and learns the outcome.
+
+        ``before``: rank 0's other writes due first (metrics rows that could not be appended).
+        A storage failure on rank 0 reaches every rank in the broadcast that ends the save, and
+        every rank raises the same StorageError: the run stops together (trainer/storage.py).
+        """
         rng = self._all_rng_states()
+        failed = None
         if self.rt.is_main:
             state = {
                 "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
@@ -53,8 +61,29 @@ class TrainingState:
             }
             if self.scaler is not None:
                 state["scaler"] = self.scaler.state_dict()  # scale and growth tracker: the next steps depend on them
-            self.last_saved = save_checkpoint(self.rt.run_dir, step, state, self.keep)
-        self.rt.barrier()
+            try:
+                if before is not None:
+                    before()
+                self.last_saved = self.last_good = save_checkpoint(self.rt.run_dir, step, state, self.keep)
+            except StorageError as e:
+                failed = self.storage_advice(str(e))
+        self.agree_on_storage(failed)
+
+    def storage_advice(self, said: str) -> str:
+        """A storage failure's message, completed with the last good checkpoint and what to do."""
+        if self.last_good is None:
+            lost = "no checkpoint of this run is on disk yet, so the same command will start over"
+        else:
+            lost = f"the last good checkpoint is {self.last_good}; the same command resumes from it"
+        return (f"{said}. Nothing was left half-written; {lost}. Free space there (fewer checkpoints: lower "
+                f"checkpoint.keep) or fix the directory's rights, then run the same command with "
+                f"run_dir={self.rt.run_dir}")
+
+    def agree_on_storage(self, failed: Optional[str]) -> None:
+        """Rank 0's write outcome on every rank (this is the collective that ends the write): all raise or none."""
+        failed = self.rt.broadcast_object(failed)
+        if failed:
+            raise StorageError(failed)
 
     def resume(self, checkpoint_cfg) -> Tuple[int, Optional[str]]:
         """Puts back what ``checkpoint.resume`` finds (else ``checkpoint.init_from``'s weights), before any
@@ -86,6 +115,7 @@ class TrainingState:
         self.step_counter.fill_(state["step"])
         self._restore_rng(state)
         self.best = state.get("best")
+        self.last_good = path
         print_once(f"resumed from {path} at step {state['step']}")
         return state
 
@@ -124,10 +154,14 @@ class TrainingState:
         if self.best is not None and (value >= self.best["value"] if lower_is_better else value <= self.best["value"]):
             return False
         self.best = {"metric": metric, "value": value, "step": step}
+        failed = None
         if self.rt.is_main:
-            save_best(self.rt.run_dir, {"model": self.model.state_dict(), "step": step, "best": self.best,
-                                        "recipe": self.recipe_name, "config": self.config})
-        self.rt.barrier()
+            try:
+                save_best(self.rt.run_dir, {"model": self.model.state_dict(), "step": step, "best": self.best,
+                                            "recipe": self.recipe_name, "config": self.config})
+            except StorageError as e:
+                failed = self.storage_advice(str(e))
+        self.agree_on_storage(failed)
         return True
 
 

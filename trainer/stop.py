@@ -1,7 +1,7 @@
 """Stopping on a signal without losing work and without waiting on a peer that may be gone.
 
-- SIGINT (Ctrl-C; torchrun forwards it to every rank): each rank prints one line and exits
-  at once with 130, skipping the orderly teardown. A rank that waited for its peers in a
+- SIGINT (Ctrl-C; torchrun forwards it to every rank): every rank exits at once with 130,
+  skipping the orderly teardown; rank 0 says so in one line (every rank got the same signal). A rank that waited for its peers in a
   barrier or a collective could wait forever if one of them is already gone.
 - SIGTERM (SLURM preemption, ``scancel``, Kubernetes): the ranks agree to stop at the same
   step (``StopAgreement``), write a checkpoint and exit with 143; the same command
@@ -26,6 +26,33 @@ EXIT_INTERRUPTED, EXIT_PREEMPTED = 130, 143
 TERM_GRACE_S = 15.0  # SIGTERM to exit at the latest; torchrun and SLURM send SIGKILL after 30 s
 
 _stop_requested = threading.Event()
+_unfinished: set = set()  # temp files being written (checkpoints, results): removed before a hard exit
+
+
+class writing:
+    """``with writing(temp_path):`` while a temp file is written: a hard exit (Ctrl-C, a second signal, the
+    grace deadline) removes it rather than leaving half a file behind. A SIGKILL cannot; the next
+    checkpoint's retention removes what it left (trainer/checkpoint.py)."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __enter__(self):
+        _unfinished.add(self.path)
+        return self
+
+    def __exit__(self, *exc):
+        _unfinished.discard(self.path)
+        return False
+
+
+def _exit_now(code: int) -> None:
+    for path in list(_unfinished):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    os._exit(code)
 
 
 def install() -> bool:
@@ -43,7 +70,9 @@ def stop_requested() -> bool:
     return _stop_requested.is_set()
 
 
-def _say(line: str) -> None:
+def _say(line: str, every_rank: bool = True) -> None:
+    if not every_rank and os.environ.get("RANK", "0") != "0":
+        return
     try:
         sys.stderr.write(f"[rank {os.environ.get('RANK', '0')}] {line}\n")
         sys.stderr.flush()
@@ -56,8 +85,8 @@ def _take_signals(signals) -> None:
         sig = signal.sigwait(signals)
         if sig == signal.SIGINT or _stop_requested.is_set():
             name = "interrupted (SIGINT)" if sig == signal.SIGINT else "second SIGTERM"
-            _say(f"{name}: stopping now, without writing a checkpoint")
-            os._exit(EXIT_INTERRUPTED if sig == signal.SIGINT else EXIT_PREEMPTED)
+            _say(f"{name}: stopping now, without writing a checkpoint", every_rank=False)  # all got it
+            _exit_now(EXIT_INTERRUPTED if sig == signal.SIGINT else EXIT_PREEMPTED)
         _stop_requested.set()  # said once the ranks have stopped (trainer/errors.py Preempted)
         threading.Thread(target=_exit_after_grace, name="stop-deadline", daemon=True).start()
 
@@ -65,7 +94,7 @@ def _take_signals(signals) -> None:
 def _exit_after_grace() -> None:
     time.sleep(TERM_GRACE_S)
     _say(f"SIGTERM: not stopped after {TERM_GRACE_S:.0f} s; exiting without a new checkpoint")
-    os._exit(EXIT_PREEMPTED)
+    _exit_now(EXIT_PREEMPTED)
 
 
 class StopAgreement:
