@@ -48,7 +48,8 @@ def explain_capture_failure(err: BaseException, capture_error_mode: str) -> str:
         if capture_error_mode == "global":
             cause += "; {capture_error_mode}=thread_local tolerates calls from other threads"
     elif "capturable" in low:
-        cause = ("the optimizer is not capture-safe: build it with capturable=True (or fused=True) on CUDA; "
+        cause = ("the optimizer is not capture-safe: build it with capturable=True on CUDA (fused=True alone is "
+                 "refused too; GraphedStep turns capturable on for an optimizer handed over before its first step); "
                  "graphing.graph_safe_optimizer_kwargs gives the arguments")
     elif "shape" in low or "size" in low and "mismatch" in low:
         cause = "the step's shapes changed between warm-up and capture; every batch must have the same shape"
