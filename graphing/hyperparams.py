@@ -111,10 +111,6 @@ class CarriedHyperparameters:
                         f"Set '{key}' before the first call, or build a new GraphedStep (close() this one) to "
                         "capture with the new value"))
 
-    def carried_lrs(self) -> List[torch.Tensor]:
-        """The device tensors the step reads its lr from, one per param group."""
-        return list(self.lrs)
-
 
 def _show(value: Any) -> str:
     if isinstance(value, torch.Tensor):

@@ -95,11 +95,11 @@ class WholeStepGraphExecutor(Executor):
 
     def _find_the_line(self, fn: Callable[[], None]) -> List[str]:
         """The doctor's checks over one more eager step (every rank: its collectives must match)."""
-        from graphing.doctor.one_step import blocking_findings, describe, on_every_rank
+        from graphing.doctor.one_step import blocking_findings, describe
 
         model = next((m for m in (getattr(self, "train_model", None), self.eval_model) if m is not None),
                      torch.nn.Module())  # an executor driven without wrap_model has no model to watch
-        return on_every_rank(describe(blocking_findings(fn, model, self.device, self.side)))
+        return describe(blocking_findings(fn, model, self.device, self.side))
 
     def close(self) -> None:
         # Graphs hold a private memory pool and captured NCCL work: release them before the

@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from graphing.doctor.eager_checks import EagerChecks
 from graphing.doctor.findings import BLOCKS, Finding, in_report_order
+from graphing.doctor.ranks import gather_findings
 from graphing.doctor.step_runner import on_side_stream
 from graphing.executor import distributed
 
@@ -32,20 +33,11 @@ def blocking_findings(fn: Callable[[], None], model: torch.nn.Module, device: to
 
 
 def describe(findings: Sequence[Finding]) -> List[str]:
-    """One line per finding: kind, file:line, what was seen, and the fix."""
-    return [f"{f.kind} at {f.where}: {f.what}. Fix: {f.fix}" for f in findings]
-
-
-def on_every_rank(lines: List[str]) -> List[str]:
-    """Every rank's lines, each once, marked with the ranks that saw it (a collective when distributed)."""
-    if not distributed():
-        return lines
-    gathered: List[Optional[List[str]]] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, lines)
-    ranks_of: dict = {}
-    for rank, seen in enumerate(gathered):
-        for line in seen or []:
-            ranks_of.setdefault(line, []).append(rank)
-    everyone = list(range(len(gathered)))
-    return [line if ranks == everyone else f"{line} (rank {', '.join(map(str, ranks))})"
-            for line, ranks in ranks_of.items()]
+    """One line per finding (kind, file:line, what was seen, the fix), gathered from every rank when
+    distributed (a collective): a finding not every rank saw names its ranks."""
+    world = 1
+    if distributed():
+        findings, world = gather_findings(list(findings)), dist.get_world_size()
+    return [f"{f.kind} at {f.where}: {f.what}. Fix: {f.fix}"
+            + (f" (rank {', '.join(map(str, f.ranks))})" if world > 1 and len(f.ranks) < world else "")
+            for f in findings]

@@ -1,7 +1,7 @@
 """Under a process group every rank checks its own step; all ranks get one merged report."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch.distributed as dist
 
@@ -10,19 +10,34 @@ from graphing.doctor.findings import Finding, in_report_order
 from graphing.doctor.report import DoctorReport, verdict_of
 
 
+def merge_findings(per_rank: Iterable[Iterable[Finding]]) -> List[Finding]:
+    """Each (kind, file, line) once, with the union of the ranks that saw it, in report order."""
+    merged: Dict[Tuple[str, str, int], Finding] = {}
+    for findings in per_rank:
+        for f in findings:
+            if f.key in merged:
+                merged[f.key].ranks = sorted(set(merged[f.key].ranks) | set(f.ranks))
+            else:
+                merged[f.key] = f
+    return in_report_order(merged.values())
+
+
+def gather_findings(findings: List[Finding]) -> List[Finding]:
+    """Every rank's findings (each marked with its rank), merged, on every rank (a collective)."""
+    rank = dist.get_rank()
+    for f in findings:
+        f.ranks = [rank]
+    gathered: List[Optional[List[Finding]]] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, findings)
+    return merge_findings(seen or [] for seen in gathered)
+
+
 def merge_ranks(report: DoctorReport) -> DoctorReport:
     """Every rank's report merged into one, on every rank (a collective: all ranks call it)."""
     gathered: List[Optional[Dict[str, Any]]] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, report.to_dict())
     reports = [DoctorReport.from_dict(d) for d in gathered]
-    merged: Dict[Tuple[str, str, int], Finding] = {}
-    for r in reports:
-        for f in r.findings:
-            if f.key in merged:
-                merged[f.key].ranks = sorted(set(merged[f.key].ranks) | set(f.ranks))
-            else:
-                merged[f.key] = f
-    findings = in_report_order(merged.values())
+    findings = merge_findings(r.findings for r in reports)
     first = reports[0]
     failed = next((r.capture for r in reports if r.capture.startswith("failed")), first.capture)
     eager = [r.eager_step_ms for r in reports if r.eager_step_ms is not None]
