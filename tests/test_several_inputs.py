@@ -109,6 +109,18 @@ def importable(tmp_path, monkeypatch):
         del sys.modules[name]
 
 
+def refused_once(train_here, builder: str, needle: str) -> str:
+    """Trains with ``user_inputs.masked_sum.<builder>``: exit 2, ``needle`` said once, no traceback, no run
+    directory left behind (a config error). Returns what was printed."""
+    done = train_here([*ARGS, f"recipe._target_=user_inputs.masked_sum.{builder}"])
+    text = done.stdout + done.stderr
+    assert done.returncode == 2, text[-3000:]
+    assert text.count(needle) == 1, text[-3000:]
+    assert "Traceback" not in text
+    assert not done.output_root.exists(), "a config error leaves no run directory behind"
+    return text
+
+
 def test_a_model_with_two_inputs_gets_both_under_two_gloo_ranks_through_host_workers(out, user_package):
     done = launch([*ARGS, "graph=eager", "recipe.data.loader=host", "recipe.data.num_workers=2"], out, nproc=2,
                   env=user_package, timeout=180)
@@ -130,26 +142,18 @@ def test_the_device_loader_gives_the_model_both_inputs_too(train_here, importabl
 
 @pytest.mark.fast
 def test_a_dataset_item_of_three_values_is_named_once_before_training(train_here, importable):
-    done = train_here([*ARGS, "recipe._target_=user_inputs.masked_sum.build_with_triples"])
-    text = done.stdout + done.stderr
-    assert done.returncode == 2, text[-3000:]
-    needle = ("recipe._target_=user_inputs.masked_sum.build_with_triples returned data the loaders cannot read: "
-              "in its train split, item 0 is a tuple of 3 values")
-    assert text.count(needle) == 1, text[-3000:]
+    text = refused_once(train_here, "build_with_triples",
+                        "recipe._target_=user_inputs.masked_sum.build_with_triples returned data the loaders cannot "
+                        "read: in its train split, item 0 is a tuple of 3 values")
     assert 'a dict {"x": ..., "y": ..., <input name>: ...}' in text
-    assert "Traceback" not in text and "unpack" not in text
-    assert not done.output_root.exists(), "a config error leaves no run directory behind"
+    assert "unpack" not in text
 
 
 @pytest.mark.fast
 def test_inputs_no_forward_passes_on_are_refused_not_dropped(train_here, importable):
-    done = train_here([*ARGS, "recipe._target_=user_inputs.masked_sum.build_without_forward"])
-    text = done.stdout + done.stderr
-    assert done.returncode == 2, text[-3000:]
-    needle = ("returned train data with the inputs 'attention_mask' besides 'x' and 'y', but no Recipe.forward to "
-              "pass them to the model")
-    assert text.count(needle) == 1, text[-3000:]
-    assert "Traceback" not in text and not done.output_root.exists()
+    refused_once(train_here, "build_without_forward",
+                 "returned train data with the inputs 'attention_mask' besides 'x' and 'y', but no Recipe.forward to "
+                 "pass them to the model")
 
 
 @pytest.mark.fast

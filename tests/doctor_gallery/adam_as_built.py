@@ -3,20 +3,11 @@ capturable before its first step and carries the lr: ready, and the graph matche
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from doctor_gallery import Case, batches, small_model
+from doctor_gallery import Case, batches, mse_step, small_model
 
 
 def build(device):
     model = small_model(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, fused=device.type == "cuda")
-
-    def step(model, x, y):
-        optimizer.zero_grad(set_to_none=True)
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        optimizer.step()
-        return loss.detach()
-
-    return Case(step, model, optimizer, batches(device), verdict="ready", expect="matches")
+    return Case(mse_step(optimizer), model, optimizer, batches(device), verdict="ready", expect="matches")

@@ -3,9 +3,8 @@ Carried into the graph by GraphedStep (no finding); the graphed steps match eage
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from doctor_gallery import Case, batches, small_model
+from doctor_gallery import Case, batches, mse_step, small_model
 
 
 def build(device):
@@ -19,13 +18,6 @@ def build(device):
             group["lr"] = lrs[-1]
         return next_batch()
 
-    def step(model, x, y):
-        optimizer.zero_grad(set_to_none=True)
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        optimizer.step()
-        return loss.detach()
-
     # extra: the lr each group shows after the steps, as the loop wrote it (the graph must not replace it)
-    return Case(step, model, optimizer, loop_inputs, verdict="ready", expect="matches",
+    return Case(mse_step(optimizer), model, optimizer, loop_inputs, verdict="ready", expect="matches",
                 extra=lambda: [group["lr"] for group in optimizer.param_groups])

@@ -9,9 +9,8 @@ from __future__ import annotations
 import torch.nn as nn
 
 import torch
-import torch.nn.functional as F
 
-from doctor_gallery import Case, batches, sgd
+from doctor_gallery import Case, batches, mse_step, sgd
 
 
 def build(device):
@@ -19,11 +18,4 @@ def build(device):
     model = nn.Sequential(nn.Linear(4, 16), nn.SyncBatchNorm(16), nn.ReLU(), nn.Linear(16, 1)).to(device)
     optimizer = sgd(model, device)
 
-    def step(model, x, y):
-        optimizer.zero_grad(set_to_none=True)
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        optimizer.step()
-        return loss.detach()
-
-    return Case(step, model, optimizer, batches(device), verdict="ready", expect="matches")
+    return Case(mse_step(optimizer), model, optimizer, batches(device), verdict="ready", expect="matches")
