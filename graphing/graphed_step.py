@@ -128,17 +128,16 @@ class GraphedStep:
         if self.optimizer is not None and self.phase == "capture":
             self.optimizer.zero_grad(set_to_none=True)  # backward then allocates .grad in the graph's pool
         hyperparams = self.hyperparams
-        if hyperparams is None:
-            self.executor.run(StepRole.train, self._stage, self._run)
-            return self._outputs
         try:
             self.executor.run(StepRole.train, self._stage, self._run)
         except BaseException:
-            hyperparams.restore()
+            if hyperparams is not None:
+                hyperparams.restore()
             raise
-        hyperparams.after_call(getattr(self.step_fn, "__qualname__", "the step function"))
-        if self.phase == "graph":
-            hyperparams.freeze_the_rest()
+        if hyperparams is not None:
+            hyperparams.after_call(getattr(self.step_fn, "__qualname__", "the step function"))
+            if self.phase == "graph":
+                hyperparams.freeze_the_rest()
         return self._outputs
 
     def _stage(self) -> None:

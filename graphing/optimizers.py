@@ -111,6 +111,7 @@ def make_graph_safe(optimizer: torch.optim.Optimizer, dry_run: bool = False) -> 
     before = [(where, key, where.get(key, _ABSENT)) for where, key, _ in changes]
     for where, key, _ in changes:
         where[key] = True
+    problem: Optional[str] = None
     try:
         problem = optimizer_capture_problem(optimizer)
     finally:

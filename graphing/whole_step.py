@@ -5,7 +5,7 @@ graph per rank, and evaluation as a forward-only graph sharing its memory pool.
 from __future__ import annotations
 
 import gc
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -22,6 +22,7 @@ class WholeStepGraphExecutor(Executor):
         self.side = torch.cuda.Stream(device=self.device)  # warm-up, DDP construction and capture all run here
         # One graph per role, all in one memory pool (eval's replays never overlap train's).
         self.graphs: Dict[StepRole, torch.cuda.CUDAGraph] = {}
+        self.train_model: Optional[torch.nn.Module] = None  # what the captured step calls (DDP-wrapped)
         self.pool = None
         self.fallen_back = False
         # Eager calls before capture: train needs DDP's warm-up; eval needs one pass to
@@ -97,7 +98,7 @@ class WholeStepGraphExecutor(Executor):
         """The doctor's checks over one more eager step (every rank: its collectives must match)."""
         from graphing.doctor.one_step import blocking_findings, describe
 
-        model = next((m for m in (getattr(self, "train_model", None), self.eval_model) if m is not None),
+        model = next((m for m in (self.train_model, self.eval_model) if m is not None),
                      torch.nn.Module())  # an executor driven without wrap_model has no model to watch
         return describe(blocking_findings(fn, model, self.device, self.side))
 
