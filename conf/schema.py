@@ -69,6 +69,9 @@ class DataConfig:
     loader: LoaderKind = LoaderKind.device
     batch_size: int = 64  # per rank
     eval_batch_size: int = 1000  # per rank; the last batch is padded and masked
+    # false: each epoch's last partial training batch is a smaller step (its own graph), padded
+    # and masked across ranks; true: it is dropped
+    drop_last: bool = False
     num_workers: int = 0  # DataLoader worker processes (host loader; device loader: for reading the data once)
     train_size: Optional[int] = None  # synthetic: how many to draw; folder: a seeded subset; None: all
     test_size: Optional[int] = None
@@ -98,6 +101,8 @@ class GraphConfig:
     on_failure: OnCaptureFailure = OnCaptureFailure.fail
     compare: bool = False  # time eager steps, then graph steps, in this process
     compare_steps: int = 100
+    max_graphs: int = 8  # graphs per step role, one per input shape (a last partial batch, sequence-length buckets)
+    shape_warmup_iters: int = 1  # eager steps at each further shape before its capture
 
 
 @dataclass

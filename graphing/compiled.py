@@ -20,7 +20,8 @@ class CompiledExecutor(Executor):
         # Compile the DDP module so that DDP's optimizer splits graphs at bucket boundaries.
         return torch.compile(self._ddp(model), mode="reduce-overhead")
 
-    def run(self, role, stage, fn):
+    def run(self, role, stage, fn, shape=None):
+        # A new input shape is torch.compile's to handle: it records a graph per shape itself.
         if role is StepRole.train:
             torch.compiler.cudagraph_mark_step_begin()  # outputs of the last replay may be overwritten
-        super().run(role, stage, fn)
+        super().run(role, stage, fn, shape)

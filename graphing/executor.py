@@ -2,9 +2,11 @@
 
 An executor decides how one step runs. The caller hands it two callables per
 ``StepRole`` (train or eval): ``stage``, host work that fills the step's static inputs,
-and ``fn``, the device work of the step itself. ``run(role, stage, fn)`` executes one
-step; ``phase(role)`` names what the next step will be (warmup, eager, capture, graph)
-so that timings are filed honestly; ``report`` says what ran (``ExecutionReport``).
+and ``fn``, the device work of the step itself. ``run(role, stage, fn, shape)`` executes
+one step; ``shape`` (any hashable whose ``str`` names it; None: the one shape) says which
+input shapes the step has, and each shape gets its own graph. ``phase(role, shape)``
+names what the next step will be (warmup, eager, capture, graph) so that timings are
+filed honestly; ``report`` says what ran (``ExecutionReport``).
 Everything that differs between modes lives in the executors; their caller never asks
 which mode it has.
 """
@@ -15,7 +17,7 @@ import logging
 from collections import Counter
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Hashable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -27,6 +29,7 @@ from graphing.options import GraphOptions, literal, own_name
 log = logging.getLogger(__name__)
 
 SampleInputs = Callable[[], Tuple[torch.Tensor, ...]]
+Shape = Optional[Hashable]  # a step's input shapes, as its caller names them (None: the step has one)
 
 
 class StepRole(Enum):
@@ -34,6 +37,16 @@ class StepRole(Enum):
     the train graph's memory pool)."""
     train = "train"
     eval = "eval"
+
+
+@dataclass
+class GraphRecord:
+    """One captured graph: its role, the input shape it replays, how long its capture took
+    and the shared memory pool's size once it was captured."""
+    role: StepRole
+    shape: str
+    capture_s: float
+    pool_mib: float
 
 
 @dataclass
@@ -50,13 +63,23 @@ class ExecutionReport:
     compile_model: bool = False
     capture_s: Dict[StepRole, float] = field(default_factory=dict)
     graph_pool_mib: Optional[float] = None
+    graphs: List[GraphRecord] = field(default_factory=list)
+    eager_shapes: List[str] = field(default_factory=list)
     fallback: Optional[str] = None
 
     def as_results(self) -> Dict[str, Any]:
-        """The graph numbers of a run's results: ``train_capture_s``, ``graph_pool_mib``, ..."""
+        """The graph numbers of a run's results: ``train_capture_s``, ``graph_pool_mib``, and
+        per graph ``<role>@<shape>/capture_s`` and ``.../pool_mib`` (the pool once it was captured)."""
         out: Dict[str, Any] = {f"{role.value}_capture_s": s for role, s in self.capture_s.items()}
         if self.graph_pool_mib is not None:
             out["graph_pool_mib"] = self.graph_pool_mib
+        if self.graphs:
+            out["graphs"] = len(self.graphs)
+        for g in self.graphs:
+            out[f"{g.role.value}@{g.shape}/capture_s"] = g.capture_s
+            out[f"{g.role.value}@{g.shape}/pool_mib"] = g.pool_mib
+        if self.eager_shapes:
+            out["eager_shapes"] = list(self.eager_shapes)
         if self.fallback is not None:
             out["fallback"] = self.fallback
         return out
@@ -118,10 +141,10 @@ class Executor:
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         return DDP(model, **{"device_ids": device_ids, **self.ddp_kwargs})  # a re-wrapped DDP brings its own
 
-    def phase(self, role: StepRole) -> str:
+    def phase(self, role: StepRole, shape: Shape = None) -> str:
         return "warmup" if self.calls[role] < self.warmup_iters else "eager"
 
-    def run(self, role: StepRole, stage: Callable[[], None], fn: Callable[[], None]) -> None:
+    def run(self, role: StepRole, stage: Callable[[], None], fn: Callable[[], None], shape: Shape = None) -> None:
         self._check_open()
         self.calls[role] += 1
         stage()

@@ -21,6 +21,13 @@ What happens: the first ``warmup_iters`` calls (11, what DDP needs) run eagerly 
 stream, where DDP was also built; then all ranks meet, each captures its own graph
 with ``capture_error_mode``, and they agree on the outcome: every rank replays, or every
 rank stops with the reason (``on_failure="fail"``) or goes on eagerly (``"eager"``).
+
+Inputs of another shape (a last partial batch, a few sequence lengths) get a graph of
+their own, after ``shape_warmup_iters`` eager calls at that shape, up to ``max_graphs``;
+all graphs share one memory pool (graphing/whole_step.py says why that is safe). Under
+DDP every rank must bring the same shapes at the same call: when a shape first appears
+the ranks check that they agree (one collective then, none per step; set
+``check_shapes_every_step=True`` to check every call while debugging a loop).
 A failed capture that stops the run is followed by one more eager step with the graph
 doctor's checks on, so that the error names the line in your code that broke it.
 
@@ -51,11 +58,12 @@ log = logging.getLogger(__name__)
 class GraphedStep:
     """Runs ``step_fn(model, *inputs)`` eagerly for warm-up, then as one CUDA graph per rank.
 
-    ``step_fn`` must be graph-safe: static shapes, no host syncs (``.item()``, ``.cpu()``,
+    ``step_fn`` must be graph-safe: no host syncs (``.item()``, ``.cpu()``,
     ``print(tensor)``, a tensor in an ``if``). Each call copies its tensor arguments into
-    static device buffers made at the first call (later calls must bring the same shapes
-    and dtypes) and returns what ``step_fn`` returned: in graph phase the same tensors
-    every time, overwritten by the next call, so clone what you keep.
+    static device buffers made for their shapes and dtypes (one set, and one graph, per
+    distinct set of shapes) and returns what ``step_fn`` returned: in graph phase the
+    same tensors every time that shape replays, overwritten by its next call, so clone
+    what you keep. Arguments that are not tensors are captured as values and must not change.
 
     ``mode``: "full" (default), or "eager" to run the same loop without graphs (for
     parity checks, or machines without CUDA). ``optimizer`` (full mode): made graph-safe
@@ -71,14 +79,15 @@ class GraphedStep:
                  optimizer: Optional[torch.optim.Optimizer] = None, *, mode: str = "full",
                  warmup_iters: int = 11, capture_error_mode: str = "global", on_failure: str = "fail",
                  compile_model: bool = False, ddp_kwargs: Optional[Dict[str, Any]] = None,
-                 device: Optional[torch.device] = None):
+                 device: Optional[torch.device] = None, max_graphs: int = 8, shape_warmup_iters: int = 1,
+                 check_shapes_every_step: bool = False):
         if device is None:
             device = next(model.parameters()).device
         device = torch.device(device)
         world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         self.options = GraphOptions(mode=mode, warmup_iters=warmup_iters, capture_error_mode=capture_error_mode,
-                                    on_failure=on_failure, compile_model=compile_model
-                                    ).resolved(device.type, world_size, torch.cuda.is_available())
+                                    on_failure=on_failure, compile_model=compile_model, max_graphs=max_graphs,
+                                    shape_warmup_iters=shape_warmup_iters).resolved(device.type, world_size, torch.cuda.is_available())
         if self.options.mode not in STEP_MODES:
             raise GraphConfigError(f"{{mode}}={self.options.mode.value!r}: GraphedStep runs "
                                    f"{' or '.join(repr(m.value) for m in STEP_MODES)} "
@@ -105,14 +114,15 @@ class GraphedStep:
             self.model.register_comm_hook(state, hook)
         if module is not model:
             forward_through(model, self.model)
-        self._static: Optional[Sequence[Any]] = None
+        self.check_shapes_every_step = check_shapes_every_step
+        self._slots: Dict[str, _Slot] = {}  # per input shapes: static buffers and the outputs of its graph
+        self._slot: Optional[_Slot] = None  # the current call's
         self._inputs: Sequence[Any] = ()
-        self._outputs: Any = None
 
     @property
     def phase(self) -> str:
-        """What the next call will be: "warmup", "eager", "capture" or "graph"."""
-        return self.executor.phase(StepRole.train)
+        """What the next call with the last call's shapes will be: "warmup", "eager", "capture" or "graph"."""
+        return self.executor.phase(StepRole.train, self._slot.shape if self._slot else None)
 
     @property
     def report(self) -> ExecutionReport:
@@ -120,35 +130,56 @@ class GraphedStep:
         return self.executor.report
 
     def __call__(self, *inputs: Any) -> Any:
-        if self._static is None:
-            self._static = [_static_like(x, self.device) for x in inputs]
+        shape = shapes_of(inputs)
+        slot = self._slots.get(shape)
+        if slot is None:
+            if self._slots:
+                _check_same_layout(next(iter(self._slots.values())).static, inputs)
+            self._agree_on(shape, "a new input shape first appeared")
+            slot = self._slots[shape] = _Slot(shape, [_static_like(x, self.device) for x in inputs])
         else:
-            _check_same_layout(self._static, inputs)
-        self._inputs = inputs
+            _check_same_layout(slot.static, inputs)
+            if self.check_shapes_every_step:
+                self._agree_on(shape, "check_shapes_every_step=True")
+        self._slot, self._inputs = slot, inputs
         if self.optimizer is not None and self.phase == "capture":
             self.optimizer.zero_grad(set_to_none=True)  # backward then allocates .grad in the graph's pool
         hyperparams = self.hyperparams
         try:
-            self.executor.run(StepRole.train, self._stage, self._run)
+            self.executor.run(StepRole.train, self._stage, self._run, shape)
         except BaseException:
             if hyperparams is not None:
                 hyperparams.restore()
             raise
         if hyperparams is not None:
             hyperparams.after_call(getattr(self.step_fn, "__qualname__", "the step function"))
-            if self.phase == "graph":
+            if self.report.graphs:
                 hyperparams.freeze_the_rest()
-        return self._outputs
+        return slot.outputs
+
+    def _agree_on(self, shape: str, why: str) -> None:
+        """Every rank brings ``shape`` to this call, or every rank raises, naming each rank's shapes."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return
+        shapes: list = [None] * dist.get_world_size()
+        dist.all_gather_object(shapes, shape)
+        if len(set(shapes)) > 1:
+            ranks = "; ".join(f"rank {r}: {s}" for r, s in enumerate(shapes))
+            raise ValueError(f"the ranks called GraphedStep with different input shapes ({ranks}), checked because "
+                             f"{why}: under DDP every rank must bring the same shapes at the same call (each "
+                             "shape's graph holds its own all-reduce); pad or bucket the batches alike on every rank")
 
     def _stage(self) -> None:
         if self.hyperparams is not None:
             self.hyperparams.before_call()  # the lr the loop wrote, into the tensor the step reads
-        for buffer, value in zip(self._static, self._inputs):
+        for buffer, value in zip(self._slot.static, self._inputs):
             if isinstance(value, torch.Tensor):
                 buffer.copy_(value, non_blocking=True)
 
     def _run(self) -> None:
-        self._outputs = self.step_fn(self.model, *self._static)
+        # Each graph's outputs stay referenced by its slot for the graph's life: no later
+        # capture in the shared pool is given their memory (graphing/whole_step.py).
+        self._slot.outputs = self.step_fn(self.model, *self._slot.static)
 
     def close(self) -> None:
         """Releases the graph and its memory pool: call before the process group is destroyed."""
@@ -159,6 +190,23 @@ class GraphedStep:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class _Slot:
+    """What one set of input shapes has: its name, static input buffers, its graph's outputs."""
+
+    def __init__(self, shape: str, static: Sequence[Any]):
+        self.shape, self.static, self.outputs = shape, static, None
+
+
+def shapes_of(inputs: Sequence[Any]) -> str:
+    """The tensor arguments' shapes and dtypes as one name, e.g. "64x784:float32,64:int64"
+    (a graph's name in reports; non-tensors are marked "-")."""
+    def one(x):
+        if not isinstance(x, torch.Tensor):
+            return "-"
+        return "x".join(map(str, x.shape)) + ":" + str(x.dtype).replace("torch.", "")
+    return ",".join(one(x) for x in inputs)
 
 
 def _static_like(value: Any, device: torch.device) -> Any:
@@ -172,10 +220,9 @@ def _check_same_layout(static: Sequence[Any], inputs: Sequence[Any]) -> None:
         raise ValueError(f"GraphedStep was first called with {len(static)} arguments, now with {len(inputs)}")
     for i, (buffer, value) in enumerate(zip(static, inputs)):
         if isinstance(buffer, torch.Tensor):
-            if not isinstance(value, torch.Tensor) or value.shape != buffer.shape or value.dtype != buffer.dtype:
-                got = f"{tuple(value.shape)} {value.dtype}" if isinstance(value, torch.Tensor) else type(value).__name__
-                raise ValueError(f"argument {i} changed from {tuple(buffer.shape)} {buffer.dtype} to {got}: a graph "
-                                 "replays fixed shapes; drop or pad the last partial batch")
+            if not isinstance(value, torch.Tensor):
+                raise ValueError(f"argument {i} was a tensor at the first call and is a {type(value).__name__} now: "
+                                 "pass a tensor at every call")
         elif value != buffer:
             raise ValueError(f"argument {i} changed from {buffer!r} to {value!r}: a graph replays the Python values "
                              "it was captured with; pass values that change as tensors")

@@ -11,6 +11,9 @@ from enum import Enum
 from typing import Callable, Optional
 
 DDP_MIN_WARMUP = 11  # DDP samples stats with host syncs and rebuilds buckets in its first 10 iterations
+# ... and again around every 100th forward it runs from Python (graph replays do not count):
+# a capture is never made at such a forward (graphing/whole_step.py, ``ddp_samples_next``).
+DDP_STATS_EVERY = 100
 
 
 class GraphMode(Enum):
@@ -96,6 +99,10 @@ class GraphOptions:
     ``warmup_iters``: eager steps before capture (at least 11 under DDP).
     ``eager_steps_before_capture``: further eager steps after warm-up (timed as "eager",
     for a same-process comparison).
+    ``max_graphs``: how many input shapes get a graph of their own (per step role: train,
+    eval); a shape beyond them stops the run (``on_failure="fail"``) or runs eagerly.
+    ``shape_warmup_iters``: eager calls at each shape after the first before its capture
+    (cuBLAS, cuDNN and torch.compile choose their kernels per shape).
     """
 
     mode: GraphMode = GraphMode.full
@@ -104,6 +111,8 @@ class GraphOptions:
     on_failure: str = "fail"
     compile_model: bool = False  # full mode: torch.compile(mode="default") inside the graph
     eager_steps_before_capture: int = 0
+    max_graphs: int = 8
+    shape_warmup_iters: int = 1
 
     def __post_init__(self):
         for name, kind in (("mode", GraphMode), ("capture_error_mode", CaptureErrorMode),
@@ -141,6 +150,12 @@ class GraphOptions:
             if self.warmup_iters < 1:
                 raise GraphConfigError(f"{{warmup_iters}}={self.warmup_iters} must be at least 1 (cuBLAS, cuDNN "
                                        "and the optimizer state must exist before capture): set {warmup_iters}=11")
+        if self.max_graphs < 1:
+            raise GraphConfigError(f"{{max_graphs}}={self.max_graphs} must be at least 1 (the graphs a step may "
+                                   "have, one per input shape): set {max_graphs}=8")
+        if self.shape_warmup_iters < 1:
+            raise GraphConfigError(f"{{shape_warmup_iters}}={self.shape_warmup_iters} must be at least 1: a new "
+                                   "input shape needs one eager call (kernel choice) before its capture")
         if self.eager_steps_before_capture < 0:
             raise GraphConfigError(f"eager_steps_before_capture={self.eager_steps_before_capture} must be >= 0")
         return replace(self, mode=mode)

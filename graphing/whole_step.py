@@ -1,18 +1,35 @@
 """``graph.mode=full``: the whole training step (forward, loss, backward, DDP
 all-reduce, clipping, optimizer step, LR update, metric accumulation) as one CUDA
-graph per rank, and evaluation as a forward-only graph sharing its memory pool.
+graph per rank and per input shape, and evaluation as forward-only graphs, all in one
+memory pool.
+
+Several shapes (a last partial batch, sequence-length buckets, a user's loop that
+meets a few batch sizes): each shape the caller names gets its own graph, captured after
+eager calls at that shape (the first shape: ``warmup_iters``, what DDP needs; later
+ones: ``shape_warmup_iters``), up to ``max_graphs`` per role.
+
+Why one shared pool is safe in any replay order: graphs replay one at a time, on one
+stream, and none reads memory that another graph allocated. Everything a graph leaves
+for later (gradients the optimizer reads, the metric sums, the learning-rate tensor,
+optimizer and loss-scale state) either exists before the first capture, made by the
+eager warm-up outside the pool, or is written and consumed within one replay (a graph's
+own activations and gradients). What a graph returns to its caller is kept referenced
+for the graph's life, so no later capture is given its memory (GraphedStep keeps each
+graph's outputs). A block that a graph only uses within its replay may be handed to the
+next capture: the two graphs then share it, one after the other, which is the point of
+the shared pool (tests/test_shapes_gpu.py replays shapes in random order against eager).
 """
 from __future__ import annotations
 
 import gc
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from graphing.capture import capture, pool_mib, reset_rng_capture_state, run_on_stream
-from graphing.executor import Executor, StepRole, distributed
-
+from graphing.executor import Executor, GraphRecord, Shape, StepRole, distributed
+from graphing.shapes import ShapeBook
 
 class WholeStepGraphExecutor(Executor):
     captures_optimizer = True
@@ -20,15 +37,12 @@ class WholeStepGraphExecutor(Executor):
     def __init__(self, options, device, ddp_kwargs=None, **kwargs):
         super().__init__(options, device, ddp_kwargs, **kwargs)
         self.side = torch.cuda.Stream(device=self.device)  # warm-up, DDP construction and capture all run here
-        # One graph per role, all in one memory pool (eval's replays never overlap train's).
-        self.graphs: Dict[StepRole, torch.cuda.CUDAGraph] = {}
+        # One graph per (role, shape), all in one memory pool (see the module docstring).
+        self.graphs: Dict[Tuple[StepRole, Shape], torch.cuda.CUDAGraph] = {}
+        self.book = ShapeBook(options, ddp=distributed())  # which shape is captured when (graphing/shapes.py)
         self.train_model: Optional[torch.nn.Module] = None  # what the captured step calls (DDP-wrapped)
         self.pool = None
         self.fallen_back = False
-        # Eager calls before capture: train needs DDP's warm-up; eval needs one pass to
-        # settle cuDNN/compile for the eval batch shape.
-        self.eager_before = {StepRole.train: self.warmup_iters + options.eager_steps_before_capture,
-                             StepRole.eval: 1}
         self.report.compile_model = options.compile_model
         self.report.capture_error_mode = options.capture_error_mode
 
@@ -36,8 +50,10 @@ class WholeStepGraphExecutor(Executor):
         if self.options.compile_model:
             # Kernels from torch.compile(mode="default") are captured like any other:
             # fewer, fused kernels inside the graph. Not "reduce-overhead", whose own
-            # CUDA graphs cannot nest inside this capture.
-            model = torch.compile(model, mode="default")
+            # CUDA graphs cannot nest inside this capture. dynamic=False: each input
+            # shape compiles its own static kernels (each shape has its own graph anyway).
+            _allow_recompiles(self.options.max_graphs)
+            model = torch.compile(model, mode="default", dynamic=False)
         self.eval_model = model
         self.train_model = run_on_stream(lambda: self._ddp(model), self.side)
         return self.train_model
@@ -45,37 +61,33 @@ class WholeStepGraphExecutor(Executor):
     def wrap_output_fn(self, fn):
         # Compiled too when the model is: the loss and the metrics read the whole output (a
         # language model's logits: batch x context x vocabulary); fused kernels read it once.
-        return torch.compile(fn, mode="default") if self.options.compile_model else fn
+        return torch.compile(fn, mode="default", dynamic=False) if self.options.compile_model else fn
 
-    def phase(self, role: StepRole) -> str:
-        if role in self.graphs:
+    def phase(self, role: StepRole, shape: Shape = None) -> str:
+        if (role, shape) in self.graphs:
             return "graph"
-        n = self.calls[role]
-        if self.fallen_back:
-            return "eager"
-        if n >= self.eager_before[role]:
-            return "capture"  # what run() does next, whatever the warm-up count (eval captures early)
-        return "warmup" if n < self.warmup_iters else "eager"
+        return "eager" if self.fallen_back else self.book.phase(role, shape)
 
-    def run(self, role: StepRole, stage: Callable[[], None], fn: Callable[[], None]) -> None:
+    def run(self, role: StepRole, stage: Callable[[], None], fn: Callable[[], None], shape: Shape = None) -> None:
         self._check_open()
-        graph = self.graphs.get(role)
+        graph = self.graphs.get((role, shape))
         if graph is not None:
             stage()
             graph.replay()
             return
-        n = self.calls[role]
+        if self.book.meet(role, shape):
+            self.report.eager_shapes.append(f"{role.value}@{shape}")
         self.calls[role] += 1
         stage()
-        if self.fallen_back or n < self.eager_before[role]:
+        if self.fallen_back or not self.book.capture_now(role, shape):
             run_on_stream(fn, self.side)
-            return
-        if self._capture(role, fn):
-            self.graphs[role].replay()  # capture records but does not run: run this step now
+        elif self._capture(role, shape, fn):
+            self.graphs[role, shape].replay()  # capture records but does not run: run this step now
         else:
+            self.book.failed_capture(role)
             run_on_stream(fn, self.side)
 
-    def _capture(self, role: StepRole, fn: Callable[[], None]) -> bool:
+    def _capture(self, role: StepRole, shape: Shape, fn: Callable[[], None]) -> bool:
         # Every rank captures its own graph, and a collective captured on one rank must
         # be captured on all: meet first, so no rank is still warming up.
         if distributed():
@@ -87,11 +99,13 @@ class WholeStepGraphExecutor(Executor):
         if not self._agree_on_capture(failure, lambda: self._find_the_line(fn)):
             self.fallen_back = True
             return False
-        self.graphs[role] = graph
+        self.graphs[role, shape] = graph
         if self.pool is None:
             self.pool = graph.pool()
-        self.report.capture_s[role] = seconds
+        self.report.capture_s.setdefault(role, seconds)
         self.report.graph_pool_mib = pool_mib(self.pool)
+        self.report.graphs.append(GraphRecord(role, "default" if shape is None else str(shape), seconds,
+                                              self.report.graph_pool_mib))
         return True
 
     def _find_the_line(self, fn: Callable[[], None]) -> List[str]:
@@ -115,3 +129,14 @@ class WholeStepGraphExecutor(Executor):
         self.pool = None
         gc.collect()
         torch.cuda.empty_cache()
+
+
+def _allow_recompiles(max_graphs: int) -> None:
+    """Lets torch.compile keep one compiled version per graphed shape (its default limit is 8
+    per function; past it dynamo falls back to eager code, silently slower inside the graph)."""
+    import torch._dynamo.config as dynamo
+
+    for name in ("recompile_limit", "cache_size_limit"):  # the name in newer / older torch
+        if hasattr(dynamo, name):
+            setattr(dynamo, name, max(getattr(dynamo, name), max_graphs + 1))  # +1: eval's forward
+            return

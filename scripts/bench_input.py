@@ -49,9 +49,9 @@ def timed_steps(run, steps: int):
         ex.run(StepRole.train, loader.stage, step)
 
     loader.start_epoch(0)
-    if loader.steps < steps + 2 * ex.warmup_iters:
-        sys.exit(f"the folder gives {loader.steps} steps per epoch: lower --steps to at most "
-                 f"{loader.steps - 2 * ex.warmup_iters}")
+    if loader.plan.full_steps < steps + 2 * ex.warmup_iters:
+        sys.exit(f"the folder gives {loader.plan.full_steps} steps per epoch: lower --steps to at most "
+                 f"{loader.plan.full_steps - 2 * ex.warmup_iters}")
     while ex.phase(StepRole.train) in ("warmup", "capture"):
         one_step()
     for _ in range(ex.warmup_iters):  # settle (the workers' queues fill)

@@ -45,16 +45,18 @@ def diagnose_trainer(run):
     count = itertools.count()
 
     def next_batch() -> tuple:  # what the loop does before each step: new epoch when due, stage the batch
+        # (full steps only: the epoch's tail step is a graph of its own, of the same code)
         i = next(count)
-        if i % loader.steps == 0:
-            loader.start_epoch(i // loader.steps)
+        if i % loader.plan.full_steps == 0:
+            loader.start_epoch(i // loader.plan.full_steps)
         loader.stage()
         return ()
 
     cuda = run.plan.device.type == "cuda"
     report = diagnose(lambda model: run.train_step(), run.model, run.optimizer, next_batch,
                       warmup_iters=run.plan.graph.warmup_iters, device=run.plan.device,
-                      stream=getattr(run.executor, "side", None), check_optimizer=cuda)
+                      stream=getattr(run.executor, "side", None), check_optimizer=cuda,
+                      max_graphs=run.plan.graph.max_graphs)
     if not cuda:
         report.notes.append("optimizer not checked here: on CUDA the trainer builds it capturable/fused, and "
                             "trainer/optim.py refuses a class that cannot be captured")

@@ -52,8 +52,8 @@ def profile_job(session, args) -> int:
 
     loader.start_epoch(0)
     needed = args.steps * 2 + run.plan.graph.warmup_iters + 1
-    if loader.steps < needed:
-        sys.exit(f"need {needed} steps in one epoch, the data gives {loader.steps}: lower --steps")
+    if loader.plan.full_steps < needed:
+        sys.exit(f"need {needed} steps in one epoch, the data gives {loader.plan.full_steps}: lower --steps")
     while ex.phase(StepRole.train) in ("warmup", "capture"):
         one_step()
     for _ in range(args.steps):  # settle

@@ -13,8 +13,9 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import torch_loads
-from trainer.checkpoint import (UnreadableCheckpoint, check_compatible, latest_checkpoint, list_checkpoints,
-                                load_checkpoint, load_optimizer_state, rng_state, save_checkpoint, set_rng_state)
+from trainer.checkpoint import (UnreadableCheckpoint, check_compatible, check_same_epochs, latest_checkpoint,
+                                list_checkpoints, load_checkpoint, load_optimizer_state, rng_state, save_checkpoint,
+                                set_rng_state)
 from trainer.errors import ConfigError
 from trainer.optim import build_optimizer
 from trainer.plan import optimizer_spec
@@ -386,3 +387,29 @@ def test_metrics_rows_a_full_disk_refuses_wait_in_memory_and_never_leave_half_a_
     lines = path.read_text().splitlines()
     assert lines[1] == '{"step": 2, "trunc'  # the damaged row stays, alone on its line
     assert [json.loads(line)["step"] for line in lines[:1] + lines[2:]] == [1, 3, 4, 5]
+
+
+def _with_drop_last(drop_last):
+    return {"recipe": {"data": {} if drop_last is None else {"drop_last": drop_last}}}
+
+
+@pytest.mark.parametrize("saved_drop,saved_steps,drop,steps,refused", [
+    (None, None, False, 16, True),  # written before the tail was kept (it was dropped): 15 steps per epoch then
+    (None, None, True, 15, False),  # the same, resumed dropping it: the same epochs
+    (True, 15, False, 16, True),
+    (False, 16, True, 15, True),
+    (False, 16, False, 16, False),
+    (True, 16, False, 16, False),  # no tail either way (the samples fill whole steps): the same epochs
+])
+def test_a_checkpoint_counting_epochs_of_another_length_is_refused_naming_drop_last(
+        saved_drop, saved_steps, drop, steps, refused):
+    state = {"step": 20, "config": _with_drop_last(saved_drop)}
+    if saved_steps is not None:
+        state["steps_per_epoch"] = saved_steps
+    if not refused:
+        check_same_epochs(state, _with_drop_last(drop), steps)
+        return
+    with pytest.raises(ConfigError) as err:
+        check_same_epochs(state, _with_drop_last(drop), steps, resume="auto")
+    want = "true" if saved_drop is None else str(saved_drop).lower()
+    assert f"Set recipe.data.drop_last={want} to resume it" in str(err.value) and "step 20" in str(err.value)

@@ -41,12 +41,23 @@ def runtime(rank: int, world: int) -> Runtime:
                    run_dir=Path("."))
 
 
-def batches(loader, steps=None):
+def batches(loader, steps=None, first=0):
+    """The loader's next steps' batches, from the epoch's step ``first``; a training step's
+    micro-batches joined into one batch (a tail step's with its mask)."""
     out = []
-    for _ in range(loader.steps if steps is None else steps):
+    for i in range(first, first + (loader.steps if steps is None else steps)):
         loader.stage()
-        out.append({k: v.clone() for k, v in loader.next_batch().items()})
+        layout = loader.plan.layout(i) if loader.plan is not None else None
+        if layout is None:
+            out.append({k: v.clone() for k, v in loader.next_batch().items()})
+            continue
+        parts = [loader.tail_batch(layout, m) if layout.tail else loader.next_batch() for m in range(len(layout.rows))]
+        out.append({k: torch.cat([p[k] for p in parts]).clone() for k in parts[0]})
     return out
+
+
+def real_rows(batch):
+    return batch["x"][batch["mask"]] if "mask" in batch else batch["x"]
 
 
 @pytest.mark.fast
@@ -63,13 +74,47 @@ def test_host_loader_over_a_dataset_gives_the_device_loaders_batches_on_each_ran
             host.start_epoch(epoch)
             device.start_epoch(epoch)
             got, want = batches(host), batches(device)
-            assert len(got) == 1000 // 2 // 32
+            assert len(got) == 1000 // 2 // 32 + 1  # 15 full steps and the tail: 1000 - 15 * 64 = 40 samples
             for a, b in zip(got, want):
-                assert torch.equal(a["x"], b["x"]) and torch.equal(a["y"], b["y"])
+                assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+            assert got[-1]["x"].shape[0] == 20 and got[-1]["mask"].all()  # 20 real samples on each rank
             if epoch == 0:
-                seen.append(torch.cat([b["x"] for b in got]))
+                seen.append(torch.cat([real_rows(b) for b in got]))
     ours, theirs = seen
     assert not (ours[:, None, :] == theirs[None, :, :]).all(-1).any()  # the ranks' shards are disjoint
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("kind", ["host", "device"])
+@pytest.mark.parametrize("n,world,batch,accum,tail_rows", [
+    (1001, 3, 16, 1, (14,)),  # 1001 - 20 * 48 = 41 left: 14 rows on each rank, one of them padded
+    (1000, 2, 16, 4, (16, 16, 16, 4)),  # 1000 - 7 * 128 = 104 left: 52 rows per rank, micro-batches of at most 16
+    (960, 2, 16, 1, None),  # 30 full steps, nothing left
+])
+def test_every_training_sample_is_trained_once_per_epoch_with_the_tail_padded_alike_on_every_rank(
+        kind, n, world, batch, accum, tail_rows):
+    data = Points(n)
+    counted = torch.zeros(n, dtype=torch.long)
+    lookup = {tuple(row.tolist()): i for i, row in enumerate(data.x)}
+    for rank in range(world):
+        dataset = data if kind == "host" else Split(data.x, data.y)
+        loader = make_loader(dataset, batch, runtime(rank, world), kind=kind, train=True, seed=0,
+                             batches_per_step=accum)
+        assert (loader.plan.tail.rows if loader.plan.tail else None) == tail_rows
+        loader.start_epoch(1)
+        got = batches(loader)
+        if tail_rows:
+            assert got[-1]["x"].shape[0] == sum(tail_rows) and loader.plan.tail.real == n % (batch * accum * world)
+        for b in got:
+            for row in real_rows(b):
+                counted[lookup[tuple(row.tolist())]] += 1
+    assert counted.eq(1).all()
+
+
+@pytest.mark.fast
+def test_drop_last_drops_the_tail():
+    loader = make_loader(Points(1000), 32, runtime(0, 2), kind="device", train=True, seed=0, drop_last=True)
+    assert loader.plan.tail is None and loader.steps == 15
 
 
 @pytest.mark.fast
@@ -84,7 +129,7 @@ def test_resuming_mid_epoch_continues_at_the_exact_batch_without_reading_the_ski
     resumed.start_epoch(2)
     resumed.skip(5)
     log.clear()
-    got = batches(resumed, len(expected))
+    got = batches(resumed, len(expected), first=5)
     assert all(torch.equal(a["x"], b["x"]) for a, b in zip(got, expected))
     assert len(log) == len(expected) * 16  # nothing before the resumed batch was read
 
@@ -148,9 +193,9 @@ def test_both_loaders_carry_a_second_input_beside_x_row_for_row(workers):
     device = make_loader(data, 16, rt, kind="device", train=True, seed=5, batches_per_step=2)  # reads every item
     assert isinstance(device, DeviceLoader)
 
-    def micro_batches(loader):  # as the step reads them: one stage per step, two micro-batches
+    def micro_batches(loader):  # as the step reads them: one stage per full step, two micro-batches
         out = []
-        for _ in range(loader.steps):
+        for _ in range(loader.plan.full_steps):
             loader.stage()
             out += [{k: v.clone() for k, v in loader.next_batch().items()} for _ in range(2)]
         return out

@@ -39,7 +39,7 @@ def diagnose_case(name: str, device="cpu", **kwargs):
     case = load(name, device)
     kwargs = {"warmup_iters": CHECKED_STEPS, "timing_steps": 1, **kwargs}
     report = case.around(lambda: graphing.diagnose(case.step, case.model, case.optimizer, case.inputs,
-                                                   ddp_kwargs=case.ddp_kwargs, **kwargs))
+                                                   ddp_kwargs=case.ddp_kwargs, max_graphs=case.max_graphs, **kwargs))
     return case, report
 
 

@@ -95,8 +95,19 @@ def test_graphed_step_runs_a_users_loop_eagerly_on_the_cpu_and_guards_its_inputs
     losses = [step(x, y).item() for _ in range(20)]
     assert losses[-1] < losses[0] / 2 and step.phase == "eager" and step.report.mode == "eager"
     assert all(module is model for module in calls)  # no process group: the model itself, no DDP
-    with pytest.raises(ValueError, match=r"argument 0 changed from \(16, 4\) torch.float32 to \(8, 4\)"):
-        step(x[:8], y[:8])
+    # Another shape is another set of static buffers (and on CUDA its own graph): the same step.
+    with torch.no_grad():
+        expected = torch.nn.functional.mse_loss(model(x[:8]), y[:8]).item()
+    assert step(x[:8], y[:8]).item() == pytest.approx(expected, rel=1e-6)
+    assert set(step._slots) == {"16x4:float32,16x1:float32", "8x4:float32,8x1:float32"}
+
+    def scaled_step(module, x, y, scale):
+        return train_step(module, x, y) * scale
+
+    scaled = GraphedStep(scaled_step, model, optimizer, mode="eager")
+    scaled(x, y, 1.0)
+    with pytest.raises(ValueError, match=r"argument 2 changed from 1.0 to 2.0"):
+        scaled(x[:8], y[:8], 2.0)  # a new shape, and a Python value that a graph would have kept
     step.close()
     with pytest.raises(RuntimeError, match="closed"):
         step(x, y)

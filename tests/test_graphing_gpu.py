@@ -99,7 +99,7 @@ def test_dropout_in_a_captured_step_draws_new_masks_on_every_replay():
     for _ in range(5):  # 2 warm-up steps, the capture (which also runs the step), 2 replays
         executor.run(StepRole.train, lambda: None, step)
         masks.append(out != 0)
-    assert StepRole.train in executor.graphs
+    assert (StepRole.train, None) in executor.graphs
     assert not torch.equal(masks[2], masks[3]) and not torch.equal(masks[3], masks[4])
     assert 0.45 < masks[4].float().mean().item() < 0.55
     executor.close()
@@ -110,7 +110,7 @@ def test_eval_graph_equals_eager_evaluation(tmp_path):
         run = trainer.run
         trainer.fit()
         graphed = trainer.evaluate()
-        assert StepRole.eval in run.executor.graphs
+        assert (StepRole.eval, None) in run.executor.graphs
         graphed_again = trainer.evaluate()  # all batches replayed from the graph this time
         run.executor.eval_model.eval()
         run.eval_loader.start_epoch(0)
@@ -238,7 +238,7 @@ def test_capture_error_mode_reaches_the_training_and_eval_graphs(role, capture_e
         else:
             executor.run(role, lambda: None, step)
             assert pinning_outcomes == ["ok"]
-            assert role in executor.graphs and executor.report.capture_error_mode == capture_error_mode
+            assert (role, None) in executor.graphs and executor.report.capture_error_mode == capture_error_mode
             out.zero_()
             executor.run(role, lambda: None, step)  # a replay
             torch.testing.assert_close(out, x * 2)

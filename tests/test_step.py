@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainer.recipe import Datasets, Recipe, Split, top1_correct
+from trainer.data import StepLayout
+from trainer.recipe import PADDING_MASK, Datasets, Recipe, Split, top1_correct
 from trainer.schedules import Constant, Cosine
 from trainer.step import EvalStep, TrainStep, mean_loss, per_sample_loss, takes_reduction
 
@@ -18,22 +19,27 @@ pytestmark = pytest.mark.fast
 class FixedBatches:
     """A loader that hands out the same batch every time (the step only calls next_batch)."""
 
-    def __init__(self, x, y):
+    def __init__(self, x, y, real=None):
         self.batch = {"x": x, "y": y}
+        self.mask = torch.arange(len(x)) < (len(x) if real is None else real)
 
     def next_batch(self):
         return dict(self.batch)
 
+    def tail_batch(self, layout, micro):
+        rows = slice(sum(layout.rows[:micro]), sum(layout.rows[:micro + 1]))
+        return {"x": self.batch["x"][rows], "y": self.batch["y"][rows], PADDING_MASK: self.mask[rows]}
 
-def make_step(criterion, schedule, grad_accum=1):
+
+def make_step(criterion, schedule, grad_accum=1, rows=8, real=None):
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
-    x, y = torch.randn(8, 4), torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
+    x, y = torch.randn(8, 4)[:rows], torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])[:rows]
     recipe = Recipe(name="t", model=model, data=Datasets(Split(x, y), Split(x, y), "t"),
                     preprocess=lambda batch, train: batch, criterion=criterion, correct=top1_correct)
     optimizer = torch.optim.SGD(model.parameters(), lr=torch.tensor(0.1))
-    step = TrainStep(recipe, model, optimizer, schedule, FixedBatches(x, y), grad_accum=grad_accum, grad_clip=0.0,
-                     autocast=contextlib.nullcontext, device=torch.device("cpu"))
+    step = TrainStep(recipe, model, optimizer, schedule, FixedBatches(x, y, real), grad_accum=grad_accum,
+                     grad_clip=0.0, autocast=contextlib.nullcontext, device=torch.device("cpu"))
     return step, model, x, y
 
 
@@ -67,14 +73,32 @@ def test_the_step_sums_micro_batch_losses_and_counts_correct_items(grad_accum):
     for _ in range(3):
         with torch.no_grad():
             out = model(x)
-        expected_loss += grad_accum * F.cross_entropy(out, y).item()
+        expected_loss += grad_accum * F.cross_entropy(out, y, reduction="sum").item()
         expected_correct += grad_accum * int((out.argmax(-1) == y).sum())
         step()
-    loss_sum, correct = step.totals().tolist()
+    loss_sum, correct, items = step.totals().tolist()
     assert loss_sum == pytest.approx(expected_loss, rel=1e-6) and correct == expected_correct
-    assert step.items_per_step == 8 * grad_accum
+    assert items == 3 * 8 * grad_accum
     step.reset_totals()
-    assert step.totals().tolist() == [0.0, 0.0]
+    assert step.totals().tolist() == [0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("rows", [(8,), (4, 4), (6, 2)])
+def test_a_padded_tail_step_trains_and_counts_its_real_samples_only(rows):
+    """5 real samples padded to 8 rows (in 1 or 2 micro-batches): the same update and metrics
+    as a step over those 5 samples alone."""
+    real = 5
+    tail, model, x, y = make_step(F.cross_entropy, Constant(base_lr=0.1, total_steps=10), real=real)
+    alone, alone_model, _, _ = make_step(F.cross_entropy, Constant(base_lr=0.1, total_steps=10), rows=real)
+    with torch.no_grad():
+        out = model(x[:real])
+    tail(StepLayout(rows, tail=True, real=real))
+    alone()
+    for p, q in zip(model.parameters(), alone_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+    loss_sum, correct, items = tail.totals().tolist()
+    assert items == real and correct == int((out.argmax(-1) == y[:real]).sum())
+    assert loss_sum == pytest.approx(F.cross_entropy(out, y[:real], reduction="sum").item(), rel=1e-6)
 
 
 def test_the_step_counter_advances_only_for_a_schedule_that_reads_it():
@@ -115,7 +139,8 @@ def test_a_recipes_forward_gives_the_model_a_second_input_in_training_and_evalua
     step = TrainStep(recipe, model, optimizer, Constant(base_lr=0.0, total_steps=1), loader, grad_accum=1,
                      grad_clip=0.0, autocast=contextlib.nullcontext, device=torch.device("cpu"))
     step()
-    assert step.totals()[0].item() == pytest.approx(expected, rel=1e-6)
+    loss_sum, _, items = step.totals().tolist()
+    assert loss_sum / items == pytest.approx(expected, rel=1e-6)
 
     loader.batch = {**batch, "mask": torch.ones(8, dtype=torch.bool)}  # evaluation's padding mask: all real
     evaluation = EvalStep(recipe, lambda: model, loader, autocast=contextlib.nullcontext, device=torch.device("cpu"))

@@ -69,7 +69,8 @@ def build_run(plan: RunPlan, rt: Runtime) -> Run:
     model = recipe.model.to(device, memory_format=plan.memory_format)
     seed_rank_streams(cfg.seed, rt.rank)  # the model is built alike on every rank; the step's draws differ
     train_loader = make_loader(recipe.data.train, data_cfg.batch_size, rt, kind=plan.loader, train=True,
-                               seed=cfg.seed, batches_per_step=loop.grad_accum, num_workers=data_cfg.num_workers)
+                               seed=cfg.seed, batches_per_step=loop.grad_accum, num_workers=data_cfg.num_workers,
+                               drop_last=data_cfg.drop_last)
     eval_loader = make_loader(recipe.data.test, data_cfg.eval_batch_size, rt, kind=plan.loader, train=False,
                               seed=cfg.seed, num_workers=data_cfg.num_workers)
     steps_per_epoch = train_loader.steps
@@ -98,15 +99,18 @@ def build_run(plan: RunPlan, rt: Runtime) -> Run:
     wrapped = executor.wrap_model(model, sample_inputs, autocast)
     train_step = TrainStep(recipe, wrapped, optimizer, schedule, train_loader, grad_accum=loop.grad_accum,
                            grad_clip=loop.grad_clip, autocast=autocast, device=device,
-                           memory_format=plan.memory_format, wrap_output_fn=executor.wrap_output_fn, scaler=scaler)
+                           memory_format=plan.memory_format, wrap_output_fn=executor.wrap_output_fn, scaler=scaler,
+                           world_size=rt.world_size)
     eval_step = EvalStep(recipe, lambda: executor.eval_model, eval_loader, autocast=autocast, device=device,
                          memory_format=plan.memory_format)
     global_batch = data_cfg.batch_size * loop.grad_accum * rt.world_size
     perf = Perf(device, units_per_step=global_batch * recipe.units_per_sample, unit=recipe.unit,
-                world_size=rt.world_size, flops_per_unit=recipe.flops_per_unit, precision=plan.precision)
+                world_size=rt.world_size, flops_per_unit=recipe.flops_per_unit, precision=plan.precision,
+                units_per_sample=recipe.units_per_sample)
     config = _config_used(plan, recipe, executor, rt)
     state = TrainingState(rt, model=model, optimizer=optimizer, step_counter=train_step.step, scaler=scaler,
-                          recipe_name=recipe.name, config=config, seed=cfg.seed, keep=cfg.checkpoint.keep)
+                          recipe_name=recipe.name, config=config, seed=cfg.seed, keep=cfg.checkpoint.keep,
+                          steps_per_epoch=steps_per_epoch)
     return Run(plan=plan, rt=rt, recipe=recipe, raw_model=model, model=wrapped, executor=executor,
                optimizer=optimizer, schedule=schedule, train_loader=train_loader, eval_loader=eval_loader,
                train_step=train_step, eval_step=eval_step, perf=perf, state=state, config=config,

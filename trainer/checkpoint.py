@@ -245,6 +245,28 @@ def check_compatible(state: Dict[str, Any], recipe_name: str, *, resume: str = "
                           f"but recipe={recipe_name}: set checkpoint.resume=never or use recipe={saved}")
 
 
+def check_same_epochs(state: Dict[str, Any], config: Dict[str, Any], steps_per_epoch: int, *, resume: str = "auto",
+                      path: Optional[Path] = None) -> None:
+    """Raises ConfigError when ``state`` counts its steps over epochs of another length because
+    ``recipe.data.drop_last`` differs: its step would resume at another sample of the epoch.
+    A checkpoint from before the setting existed was written with the last partial batch dropped."""
+    saved = (state.get("config") or {}).get("recipe", {}).get("data", {})
+    saved_drop = bool(saved.get("drop_last", True))
+    drop = bool(config["recipe"]["data"]["drop_last"])
+    saved_steps = state.get("steps_per_epoch")
+    if saved_drop == drop or saved_steps == steps_per_epoch:
+        return
+    if saved_steps is None and drop:  # an old checkpoint (dropped) resumed dropping: the same epochs
+        return
+    where = f" ({path})" if path is not None else ""
+    had = f" ({saved_steps} steps per epoch)" if saved_steps is not None else ""
+    raise ConfigError(
+        f"checkpoint.resume={resume} found a checkpoint{where} written with recipe.data.drop_last="
+        f"{str(saved_drop).lower()}{had}, but this run has drop_last={str(drop).lower()} ({steps_per_epoch} steps per "
+        f"epoch): its step {state.get('step')} would resume at another sample of the epoch. Set recipe.data.drop_last="
+        f"{str(saved_drop).lower()} to resume it, or checkpoint.resume=never to start over")
+
+
 def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: Dict[str, Any]) -> None:
     """``optimizer.load_state_dict(saved)`` that keeps the live tensor hyper-parameters.
 

@@ -11,8 +11,10 @@ Both loaders yield the same batches in the same order for a given seed, epoch an
   device buffers; ``next_batch()`` hands those buffers to the step. Pinning in the
   loop's own thread, into buffers made once, keeps other threads from calling CUDA
   while a graph is captured, so the default ``capture_error_mode=global`` holds.
-Training drops each rank's last partial batch; evaluation pads the last batch and
-returns a ``mask`` so that every sample counts exactly once. Resuming mid-epoch starts
+Training ends each epoch with the samples that do not fill a whole step (unless
+``recipe.data.drop_last``): one smaller step, the tail, padded to the same rows on every
+rank and carrying a ``mask`` of its real samples (``StepLayout``, ``EpochPlan``).
+Evaluation pads the last batch the same way, so that every sample counts exactly once. Resuming mid-epoch starts
 the epoch's sampler at the exact batch; nothing before it is read. Both carry every field
 of the dataset's items: ``x``, ``y`` and, for a model with several inputs, the others by
 name (trainer/recipe.py, ``SplitLike``); ``item_problem`` checks item 0 against that once.
@@ -23,6 +25,7 @@ import math
 import os
 import signal
 import time
+from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
@@ -57,12 +60,62 @@ def check_batch_fits(n: int, world: int, samples_per_step: int, data_key: str) -
     return steps
 
 
-def plan_epoch(n: int, world: int, batch_size: int, batches_per_step: int, train: bool) -> Tuple[int, int]:
-    """(steps per epoch, samples per epoch) for one rank."""
-    if train:
-        steps = check_batch_fits(n, world, batch_size * batches_per_step, "recipe.data")
-        return steps, steps * batch_size * batches_per_step
-    steps = math.ceil(math.ceil(n / world) / batch_size)  # the same count on every rank
+@dataclass(frozen=True)
+class StepLayout:
+    """The input rows of one training step on each rank: ``rows`` per micro-batch; a tail
+    step is padded and masked, and ``real`` counts its real samples on all ranks together.
+    Its ``str`` names the step's graph ("full", "tail48", "tail64+16")."""
+    rows: Tuple[int, ...]
+    tail: bool = False
+    real: int = 0
+
+    def __str__(self) -> str:
+        return "tail" + "+".join(map(str, self.rows)) if self.tail else "full"
+
+
+@dataclass(frozen=True)
+class EpochPlan:
+    """One rank's training epoch: ``full_steps`` steps of ``full`` layout, then the ``tail`` if any."""
+    full_steps: int
+    full: StepLayout
+    tail: Optional[StepLayout]
+
+    @property
+    def steps(self) -> int:
+        return self.full_steps + (self.tail is not None)
+
+    def layout(self, i: int) -> StepLayout:
+        """The layout of the epoch's step ``i``."""
+        return self.tail if self.tail is not None and i >= self.full_steps else self.full
+
+    @property
+    def tail_rows(self) -> int:
+        return sum(self.tail.rows) if self.tail is not None else 0
+
+
+def plan_train_epoch(n: int, world: int, batch_size: int, batches_per_step: int, drop_last: bool) -> EpochPlan:
+    """How ``n`` samples make one epoch of steps on ``world`` ranks.
+
+    Full steps take ``batch_size`` x ``batches_per_step`` samples per rank. The rest (fewer
+    than a full step on all ranks together), unless ``drop_last``, is the tail: one step whose
+    samples are dealt to the ranks as evenly as they go, each rank's padded up to the most
+    any rank has; with ``batches_per_step`` > 1 its rows are cut into micro-batches of at most
+    ``batch_size`` (the last one smaller), so a tail step never needs more memory than a full one.
+    """
+    per_step = batch_size * batches_per_step
+    full_steps = check_batch_fits(n, world, per_step, "recipe.data")
+    full = StepLayout((batch_size,) * batches_per_step)
+    rest = n - full_steps * per_step * world
+    if drop_last or rest == 0:
+        return EpochPlan(full_steps, full, None)
+    padded = math.ceil(rest / world)  # the most any rank has: its shard is at most one sample longer
+    micro = [batch_size] * (padded // batch_size) + ([padded % batch_size] if padded % batch_size else [])
+    return EpochPlan(full_steps, full, StepLayout(tuple(micro), tail=True, real=rest))
+
+
+def plan_eval_epoch(n: int, world: int, batch_size: int) -> Tuple[int, int]:
+    """(steps per evaluation, padded samples per rank): the same count on every rank."""
+    steps = math.ceil(math.ceil(n / world) / batch_size)
     return steps, steps * batch_size
 
 
@@ -76,26 +129,59 @@ def epoch_index(n: int, length: int, rt: Runtime, *, train: bool, seed: int, epo
     return index, mask
 
 
+def train_epoch_index(n: int, plan: EpochPlan, rt: Runtime, *, seed: int, epoch: int):
+    """This rank's training indices for one epoch: (full steps' indices, the tail's indices
+    padded to its rows, the tail's mask of real samples)."""
+    shard = shard_indices(n, rt.rank, rt.world_size, shuffle=True, seed=seed, epoch=epoch)
+    cut = plan.full_steps * sum(plan.full.rows)
+    rest = shard[cut:cut + plan.tail_rows]
+    tail = torch.zeros(plan.tail_rows, dtype=torch.long)
+    tail[: len(rest)] = rest
+    mask = torch.zeros(plan.tail_rows, dtype=torch.bool)
+    mask[: len(rest)] = True
+    return shard[:cut], tail, mask
+
+
+def micro_slice(layout: StepLayout, micro: int) -> slice:
+    """The rows of micro-batch ``micro`` within its step's rows."""
+    lo = sum(layout.rows[:micro])
+    return slice(lo, lo + layout.rows[micro])
+
+
 class DeviceLoader:
     """A split resident on ``device``; batches gathered on the device by a device cursor."""
 
     def __init__(self, split: Split, batch_size: int, rt: Runtime, *, train: bool, seed: int,
-                 batches_per_step: int = 1):
+                 batches_per_step: int = 1, drop_last: bool = False):
         self.train, self.seed, self.rt, self.batch_size = train, seed, rt, batch_size
         self.batches_per_step = batches_per_step
         self.fields = {name: values.to(rt.device) for name, values in split.fields().items()}
         self.n = len(split)
-        self.steps, self.length = plan_epoch(len(split), rt.world_size, batch_size, batches_per_step, train)
+        if train:
+            self.plan = plan_train_epoch(self.n, rt.world_size, batch_size, batches_per_step, drop_last)
+            self.steps, length = self.plan.steps, self.plan.full_steps * batch_size * batches_per_step
+            # The tail's indices and mask: read by static slices inside the tail step's graph.
+            self.tail_index = torch.zeros(self.plan.tail_rows, dtype=torch.long, device=rt.device)
+            self.tail_mask = torch.zeros(self.plan.tail_rows, dtype=torch.bool, device=rt.device)
+        else:
+            self.plan = None
+            self.steps, length = plan_eval_epoch(self.n, rt.world_size, batch_size)
         # The epoch's indices as rows of one micro-batch; the cursor is the row to read next.
-        self.rows = torch.zeros(self.length // batch_size, batch_size, dtype=torch.long, device=rt.device)
-        self.mask_rows = torch.zeros(self.length // batch_size, batch_size, dtype=torch.bool, device=rt.device)
+        self.rows = torch.zeros(length // batch_size, batch_size, dtype=torch.long, device=rt.device)
+        self.mask_rows = torch.zeros(length // batch_size, batch_size, dtype=torch.bool, device=rt.device)
         self.cursor = torch.zeros(1, dtype=torch.long, device=rt.device)
         self.start_epoch(0)
 
     def start_epoch(self, epoch: int) -> None:
-        index, mask = epoch_index(self.n, self.length, self.rt, train=self.train, seed=self.seed, epoch=epoch)
-        self.rows.copy_(index.view_as(self.rows))
-        self.mask_rows.copy_(mask.view_as(self.mask_rows))
+        if self.train:
+            full, tail, tail_mask = train_epoch_index(self.n, self.plan, self.rt, seed=self.seed, epoch=epoch)
+            self.rows.copy_(full.view_as(self.rows))
+            self.tail_index.copy_(tail)
+            self.tail_mask.copy_(tail_mask)
+        else:
+            index, mask = epoch_index(self.n, self.rows.numel(), self.rt, train=False, seed=self.seed, epoch=epoch)
+            self.rows.copy_(index.view_as(self.rows))
+            self.mask_rows.copy_(mask.view_as(self.mask_rows))
         self.cursor.zero_()
 
     def skip(self, steps: int) -> None:
@@ -116,6 +202,13 @@ class DeviceLoader:
         if not self.train:
             batch[PADDING_MASK] = self.mask_rows.index_select(0, self.cursor).view(-1)
         self.cursor.add_(1)
+        return batch
+
+    def tail_batch(self, layout: StepLayout, micro: int) -> Batch:
+        """Micro-batch ``micro`` of the epoch's tail step, with its mask of real samples."""
+        rows = micro_slice(layout, micro)
+        batch = {name: values.index_select(0, self.tail_index[rows]) for name, values in self.fields.items()}
+        batch[PADDING_MASK] = self.tail_mask[rows]
         return batch
 
 
@@ -238,7 +331,7 @@ class _EpochBatches:
     """The batch sampler: this rank's epoch as rows of dataset indices, from a start row."""
 
     def __init__(self):
-        self.rows: Optional[torch.Tensor] = None
+        self.rows: List[torch.Tensor] = []
         self.start = 0
 
     def __iter__(self):
@@ -253,15 +346,19 @@ class HostLoader:
     """Any map-style dataset through DataLoader workers, into static device buffers."""
 
     def __init__(self, dataset: SplitLike, batch_size: int, rt: Runtime, *, train: bool, seed: int,
-                 batches_per_step: int = 1, num_workers: int = 0, prefetch_factor: int = 4):
+                 batches_per_step: int = 1, num_workers: int = 0, prefetch_factor: int = 4, drop_last: bool = False):
         self.dataset, self.rt, self.train, self.seed = dataset, rt, train, seed
         self.batch_size, self.batches_per_step, self.num_workers = batch_size, batches_per_step, num_workers
-        self.steps, self.length = plan_epoch(len(dataset), rt.world_size, batch_size, batches_per_step, train)
+        if train:
+            self.plan = plan_train_epoch(len(dataset), rt.world_size, batch_size, batches_per_step, drop_last)
+            self.steps = self.plan.steps
+        else:
+            self.plan = None
+            self.steps, self.length = plan_eval_epoch(len(dataset), rt.world_size, batch_size)
         self.rows_per_load = batch_size * batches_per_step if train else batch_size
         shapes = {name: ((self.rows_per_load, *value.shape), value.dtype)
                   for name, value in sample_item(dataset).items()}
-        if not train:
-            shapes[PADDING_MASK] = ((self.rows_per_load,), torch.bool)
+        shapes[PADDING_MASK] = ((self.rows_per_load,), torch.bool)  # training: the tail's real samples
         self.static: Batch = {k: torch.empty(s, dtype=d, device=rt.device) for k, (s, d) in shapes.items()}
         pin = rt.device.type == "cuda"
         # Two pinned buffers: the host fills one while the other's copy may still be in flight.
@@ -270,7 +367,7 @@ class HostLoader:
         self.copied = [torch.cuda.Event() if pin else None for _ in self.pinned]
         self._slot = 0
         self.sampler = _EpochBatches()
-        self.mask: Optional[torch.Tensor] = None
+        self.masks: List[torch.Tensor] = []  # per row of the sampler: its real samples
         self.loader = torch.utils.data.DataLoader(
             BatchReader(dataset), batch_sampler=self.sampler, collate_fn=_keep, num_workers=num_workers,
             persistent_workers=num_workers > 0, prefetch_factor=prefetch_factor if num_workers > 0 else None,
@@ -283,10 +380,19 @@ class HostLoader:
         self.start_epoch(0)
 
     def start_epoch(self, epoch: int) -> None:
-        index, mask = epoch_index(len(self.dataset), self.length, self.rt, train=self.train, seed=self.seed,
-                                  epoch=epoch)
-        self.sampler.rows = index.view(-1, self.rows_per_load)
-        self.mask = mask.view(-1, self.rows_per_load)
+        if self.train:
+            full, tail, tail_mask = train_epoch_index(len(self.dataset), self.plan, self.rt, seed=self.seed,
+                                                      epoch=epoch)
+            rows = list(full.view(-1, self.rows_per_load))
+            self.masks = [None] * len(rows)  # full rows: every sample is real
+            if self.plan.tail is not None:
+                rows.append(tail)
+                self.masks.append(tail_mask)
+        else:
+            index, mask = epoch_index(len(self.dataset), self.length, self.rt, train=False, seed=self.seed,
+                                      epoch=epoch)
+            rows, self.masks = list(index.view(-1, self.rows_per_load)), list(mask.view(-1, self.rows_per_load))
+        self.sampler.rows = rows
         self._begin(0)
 
     def skip(self, steps: int) -> None:
@@ -305,18 +411,20 @@ class HostLoader:
         began = time.perf_counter()
         batch = dict(next(self._it))
         self.waited_s += time.perf_counter() - began  # the loop waiting for its workers
-        if not self.train:
-            batch[PADDING_MASK] = self.mask[self._row]
+        mask = self.masks[self._row]
+        if mask is not None:
+            batch[PADDING_MASK] = mask
         self._row += 1
+        rows = len(batch["x"])  # a tail row is shorter: it fills the buffers' first rows
         if not self.pinned:  # CPU training: the batch is already where the step reads it
             for k, v in batch.items():
-                host_copy(self.static[k], v)
+                host_copy(self.static[k][:rows], v)
             return
         slot, done = self.pinned[self._slot], self.copied[self._slot]
         done.synchronize()  # this buffer's previous copy to the device has finished
         for k, v in batch.items():
-            host_copy(slot[k], v)
-            self.static[k].copy_(slot[k], non_blocking=True)
+            host_copy(slot[k][:rows], v)
+            self.static[k][:rows].copy_(slot[k][:rows], non_blocking=True)
         done.record()
         self._slot ^= 1
 
@@ -328,11 +436,19 @@ class HostLoader:
         self.loader._iterator = self._it = None
 
     def next_batch(self) -> Batch:
-        if not self.train or self.batches_per_step == 1:
+        if not self.train:
             return self.static
+        fields = {k: v for k, v in self.static.items() if k != PADDING_MASK}
+        if self.batches_per_step == 1:
+            return fields
         sl = slice(self._micro * self.batch_size, (self._micro + 1) * self.batch_size)
         self._micro = (self._micro + 1) % self.batches_per_step
-        return {k: v[sl] for k, v in self.static.items()}
+        return {k: v[sl] for k, v in fields.items()}
+
+    def tail_batch(self, layout: StepLayout, micro: int) -> Batch:
+        """Micro-batch ``micro`` of the epoch's tail step (the first rows of the buffers), with its mask."""
+        rows = micro_slice(layout, micro)
+        return {k: v[rows] for k, v in self.static.items()}
 
 
 def host_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -402,10 +518,10 @@ def choose_loader(kind: str, train: SplitLike, test: SplitLike, device: torch.de
 
 
 def make_loader(dataset: SplitLike, batch_size: int, rt: Runtime, *, kind: str, train: bool, seed: int,
-                batches_per_step: int = 1, num_workers: int = 0):
+                batches_per_step: int = 1, num_workers: int = 0, drop_last: bool = False):
     """A loader of ``kind`` (``device`` or ``host``, as ``choose_loader`` decided)."""
     if kind == "device":
         return DeviceLoader(read_all(dataset, num_workers), batch_size, rt, train=train, seed=seed,
-                            batches_per_step=batches_per_step)
+                            batches_per_step=batches_per_step, drop_last=drop_last)
     return HostLoader(dataset, batch_size, rt, train=train, seed=seed,
-                      batches_per_step=batches_per_step, num_workers=num_workers)
+                      batches_per_step=batches_per_step, num_workers=num_workers, drop_last=drop_last)

@@ -11,6 +11,7 @@ import hashlib
 import math
 import time
 from collections import deque
+from functools import partial
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -67,7 +68,6 @@ class Trainer:
 
     def _train(self, step: int, began: float) -> int:
         run, epochs = self.run, self.cfg.train.epochs
-        last_read = step
         first_epoch, position = divmod(step, run.steps_per_epoch)
         for epoch in range(first_epoch, epochs):
             if step >= run.total_steps:
@@ -75,7 +75,7 @@ class Trainer:
             begin = position if epoch == first_epoch else 0  # resumed mid-epoch: continue where the checkpoint was
             bar = self._start_epoch(epoch, begin)
             for i in range(begin, run.steps_per_epoch):
-                if self._run_step() == "capture":  # capture synchronizes: the host clock is exact here
+                if self._run_step(i) == "capture":  # capture synchronizes: the host clock is exact here
                     self.clock["until_first_graph_step_s"] = time.perf_counter() - began
                 step += 1
                 at = StepPoint(step, epoch, epoch_end=i == run.steps_per_epoch - 1, last=step >= run.total_steps)
@@ -83,8 +83,7 @@ class Trainer:
                 save = self.checkpoints.due(at) or preempted
                 if self.logs.due(at) or save:
                     # Read (and check for NaN) before saving: a checkpoint is always a good one.
-                    clock_due = self._read_train_metrics(at, step - last_read, bar)
-                    last_read = step
+                    clock_due = self._read_train_metrics(at, bar)
                     if save or clock_due:
                         self.checkpoints.saved()
                         run.state.save(step, step // run.steps_per_epoch, self.logger.run_id,
@@ -111,14 +110,18 @@ class Trainer:
         return _progress(self.rt.is_main and self.cfg.train.progress, self.run.steps_per_epoch,
                          f"epoch {epoch + 1}/{self.cfg.train.epochs}")
 
-    def _run_step(self) -> str:
-        """Stages, runs and times one training step; returns its phase (warmup, eager, capture, graph)."""
+    def _run_step(self, i: int) -> str:
+        """Stages, runs and times the epoch's step ``i``; returns its phase (warmup, eager, capture, graph).
+
+        Each step layout (full, the epoch's tail) is its own graph; a tail step is timed
+        under its own name ("graph@tail48"), so the headline numbers are full steps'."""
         run = self.run
         if "startup_s" not in self.clock:  # process start to the first step (imports, data, build)
             self.clock["startup_s"] = time.time() - process_started_at()
-        phase = run.executor.phase(StepRole.train)
-        run.executor.run(StepRole.train, run.train_loader.stage, run.train_step)
-        run.perf.timer.step(phase)
+        layout = run.train_loader.plan.layout(i)
+        phase = run.executor.phase(StepRole.train, layout)
+        run.executor.run(StepRole.train, run.train_loader.stage, partial(run.train_step, layout), layout)
+        run.perf.step(phase if not layout.tail else f"{phase}@{layout}", layout)
         return phase
 
     # ---- reading the device at log intervals -----------------------------------------
@@ -128,21 +131,19 @@ class Trainer:
             dist.all_reduce(vec)
         return vec.tolist()
 
-    def _read_train_metrics(self, at: StepPoint, steps_in_window: int, bar) -> bool:
+    def _read_train_metrics(self, at: StepPoint, bar) -> bool:
         """Reads, checks and logs the window's training metrics; returns whether rank 0's clock
         says a checkpoint is due (its vote travels in the same all-reduce)."""
         run = self.run
         step_fn = run.train_step
         vote = torch.tensor([self.checkpoints.clock_vote()], dtype=torch.float64, device=self.device)
-        loss_sum, correct, clock_due = self._global(torch.cat([step_fn.totals(), vote]))
+        loss_sum, correct, count, clock_due = self._global(torch.cat([step_fn.totals(), vote]))
         step_fn.reset_totals()
-        micro_batches = steps_in_window * self.cfg.train.grad_accum * self.rt.world_size
-        count = steps_in_window * step_fn.items_per_step * self.rt.world_size
         if not math.isfinite(loss_sum):
             raise NonFiniteLossError(
                 f"the training loss became non-finite (NaN/Inf) by step {at.step}: lower recipe.optim.lr, "
                 "set train.grad_clip, or check the data")
-        metrics = {"train/loss": loss_sum / micro_batches, "train/accuracy": correct / count,
+        metrics = {"train/loss": loss_sum / count, "train/accuracy": correct / count,
                    "train/lr": float(run.optimizer.param_groups[0]["lr"]), "epoch": at.step / run.steps_per_epoch}
         if step_fn.grad_norm is not None:
             metrics["train/grad_norm"] = float(step_fn.grad_norm)  # the window's last step, before clipping
@@ -193,7 +194,7 @@ class Trainer:
     def _summary(self, steps: int, wall: float) -> Dict[str, Any]:
         run = self.run
         report = run.executor.report
-        headline_phase = run.executor.phase(StepRole.train)
+        headline_phase = run.executor.phase(StepRole.train, run.train_loader.plan.full)  # full steps make the headline
         if headline_phase in ("warmup", "capture"):  # too short a run to leave warm-up
             headline_phase = "warmup"
         out: Dict[str, Any] = {

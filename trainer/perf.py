@@ -44,20 +44,28 @@ class Perf:
     """Times every step by phase and turns the times into throughput and MFU."""
 
     def __init__(self, device: torch.device, *, units_per_step: float, unit: str, world_size: int,
-                 flops_per_unit: float, precision: str):
+                 flops_per_unit: float, precision: str, units_per_sample: float = 1.0):
         self.device, self.unit, self.world_size = device, unit, world_size
         self.units_per_step = units_per_step  # global: samples (or tokens) per optimizer step, all ranks
         self.flops_per_unit, self.precision = flops_per_unit, precision
         self.timer = StepTimer(device)
+        self.units_per_sample = units_per_sample  # 1, or the tokens of a sequence
+        self.window_units = 0.0  # units trained by the steps timed since the last window()
+
+    def step(self, phase: str, layout=None) -> None:
+        """Marks the end of a step of ``phase``; a tail ``layout`` trains its real samples only."""
+        self.timer.step(phase)
+        tail = layout is not None and layout.tail
+        self.window_units += layout.real * self.units_per_sample if tail else self.units_per_step
 
     def window(self) -> Dict[str, float]:
         """Mean step time and throughput of the steps timed since the last call (collects events)."""
         self.timer.collect()
         steps, total_ms = self.timer.take_window()
+        units, self.window_units = self.window_units, 0.0
         if not steps:
             return {}
-        ms = total_ms / steps
-        return {"perf/step_ms": ms, f"perf/{self.unit}_per_s": self.units_per_step * 1e3 / ms}
+        return {"perf/step_ms": total_ms / steps, f"perf/{self.unit}_per_s": units * 1e3 / total_ms}
 
     def peak(self) -> Optional[Tuple[str, float]]:
         """(name, dense TFLOP/s) of this GPU at the run's precision; None off CUDA or for an unlisted GPU."""

@@ -151,7 +151,8 @@ def graph_options(cfg, device: torch.device, world_size: int) -> GraphOptions:
     try:
         options = GraphOptions(mode=g.mode, warmup_iters=g.warmup_iters, capture_error_mode=g.capture_error_mode,
                                on_failure=g.on_failure, compile_model=g.compile_model,
-                               eager_steps_before_capture=g.compare_steps if g.compare else 0)
+                               eager_steps_before_capture=g.compare_steps if g.compare else 0,
+                               max_graphs=g.max_graphs, shape_warmup_iters=g.shape_warmup_iters)
         options = options.resolved(device.type, world_size, torch.cuda.is_available())
     except GraphConfigError as e:
         raise ConfigError(e.render(graph_setting)) from None

@@ -14,8 +14,9 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from trainer.checkpoint import (UnreadableCheckpoint, check_compatible, latest_checkpoint, load_checkpoint,
-                                load_optimizer_state, rng_state, save_checkpoint, save_best, set_rng_state)
+from trainer.checkpoint import (UnreadableCheckpoint, check_compatible, check_same_epochs, latest_checkpoint,
+                                load_checkpoint, load_optimizer_state, rng_state, save_checkpoint, save_best,
+                                set_rng_state)
 from trainer.errors import ConfigError, StorageError
 from trainer.runtime import Runtime, print_once, seed_rank_streams
 
@@ -25,8 +26,9 @@ log = logging.getLogger(__name__)
 class TrainingState:
     def __init__(self, rt: Runtime, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  step_counter: torch.Tensor, recipe_name: str, config: Dict[str, Any], seed: int, keep: int,
-                 scaler: Optional["torch.amp.GradScaler"] = None):
+                 scaler: Optional["torch.amp.GradScaler"] = None, steps_per_epoch: int = 0):
         self.rt, self.model, self.optimizer, self.step_counter = rt, model, optimizer, step_counter
+        self.steps_per_epoch = steps_per_epoch  # saved: a resume with epochs of another length is refused
         self.scaler = scaler
         self.recipe_name, self.config, self.seed, self.keep = recipe_name, config, seed, keep
         self.last_saved: Optional[Path] = None  # the newest checkpoint this run wrote (rank 0 knows the path)
@@ -55,7 +57,8 @@ class TrainingState:
         if self.rt.is_main:
             state = {
                 "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "step": step, "epoch": epoch, "rng": rng, "world_size": self.rt.world_size,
+                "step": step, "epoch": epoch, "steps_per_epoch": self.steps_per_epoch, "rng": rng,
+                "world_size": self.rt.world_size,
                 "wandb_run_id": wandb_run_id, "recipe": self.recipe_name, "config": self.config,
                 "best": self.best,
             }
@@ -108,6 +111,7 @@ class TrainingState:
             path = Path(resume)
             state = _load_named(path, resume)
         check_compatible(state, self.recipe_name, resume=resume, path=path)
+        check_same_epochs(state, self.config, self.steps_per_epoch, resume=resume, path=path)
         self.model.load_state_dict(state["model"])  # in place: DDP and graphed callables see it
         load_optimizer_state(self.optimizer, state["optimizer"])
         if self.scaler is not None and state.get("scaler"):

@@ -12,6 +12,8 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
+from trainer.data import StepLayout
+from trainer.errors import ConfigError
 from trainer.recipe import PADDING_MASK, Batch, Recipe
 from trainer.schedules import LRSchedule
 
@@ -100,7 +102,7 @@ class TrainStep:
                  autocast: Callable, device: torch.device,
                  memory_format: torch.memory_format = torch.contiguous_format,
                  wrap_output_fn: Callable[[Callable], Callable] = lambda fn: fn,
-                 scaler: Optional["torch.amp.GradScaler"] = None):
+                 scaler: Optional["torch.amp.GradScaler"] = None, world_size: int = 1):
         self.forward = model_call(recipe, memory_format)
         # fp16's dynamic loss scale. All of it runs on the device when the optimizer takes the scale
         # itself (fused: ``_step_supports_amp_scaling``), so it is captured with the step: scaling,
@@ -110,14 +112,17 @@ class TrainStep:
         self.grad_accum, self.grad_clip, self.autocast = grad_accum, grad_clip, autocast
         # graph.compile_model compiles these with the model
         self.loss, self.correct = wrap_output_fn(mean_loss(recipe.criterion)), wrap_output_fn(recipe.correct)
+        self.per_sample_loss = per_sample_loss(recipe.criterion)  # a tail step's: masked, summed
+        self.world_size = world_size
         self.params = [p for p in model.parameters() if p.requires_grad]
-        # Kept lean, since these kernels run every step: the sum of micro-batch mean losses
-        # and a correct count per item position (one add, no reduction). Counts are static
-        # (steps × items_per_step) and known on the host; a NaN/Inf loss shows up as a
-        # non-finite sum.
+        # Kept lean, since these kernels run every step, off the critical path (metrics
+        # stream): the sum of losses, the loss terms counted (samples or tokens) and a
+        # correct count per item position, one per shape of recipe.correct's output (one
+        # add, no reduction). Each shape's count is made by its first, eager, step: outside
+        # any graph's memory pool. A NaN/Inf loss shows up as a non-finite sum.
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-        self.correct_count: Optional[torch.Tensor] = None  # shaped like recipe.correct's output; made by step 1
-        self.items_per_step = 0  # loss terms (samples or tokens) per optimizer step, on this rank
+        self.item_count = torch.zeros((), dtype=torch.float64, device=device)
+        self.correct_counts: Dict[torch.Size, torch.Tensor] = {}
         self.step = torch.zeros((), dtype=torch.int64, device=device)  # optimizer steps taken
         self.advance_step = not schedule.is_constant  # only a schedule reads the counter: skip its kernel
         # The metrics run on their own stream, beside the backward pass; inside a CUDA graph
@@ -126,20 +131,27 @@ class TrainStep:
         # The last step's global gradient norm before clipping; only computed when clipping.
         self.grad_norm = torch.zeros((), dtype=torch.float32, device=device) if grad_clip > 0 else None
 
-    def __call__(self) -> None:
+    def __call__(self, layout: Optional[StepLayout] = None) -> None:
+        """One optimizer step over ``layout``'s micro-batches (None: a full step of grad_accum)."""
+        micro_batches = len(layout.rows) if layout is not None else self.grad_accum
+        tail = layout is not None and layout.tail
         self.optimizer.zero_grad(set_to_none=True)
-        for micro in range(self.grad_accum):
-            batch = self.recipe.preprocess(self.loader.next_batch(), True)
-            last = micro == self.grad_accum - 1
+        for micro in range(micro_batches):
+            raw = self.loader.tail_batch(layout, micro) if tail else self.loader.next_batch()
+            batch = self.recipe.preprocess(raw, True)
+            last = micro == micro_batches - 1
             # DDP all-reduces only on the last micro-batch.
             sync = contextlib.nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync()
             with sync:
                 with self.autocast():
                     output = self.forward(self.model, batch)
-                loss = self.loss(output, batch["y"])
-                joined = self._count(loss, output, batch["y"])
-                backward = loss / self.grad_accum if self.grad_accum > 1 else loss
-                (self.scaler.scale(backward) if self.scaler is not None else backward).backward()
+                if tail:
+                    loss, joined = self._masked_loss(output, batch, layout)
+                else:
+                    loss = self.loss(output, batch["y"])
+                    joined = self._count(loss, output, batch["y"])
+                    loss = loss / self.grad_accum if self.grad_accum > 1 else loss
+                (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
             joined()  # before output and labels can be freed and their memory reused
         if self.grad_clip > 0:
             if self.scaler is not None:
@@ -155,36 +167,78 @@ class TrainStep:
         if self.advance_step:
             self.step += 1
 
-    def _count(self, loss: torch.Tensor, output: torch.Tensor, target: torch.Tensor) -> Callable[[], None]:
-        """Adds a micro-batch to the metrics, on the metrics stream; returns the join to call after backward."""
+    def _masked_loss(self, output: torch.Tensor, batch: Batch, layout: StepLayout
+                     ) -> Tuple[torch.Tensor, Callable[[], None]]:
+        """A tail micro-batch's loss for backward: the sum over its real samples, scaled so that
+        the step's gradient (summed over micro-batches, averaged over ranks by DDP) is the mean
+        over the tail's real samples on all ranks, as a full step's is over its samples."""
+        if PADDING_MASK not in batch:
+            raise ConfigError(f"the recipe's preprocess dropped the batch's {PADDING_MASK!r} field, which marks the "
+                              "real samples of an epoch's last partial step: return {**batch, ...} from preprocess, "
+                              "or set recipe.data.drop_last=true")
+        per_sample = self.per_sample_loss(output, batch["y"])
+        mask = batch[PADDING_MASK].reshape(-1, *([1] * (per_sample.dim() - 1))).expand_as(per_sample)
+        summed = torch.where(mask, per_sample, 0.0).sum()
+        terms_per_sample = per_sample[0].numel()  # 1, or the tokens of a sequence
+        joined = self._count(summed, output, batch["y"], mask=batch[PADDING_MASK])
+        return summed * (self.world_size / (layout.real * terms_per_sample)), joined
+
+    def _count(self, loss: torch.Tensor, output: torch.Tensor, target: torch.Tensor,
+               mask: Optional[torch.Tensor] = None) -> Callable[[], None]:
+        """Adds a micro-batch to the metrics, on the metrics stream; returns the join to call after backward.
+        ``loss``: the micro-batch's mean loss, or with ``mask`` the sum over its real samples."""
         stream = self.metrics_stream
         if stream is None:
-            self._add(loss, output, target)
+            self._add(loss, output, target, mask)
             return lambda: None
         main = torch.cuda.current_stream()
         stream.wait_stream(main)
         with torch.cuda.stream(stream):
-            self._add(loss, output, target)
-        return lambda: main.wait_stream(stream)
+            self._add(loss, output, target, mask)
+        return _Join(main, stream, (loss, output, target, mask))
 
     @torch.no_grad()
-    def _add(self, loss: torch.Tensor, output: torch.Tensor, target: torch.Tensor) -> None:
+    def _add(self, loss: torch.Tensor, output: torch.Tensor, target: torch.Tensor,
+             mask: Optional[torch.Tensor] = None) -> None:
         correct = self.correct(output, target)
-        if self.correct_count is None:
-            self.correct_count = torch.zeros(correct.shape, dtype=torch.int64, device=correct.device)
-        self.correct_count += correct
-        self.loss_sum += loss.detach()
-        self.items_per_step = correct.numel() * self.grad_accum
+        if mask is None:
+            self.loss_sum.add_(loss.detach(), alpha=correct.numel())  # a mean over the micro-batch's terms
+            self.item_count += correct.numel()
+        else:
+            mask = mask.reshape(-1, *([1] * (correct.dim() - 1))).expand_as(correct)
+            correct = correct & mask
+            self.loss_sum += loss.detach()
+            self.item_count += mask.sum()
+        count = self.correct_counts.get(correct.shape)
+        if count is None:
+            count = self.correct_counts[correct.shape] = torch.zeros(correct.shape, dtype=torch.int64,
+                                                                     device=correct.device)
+        count += correct
 
     def totals(self) -> torch.Tensor:
-        """[sum of micro-batch mean losses, correct count] since the last reset (float64, on the device)."""
-        correct = self.correct_count.sum() if self.correct_count is not None else self.loss_sum.new_zeros(())
-        return torch.stack([self.loss_sum, correct.double()])
+        """[loss sum, correct count, loss terms] since the last reset (float64, on the device)."""
+        correct = sum((c.sum() for c in self.correct_counts.values()), self.loss_sum.new_zeros((), dtype=torch.int64))
+        return torch.stack([self.loss_sum, correct.double(), self.item_count])
 
     def reset_totals(self) -> None:
         self.loss_sum.zero_()
-        if self.correct_count is not None:
-            self.correct_count.zero_()
+        self.item_count.zero_()
+        for count in self.correct_counts.values():
+            count.zero_()
+
+
+class _Join:
+    """Makes the main stream wait for the metrics stream. Until then it holds the tensors the
+    metrics stream reads: freed earlier, the allocator could hand their memory to the main
+    stream's next kernels (backward) while the metrics kernels still read it, which inside a
+    captured graph means reading another kernel's data on every replay."""
+
+    def __init__(self, main: "torch.cuda.Stream", metrics: "torch.cuda.Stream", reads: Tuple[Any, ...]):
+        self.main, self.metrics, self.reads = main, metrics, reads
+
+    def __call__(self) -> None:
+        self.main.wait_stream(self.metrics)
+        self.reads = ()
 
 
 class EvalStep:

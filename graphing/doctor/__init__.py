@@ -40,7 +40,7 @@ from graphing.doctor.report import COLUMNS, SKIPPED_WITHOUT_CUDA, DoctorReport, 
 from graphing.doctor.step_runner import Inputs, StepRunner, on_side_stream
 from graphing.doctor.step_timing import gpu_busy_ms, median_step_ms
 from graphing.executor import distributed
-from graphing.options import DDP_MIN_WARMUP
+from graphing.options import DDP_MIN_WARMUP, GraphOptions
 
 __all__ = ["COLUMNS", "SKIPPED_WITHOUT_CUDA", "DoctorReport", "diagnose"]
 
@@ -50,7 +50,7 @@ def diagnose(step_fn: Callable[..., Any], model: torch.nn.Module,
              inputs: Inputs = (), *, warmup_iters: int = DDP_MIN_WARMUP,
              ddp_kwargs: Optional[Dict[str, Any]] = None, device: Optional[torch.device] = None,
              stream: Optional["torch.cuda.Stream"] = None, timing_steps: int = 5,
-             check_optimizer: bool = True) -> DoctorReport:
+             check_optimizer: bool = True, max_graphs: int = GraphOptions.max_graphs) -> DoctorReport:
     """Runs ``step_fn(model, *inputs)`` eagerly with checks, then (on CUDA) tries a capture; returns the report.
 
     ``inputs``: the example inputs of every step (a tuple), or a callable (or iterator) that makes
@@ -65,7 +65,8 @@ def diagnose(step_fn: Callable[..., Any], model: torch.nn.Module,
     which also runs the steps and the capture.
     ``timing_steps``: unchecked steps timed for the expected gain (0: none).
     ``check_optimizer=False`` leaves the optimizer's capturability to the caller (the trainer
-    builds it graph-safe on CUDA itself).
+    builds it graph-safe on CUDA itself). ``max_graphs``: how many sets of input shapes may
+    come (GraphedStep's bound: a graph per set); more is a finding.
 
     The model and optimizer take real steps: diagnose a copy if their state matters.
     """
@@ -86,7 +87,7 @@ def diagnose(step_fn: Callable[..., Any], model: torch.nn.Module,
                                side)
         is_ddp = True
     runner = StepRunner(step_fn, model, inputs, device, side)
-    checks = EagerChecks(model, device, optimizers)
+    checks = EagerChecks(model, device, optimizers, max_graphs)
     if check_optimizer:  # as handed over, before the checked steps make its state; on CUDA as GraphedStep takes it
         checks.optimizer_watch.prepare(apply=cuda)
     outer_autocast = outer_autocast_site(sys._getframe(1), device)
@@ -136,6 +137,10 @@ def diagnose(step_fn: Callable[..., Any], model: torch.nn.Module,
     if checks.optimizer_watch.made_safe:
         notes.append(("changed the optimizer as GraphedStep does: " if cuda else
                       "on CUDA GraphedStep changes the optimizer: ") + "; ".join(checks.optimizer_watch.made_safe))
+    shapes = checks.records.input_shapes
+    if 1 < len(shapes) <= max_graphs:
+        notes.append(f"the inputs came in {len(shapes)} sets of shapes: GraphedStep captures one graph per set "
+                     f"(up to max_graphs={max_graphs}), all in one memory pool")
     if is_ddp and steps < DDP_MIN_WARMUP:
         notes.append(f"only {steps} steps checked under DDP: its first {DDP_MIN_WARMUP - 1} iterations sync with the "
                      f"host, so a capture needs warmup_iters >= {DDP_MIN_WARMUP}")

@@ -15,14 +15,16 @@ from graphing.doctor.memory import MemoryWatch
 from graphing.doctor.model_checks import ddp_finds_unused_parameters, watch_model
 from graphing.doctor.optimizer_checks import OptimizerWatch, optimizer_findings
 from graphing.doctor.step_diff import StepRecords
+from graphing.options import GraphOptions
 
 
 class EagerChecks:
-    def __init__(self, model: torch.nn.Module, device: torch.device, optimizers: Sequence[torch.optim.Optimizer]):
+    def __init__(self, model: torch.nn.Module, device: torch.device, optimizers: Sequence[torch.optim.Optimizer],
+                 max_graphs: int = GraphOptions.max_graphs):
         self.model = model
         self.optimizers = list(optimizers)
         self.findings = Findings()
-        self.records = StepRecords(self.findings)
+        self.records = StepRecords(self.findings, max_graphs)
         self.memory = MemoryWatch(self.findings, device)
         self.learning_rates = LearningRateWatch(self.optimizers, self.findings)
         self.optimizer_watch = OptimizerWatch(self.optimizers, self.findings, self.learning_rates)

@@ -13,7 +13,9 @@ FIXES: Dict[str, str] = {
                  "it outside the step, at a log interval.",
     "host_to_device_copy": "Make the tensor once, outside the step, as a device buffer that you update in place "
                            "(or use the Python number directly as an operand, e.g. `loss * 0.5`).",
-    "shape_change": "Give every step the same shapes: drop or pad the last partial batch (drop_last=True).",
+    "shape_change": "Bring the inputs to a few shapes: GraphedStep (and graph.mode=full) capture one graph per "
+                    "shape, up to max_graphs (graph.max_graphs), all in one memory pool. Pad varying sizes up to "
+                    "a few buckets (sequence lengths rounded up to a multiple), or raise max_graphs.",
     "control_flow": "Make every step take the same path: select with tensors (torch.where, a 0/1 weight) "
                     "instead of a Python `if` on state that changes between steps.",
     "python_scalar": "Keep a value that changes between steps in a device tensor updated in place: the graph "

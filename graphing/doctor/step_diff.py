@@ -2,17 +2,20 @@
 Python number that changes from step to step is frozen at capture.
 
 Each step's inputs and its torch calls from the user's code (place, output shapes, Python-number
-arguments) are recorded while it runs; consecutive steps are compared afterwards, from the
-second to the third on (the first may differ: lazy initialisation).
+arguments) are recorded while it runs; steps are compared afterwards, each with the last one
+before it whose tensor inputs had the same shapes, from the second step on (the first may
+differ: lazy initialisation). Inputs whose shapes vary are fine while they come in at most
+``max_graphs`` shapes: GraphedStep captures a graph per shape.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 
 from graphing.doctor.findings import BLOCKS, WRONG, Findings
+from graphing.options import GraphOptions
 
 
 @dataclass
@@ -27,8 +30,9 @@ class CallRecord:
 class StepRecords:
     """Each eager step's inputs and calls, and the findings from comparing them."""
 
-    def __init__(self, findings: Findings):
-        self.findings = findings
+    def __init__(self, findings: Findings, max_graphs: int = GraphOptions.max_graphs):
+        self.findings, self.max_graphs = findings, max_graphs
+        self.input_shapes: List[Tuple] = []  # the distinct shapes of the tensor inputs, in order of appearance
         self.inputs: List[List[Tuple]] = []
         self.calls: List[List[CallRecord]] = []
         self.data_dependent_shapes = False  # a mask op ran: later shapes follow the data, not compared
@@ -41,32 +45,44 @@ class StepRecords:
         self.calls[-1].append(CallRecord(name, file, line, _shapes(out), _scalars(args, kwargs)))
 
     def compare_steps(self) -> None:
-        """Findings from differences between consecutive steps, each dated with the later step."""
-        for i in range(2, len(self.calls)):
-            self.findings.step = i
-            if self.inputs[i] != self.inputs[i - 1]:
-                self._input_change(i)
-            elif not self.data_dependent_shapes:
-                self._call_change(self.calls[i - 1], self.calls[i], i)
+        """Findings from differences between steps, each dated with the later step."""
+        last_with: Dict[Tuple, int] = {}  # input shapes -> the last step that had them
+        for i in range(len(self.calls)):
+            shapes = _tensor_shapes(self.inputs[i])
+            if shapes not in self.input_shapes:
+                self.input_shapes.append(shapes)
+                if len(self.input_shapes) == self.max_graphs + 1:
+                    self._too_many_shapes(i)
+            if i >= 2:
+                self.findings.step = i
+                if _values(self.inputs[i]) != _values(self.inputs[i - 1]):
+                    self._input_change(i)
+                elif not self.data_dependent_shapes and shapes in last_with and last_with[shapes] >= 1:
+                    self._call_change(self.calls[last_with[shapes]], self.calls[i], i)
+            last_with[shapes] = i
         self.findings.step = -1
 
+    def _too_many_shapes(self, i: int) -> None:
+        site = next(((d.file, d.line) for c, d in zip(self.calls[0], self.calls[i]) if c.shapes != d.shapes), None)
+        site = site or next(((c.file, c.line) for c in self.calls[i]), ("", 0))
+        self.findings.step = i
+        self.findings.add("shape_change", BLOCKS, *site,
+                          f"the inputs came in a {len(self.input_shapes)}th set of shapes at step {i} "
+                          f"({_show_inputs(self.inputs[i])}), more than max_graphs={self.max_graphs} graphs, one "
+                          "per shape")
+
     def _input_change(self, i: int) -> None:
+        """An input that is not a tensor changed (or stopped or started being one): captured as it was."""
         before, after = self.inputs[i - 1], self.inputs[i]
-        changed = next(k for k in range(max(len(before), len(after)))
-                       if k >= len(before) or k >= len(after) or before[k] != after[k])
+        vb, va = _values(before), _values(after)
+        changed = next(k for k in range(max(len(vb), len(va))) if k >= len(vb) or k >= len(va) or vb[k] != va[k])
         was = before[changed] if changed < len(before) else "nothing"
         now = after[changed] if changed < len(after) else "nothing"
-        a, b = self.calls[i - 1], self.calls[i]
-        site = next(((c.file, c.line) for c, d in zip(a, b) if c.shapes != d.shapes), None)
-        site = site or next(((c.file, c.line) for c in b), ("", 0))
-        what = f"input {changed} changed from {_show(was)} to {_show(now)} at step {i}"
-        if was[0] == "tensor" and now[0] == "tensor":
-            self.findings.add("shape_change", BLOCKS, *site, what + "; a graph replays the shapes it was captured "
-                              "with")
-        else:
-            self.findings.add("shape_change", BLOCKS, *site, what + "; a graph replays the Python values it was "
-                              "captured with", "Pass values that change as tensors (GraphedStep copies tensors into "
-                              "its buffers).")
+        site = next(((c.file, c.line) for c in self.calls[i]), ("", 0))
+        self.findings.add("shape_change", BLOCKS, *site,
+                          f"input {changed} changed from {_show(was)} to {_show(now)} at step {i}; a graph replays "
+                          "the Python values it was captured with",
+                          "Pass values that change as tensors (GraphedStep copies tensors into its buffers).")
 
     def _call_change(self, a: List[CallRecord], b: List[CallRecord], i: int) -> None:
         sites_a = {(c.file, c.line) for c in a}
@@ -124,6 +140,20 @@ def _scalars(args, kwargs) -> Tuple:
     for k in sorted(kwargs):
         add(kwargs[k], 0)
     return tuple(out)
+
+
+def _tensor_shapes(inputs: List[Tuple]) -> Tuple:
+    """The tensor inputs' shapes and dtypes: what picks a graph."""
+    return tuple(d[1:] if d[0] == "tensor" else None for d in inputs)
+
+
+def _values(inputs: List[Tuple]) -> Tuple:
+    """Everything about the inputs that a graph captures as it was: which are tensors, the other values."""
+    return tuple(("tensor",) if d[0] == "tensor" else d for d in inputs)
+
+
+def _show_inputs(inputs: List[Tuple]) -> str:
+    return ", ".join(_show(d) for d in inputs)
 
 
 def _describe(x) -> Tuple:

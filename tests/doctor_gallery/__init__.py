@@ -20,6 +20,7 @@ import torch.nn as nn
 
 CASES = [
     "sync_item", "sync_print", "sync_tensor_if", "sync_mask", "sync_cpu", "sync_linalg", "shape_change",
+    "partial_last_batch",
     "host_to_device", "lr_float", "lr_between_calls", "optimizer_not_capturable", "adam_as_built", "grad_scaler",
     "grad_scaler_fused", "autocast_outer", "autocast_inside", "ddp_find_unused", "sync_batchnorm", "generator",
     "memory_growth", "control_flow", "python_scalar", "two_defects", "clean",
@@ -43,6 +44,7 @@ class Case:
     around: Callable[[Callable[[], Any]], Any] = field(default=lambda run: run())
     # What a step leaves behind besides the parameters, compared between eager and graphed runs.
     extra: Callable[[], List[float]] = field(default=lambda: [])
+    max_graphs: int = 8  # GraphedStep's and the doctor's bound on input shapes
 
 
 def load(name: str, device: torch.device) -> Case:
@@ -70,12 +72,16 @@ def small_model(device: torch.device, seed: int = 0) -> nn.Module:
 
 
 def batches(device: torch.device, batch_size: int = 8, count: int = 6, last: Optional[int] = None,
-            seed: int = 1) -> Callable[[], Any]:
-    """A loader of ``count`` fixed batches, cycled; ``last`` makes the final batch of each round partial."""
+            seed: int = 1, sizes: Optional[Dict[int, int]] = None) -> Callable[[], Any]:
+    """A loader of ``count`` fixed batches, cycled; ``last`` makes the final batch of each round partial;
+    ``sizes`` gives other batches of the round other sizes ({position: rows})."""
     g = torch.Generator().manual_seed(seed)
     data = []
+    sizes = dict(sizes or {})
+    if last is not None:
+        sizes[count - 1] = last
     for i in range(count):
-        n = last if last is not None and i == count - 1 else batch_size
+        n = sizes.get(i, batch_size)
         x = torch.randn(n, 4, generator=g)
         data.append((x.to(device), (x.sum(1, keepdim=True) * 0.5).to(device)))
     position = [0]
