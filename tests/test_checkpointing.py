@@ -204,3 +204,73 @@ def test_train_py_trains_gpt_tiny_with_activation_checkpointing(out):
     assert math.isfinite(res["final/loss"]) and math.isfinite(res["final/eval_loss"])
     used = OmegaConf.load(done.run_dir / "config.yaml").train
     assert used.activation_checkpointing and used.activation_checkpointing_used
+
+
+# ---- scripts/bench_checkpointing.py, as far as a CPU goes (the numbers need a GPU) --------
+
+def bracket(largest_that_fits, known, known_fits, granularity=8, start=None, trials_left=None):
+    """scripts/bench_checkpointing.py's search against a device on which sizes up to
+    ``largest_that_fits`` fit: (its answer, the sizes it tried)."""
+    from scripts.bench_checkpointing import largest_fitting
+
+    tried = []
+
+    def fits(size):
+        if trials_left is not None and len(tried) >= trials_left:
+            return None  # out of time
+        tried.append(size)
+        return size <= largest_that_fits
+
+    return largest_fitting(fits, known, known_fits, 256, granularity, start), tried
+
+
+@pytest.mark.fast
+def test_the_benchmark_brackets_the_largest_micro_batch_that_fits():
+    # Doubling from the timed batch, then bisection to the granularity.
+    assert bracket(100, 16, True) == ((96, 104, True), [32, 64, 128, 96, 112, 104])
+    # Everything up to --max-batch fits: it says so and stops there.
+    assert bracket(1000, 16, True) == ((256, None, True), [32, 64, 128, 256])
+    # With checkpointing, the search starts where the one without stopped.
+    assert bracket(100, 16, True, start=96) == ((96, 104, True), [96, 192, 144, 120, 104])
+    # The timed batch itself does not fit: halving down first.
+    assert bracket(10, 16, False) == ((8, 16, True), [8])
+    assert bracket(10, 16, False, granularity=1) == ((10, 11, True), [8, 12, 10, 11])
+    assert bracket(0, 4, False) == ((None, 1, True), [2, 1])
+    # Out of time: what it knows so far, marked unfinished.
+    assert bracket(100, 16, True, trials_left=2) == ((64, None, False), [32, 64])
+
+
+@pytest.mark.fast
+def test_the_benchmark_table_says_what_was_measured():
+    from scripts.bench_checkpointing import markdown_table
+
+    timed = {"fits": True, "mode": "full", "precision": "bf16", "unit": "tokens"}
+    result = {"recipe": "gpt2_small", "device": "NVIDIA H200", "torch": "2.11.0", "batch_size": 16, "max_batch": 256,
+              "settings": {
+                  "off": {"timed": {**timed, "step_ms_median": 46.0, "step_ms_p90": 46.5, "tokens_per_s": 356173.9,
+                                    "peak_allocated_mib": 20480.0},
+                          "search": {"largest_fitting": 96, "smallest_failing": 104, "complete": True,
+                                     "reached_max_batch": False}},
+                  "on": {"timed": {**timed, "step_ms_median": 59.8, "step_ms_p90": 60.1, "tokens_per_s": 273980.0,
+                                   "peak_allocated_mib": 10240.0},
+                         "search": {"largest_fitting": 192, "smallest_failing": None, "complete": False,
+                                    "reached_max_batch": False}}}}
+    table = markdown_table(result)
+    assert "| off | 46.00 | 46.50 | 356,174 | 20,480 | 96 (104 does not) |" in table
+    assert "| on | 59.80 | 60.10 | 273,980 | 10,240 | 192 or more, search stopped by --time-budget |" in table
+    assert "step time 1.30x, peak memory 0.50x at batch 16; largest micro-batch 2.00x" in table
+
+
+def test_a_benchmark_trial_runs_in_its_own_process_and_reports_back(tmp_path):
+    import argparse
+    import time
+
+    from scripts.bench_checkpointing import Bench
+
+    cpu = ["recipe=gpt_tiny", "graph=eager", "device=cpu", "train.precision=fp32", *TINY_GPT]
+    args = argparse.Namespace(overrides=cpu, train_options=[], time_budget=600.0, trial_timeout=120.0)
+    bench = Bench(args, tmp_path, time.monotonic(), warmup_iters=3)
+    outcome = bench.trial(True, 4, timed_steps=2)
+    assert outcome["fits"] and outcome["activation_checkpointing_used"] and outcome["mode"] == "eager"
+    assert outcome["step_ms_median"] > 0 and outcome["tokens_per_s"] > 0 and outcome["unit"] == "tokens"
+    assert (outcome["batch_size"], outcome[SETTING]) == (4, True) and bench.trials == [outcome]
