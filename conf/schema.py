@@ -124,6 +124,9 @@ class TrainLoopConfig:
     precision: Precision = Precision.fp32
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)  # fp16 only
     memory_format: MemoryFormat = MemoryFormat.auto  # of the model and its 4-D inputs (set inside the step)
+    # Recompute each block's forward in backward instead of keeping its activations: less memory, about
+    # one more forward of compute. The recipe applies it (Recipe.activation_checkpointing) or is refused.
+    activation_checkpointing: bool = False
     progress: bool = True  # progress bar on rank 0
 
 

@@ -2,6 +2,8 @@
 
 The ImageNet stem (7×7 stride-2 conv, max-pool) would shrink a 32×32 image to 8×8
 before the first block; the usual CIFAR variant uses a 3×3 stride-1 conv and no pool.
+With ``train.activation_checkpointing=true`` each residual stage (layer1 to layer4) is
+recomputed in backward while training.
 Augmentation runs inside the step, on the device, from the default generator, so it
 is captured into the CUDA graph and draws new crops and flips on every replay.
 """
@@ -15,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from recipes.vision import classification_criterion, image_datasets
+from trainer.activation_checkpointing import checkpointed
 from trainer.recipe import Batch, Recipe, Split, top1_correct
 from trainer.runtime import Runtime
 
@@ -24,13 +27,27 @@ TRAIN_SIZE, TEST_SIZE = 50_000, 10_000
 SIZE, PAD = 32, 4  # random crops of 32×32 from the image padded by 4 pixels
 
 
-def resnet18_cifar() -> nn.Module:
-    from torchvision.models import resnet18
+class ResNet18Cifar(nn.Module):
+    """torchvision's ResNet-18 with the CIFAR stem; its parts keep torchvision's names (and
+    initialization), so state dicts are torchvision's. ``activation_checkpointing``: each
+    residual stage is recomputed in backward while training."""
 
-    model = resnet18(num_classes=10)
-    model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
-    model.maxpool = nn.Identity()
-    return model
+    def __init__(self, activation_checkpointing: bool = False):
+        super().__init__()
+        from torchvision.models import resnet18
+
+        base = resnet18(num_classes=10)
+        self.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
+        self.bn1, self.relu = base.bn1, base.relu
+        self.layer1, self.layer2, self.layer3, self.layer4 = base.layer1, base.layer2, base.layer3, base.layer4
+        self.avgpool, self.fc = base.avgpool, base.fc
+        self.activation_checkpointing = activation_checkpointing
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.relu(self.bn1(self.conv1(x)))
+        for stage in (self.layer1, self.layer2, self.layer3, self.layer4):
+            x = checkpointed(stage, x) if self.activation_checkpointing else stage(x)
+        return self.fc(torch.flatten(self.avgpool(x), 1))
 
 
 def training_flops_per_sample(make_model) -> float:
@@ -125,7 +142,10 @@ def build(cfg, rt: Runtime) -> Recipe:
     data = image_datasets(cfg, rt, recipe="cifar10_resnet18", real_name="cifar10", sizes=(TRAIN_SIZE, TEST_SIZE),
                           image_shape=(3, SIZE, SIZE), num_classes=10,
                           load_real=load_torchvision_cifar10, make_synthetic=synthetic_cifar10)
-    return Recipe(name="cifar10_resnet18", model=resnet18_cifar(), data=data, preprocess=make_preprocess(rt.device),
+    checkpointing = cfg.train.activation_checkpointing
+    return Recipe(name="cifar10_resnet18", model=ResNet18Cifar(checkpointing), data=data,
+                  preprocess=make_preprocess(rt.device),
                   criterion=classification_criterion(log_probs_given=False,
                                                      label_smoothing=cfg.recipe.label_smoothing),
-                  correct=top1_correct, flops_per_unit=training_flops_per_sample(resnet18_cifar))
+                  correct=top1_correct, flops_per_unit=training_flops_per_sample(ResNet18Cifar),
+                  activation_checkpointing=checkpointing)

@@ -4,6 +4,7 @@ The model is the GPT-2 layout: pre-norm blocks of causal self-attention
 (``F.scaled_dot_product_attention(is_causal=True)``) and a 4× MLP, learned positions,
 output head tied to the token embedding, over a vocabulary of ``recipe.model.vocab``
 tokens (256: bytes). Its settings come from ``recipe.model``, checked against ``GPTConfig``.
+With ``train.activation_checkpointing=true`` each Block is recomputed in backward while training.
 
 Data (``recipe.data.source``):
 - ``text``: the bytes of the file ``recipe.data.path`` (first 90% train, last 10% test);
@@ -28,6 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from recipes.tokens import dtype_for_vocab, input_dtype, token_splits, windows
+from trainer.activation_checkpointing import checkpointed
 from trainer.errors import ConfigError
 from trainer.recipe import Batch, Datasets, Recipe, Split, top1_correct
 from trainer.runtime import Runtime
@@ -105,9 +107,11 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, c: GPTConfig):
+    """``activation_checkpointing``: each Block's forward is recomputed in backward while training."""
+
+    def __init__(self, c: GPTConfig, activation_checkpointing: bool = False):
         super().__init__()
-        self.config = c
+        self.config, self.activation_checkpointing = c, activation_checkpointing
         self.tok_emb = nn.Embedding(c.vocab, c.d_model)
         self.pos_emb = nn.Embedding(c.context, c.d_model)
         self.drop = nn.Dropout(c.dropout)
@@ -132,7 +136,7 @@ class GPT(nn.Module):
         pos = torch.arange(idx.shape[1], device=idx.device)
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
         for block in self.blocks:
-            x = block(x)
+            x = checkpointed(block, x) if self.activation_checkpointing else block(x)
         return self.head(self.ln_f(x))
 
     def training_flops_per_token(self) -> float:
@@ -296,7 +300,8 @@ def build(cfg, rt: Runtime) -> Recipe:
         train_size = data_cfg.train_size or SYNTHETIC_TRAIN_TOKENS // context
         test_size = data_cfg.test_size or SYNTHETIC_TEST_TOKENS // context
         train, test = synthetic_splits(cfg.seed, context, train_size, test_size, vocab)
-    model = GPT(config)
+    model = GPT(config, activation_checkpointing=cfg.train.activation_checkpointing)
     return Recipe(name=cfg.recipe.name, model=model, data=Datasets(train, test, source), preprocess=preprocess,
                   criterion=next_token_criterion(cfg.recipe.label_smoothing), correct=top1_correct,
-                  units_per_sample=context, unit="tokens", flops_per_unit=model.training_flops_per_token())
+                  units_per_sample=context, unit="tokens", flops_per_unit=model.training_flops_per_token(),
+                  activation_checkpointing=model.activation_checkpointing)

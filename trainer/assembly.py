@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 
 from graphing import Executor, build_executor
 from graphing.executor import log_fallback
+from trainer.activation_checkpointing import check_recipe as check_activation_checkpointing
 from trainer.data import extra_input_names, item_problem, make_loader
 from trainer.errors import ConfigError
 from trainer.optim import build_optimizer, build_schedule
@@ -131,6 +132,7 @@ def _recipe(plan: RunPlan, rt: Runtime) -> Recipe:
     if not isinstance(recipe, Recipe):
         raise ConfigError(f"recipe._target_={target} returned a {type(recipe).__name__}, not a "
                           "trainer.recipe.Recipe: see trainer/recipe.py for the contract")
+    check_activation_checkpointing(plan.cfg, recipe)
     if recipe.forward is not None and not callable(recipe.forward):
         raise ConfigError(f"recipe._target_={target} returned a Recipe whose forward is a "
                           f"{type(recipe.forward).__name__}: make it forward(model, batch) -> output, or None")
@@ -178,6 +180,7 @@ def _config_used(plan: RunPlan, recipe: Recipe, executor: Executor, rt: Runtime)
     config["graph"]["mode_used"] = plan.mode
     config["train"]["precision_used"] = plan.precision
     config["train"]["memory_format_used"] = str(plan.memory_format).replace("torch.", "")
+    config["train"]["activation_checkpointing_used"] = recipe.activation_checkpointing
     config["graph"]["capture_error_mode_used"] = executor.report.capture_error_mode
     config["world_size"] = rt.world_size
     return config

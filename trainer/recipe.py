@@ -15,6 +15,13 @@ the tokens, a second image) gets them from its dataset's further fields: an item
 dict ``{"x": ..., "y": ..., "attention_mask": ...}`` (or a ``Split`` with ``extra_inputs``),
 and ``Recipe.forward`` says how a batch reaches the model, e.g.
 ``lambda model, batch: model(batch["x"], batch["attention_mask"])``.
+
+Activation checkpointing (``train.activation_checkpointing=true``) is the recipe's to apply,
+since only it knows its model's blocks: ``build`` reads ``cfg.train.activation_checkpointing``,
+its model runs each block through ``trainer.activation_checkpointing.checkpointed`` when it is
+true, and it returns ``Recipe(..., activation_checkpointing=True)`` to say so. A recipe that
+leaves ``activation_checkpointing`` False (the default) is refused with the setting on, with one
+ConfigError naming it, rather than trained without it.
 """
 from __future__ import annotations
 
@@ -96,6 +103,9 @@ class Recipe:
     # graph.mode=partial it must call the model once, with tensors as positional arguments
     # (what torch.cuda.make_graphed_callables replays).
     forward: Optional[Callable[[torch.nn.Module, Batch], torch.Tensor]] = None
+    # Whether the model checkpoints its blocks (trainer/activation_checkpointing.py): a recipe that
+    # supports train.activation_checkpointing passes the setting's value; False refuses the setting.
+    activation_checkpointing: bool = False
 
 
 def top1_correct(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
