@@ -163,8 +163,16 @@ def test_a_checkpointed_recipe_trains_graphed_as_eagerly_and_as_without_checkpoi
         f"checkpointed peak {g['perf/peak_allocated_mib']:.1f} MiB, without {p['perf/peak_allocated_mib']:.1f} MiB"
 
 
-@pytest.mark.parametrize("graph,mode", [("full_compiled", "full"), ("partial", "partial")])
-def test_compiled_and_partial_graphs_run_a_checkpointed_gpt(out, graph, mode):
+def test_full_compiled_with_checkpointing_is_refused_naming_both_settings(out):
+    done = launch([*COMMON, *CHECKPOINTED["gpt_tiny"], "graph=full_compiled", f"{SETTING}=true"], out, timeout=300)
+    text = done.stdout + done.stderr
+    assert done.returncode == 2, text[-4000:]
+    assert text.count("graph.compile_model=true (graph=full_compiled) with train.activation_checkpointing=true") == 1
+    assert "Traceback" not in text
+
+
+@pytest.mark.parametrize("graph,mode", [("partial", "partial")])
+def test_partial_graphs_run_a_checkpointed_gpt(out, graph, mode):
     done = launch([*COMMON, *CHECKPOINTED["gpt_tiny"], f"graph={graph}", f"{SETTING}=true", "train.max_steps=16"],
                   out, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
