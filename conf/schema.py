@@ -72,6 +72,9 @@ class DataConfig:
     # false: each epoch's last partial training batch is a smaller step (its own graph), padded
     # and masked across ranks; true: it is dropped
     drop_last: bool = False
+    # language models: sequence lengths to train on, shortest first, each for an equal share of
+    # the steps (trainer/seq_len.py); empty: the whole window always
+    seq_len_buckets: List[int] = field(default_factory=list)
     num_workers: int = 0  # DataLoader worker processes (host loader; device loader: for reading the data once)
     train_size: Optional[int] = None  # synthetic: how many to draw; folder: a seeded subset; None: all
     test_size: Optional[int] = None

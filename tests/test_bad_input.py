@@ -74,6 +74,11 @@ CASES = [
                  id="schedule-argument"),
     pytest.param(["graph.compile_model=true", "graph=eager"], ["graph.compile_model=true applies to graph.mode=full"],
                  id="compile-model-eager"),
+    pytest.param(["recipe.data.seq_len_buckets=[8,16]"], ["recipe.data.seq_len_buckets=[8, 16] applies to language "
+                                                          "models", "remove recipe.data.seq_len_buckets"],
+                 id="seq-len-buckets-for-images"),
+    pytest.param(["graph.max_graphs=0"], ["graph.max_graphs=0 must be at least 1", "set graph.max_graphs=8"],
+                 id="max-graphs-zero"),
 ]
 
 

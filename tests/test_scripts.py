@@ -265,8 +265,8 @@ def test_the_projection_does_not_extrapolate_beyond_the_sweep(tmp_path):
 
 # ---- every script reads train.py's config as train.py does ------------------------------
 
-OVERRIDE_SCRIPTS = ["doctor.py", "profile_step.py", "bench_input.py", "bench_checkpointing.py", "export_images.py",
-                    "project_scaling.py", "compare.py", "sweep.py"]
+OVERRIDE_SCRIPTS = ["doctor.py", "profile_step.py", "bench_input.py", "bench_checkpointing.py", "bench_shapes.py",
+                    "export_images.py", "project_scaling.py", "compare.py", "sweep.py"]
 # It imports torch at module level (an example to read top to bottom): its --help takes torch's import time too.
 TORCH_AT_IMPORT = {"own_loop.py"}
 ALL_SCRIPTS = sorted(p.name for p in (ROOT / "scripts").glob("*.py") if p.name != "__init__.py")

@@ -88,3 +88,33 @@ def test_the_last_partial_batch_trains_in_its_own_graph_like_eager(out, recipe):
         assert math.isfinite(le) and lg == pytest.approx(le, rel=rel), f"step {step}: eager {eager}\ngraph {graph}"
         assert ag == pytest.approx(ae, abs=0.01)
     assert g["final/eval_loss"] == pytest.approx(e["final/eval_loss"], rel=rel)
+
+
+GPT_BUCKETS = ["recipe=gpt_tiny", "recipe.model.n_layer=2", "recipe.model.n_head=4", "recipe.model.d_model=128",
+               "recipe.model.context=128", "recipe.data.source=synthetic", "recipe.data.train_size=1024",
+               "recipe.data.test_size=96", "recipe.data.batch_size=16", "recipe.data.eval_batch_size=32",
+               "recipe.optim.lr=1e-3", "recipe.schedule.warmup_steps=5", "recipe.data.seq_len_buckets=[32,64,128]",
+               "logger=none", "train.progress=false", "train.log_every=5", "deterministic=true", "train.max_steps=60"]
+
+
+def test_gpt_tiny_over_three_sequence_length_buckets_graphed_trains_like_eager(out):
+    runs = {mode: launch([*GPT_BUCKETS, f"graph={mode}"], out / mode, timeout=600) for mode in ("eager", "full")}
+    for done in runs.values():
+        assert done.returncode == 0, done.stderr[-4000:]
+    e, g = runs["eager"].results(), runs["full"].results()
+    # 64 steps per epoch, no tail: one graph per bucket (the first, 32, is captured after DDP's 11
+    # warm-up steps, as its share is 20 steps), and the evaluation's.
+    assert g["graph/graphs"] == 4 and {"graph/train@full@T32/capture_s", "graph/train@full@T64/capture_s",
+                                       "graph/train@full/capture_s"} <= g.keys()
+    eager, graph = _losses(runs["eager"]), _losses(runs["full"])
+    assert [s for s, _, _ in eager] == [s for s, _, _ in graph]
+    for (step, le, _), (_, lg, _) in zip(eager, graph):  # tests/test_recipes_gpu.py's tolerance for gpt_tiny
+        assert math.isfinite(le) and lg == pytest.approx(le, rel=2e-2), f"step {step}: eager {eager}\ngraph {graph}"
+    assert g["final/eval_loss"] == pytest.approx(e["final/eval_loss"], rel=2e-2)
+    rows = []
+    for length in (32, 64):
+        assert g[f"perf/bucket_T{length}/steps_timed"] > 0 and e[f"perf/bucket_T{length}/steps_timed"] > 0
+        rows.append(f"T{length}: eager {e[f'perf/bucket_T{length}/tokens_per_s']:,.0f} tokens/s, graphed "
+                    f"{g[f'perf/bucket_T{length}/tokens_per_s']:,.0f}")
+    rows.append(f"T128: eager {e['perf/tokens_per_s']:,.0f} tokens/s, graphed {g['perf/tokens_per_s']:,.0f}")
+    print("\n" + "; ".join(rows))

@@ -11,12 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import torch
 from omegaconf import OmegaConf
 
-from graphing import Executor, build_executor
+from graphing import Executor, GraphMode, build_executor
 from graphing.executor import log_fallback
 from trainer.activation_checkpointing import check_recipe as check_activation_checkpointing
 from trainer.data import extra_input_names, item_problem, make_loader
@@ -27,6 +27,7 @@ from trainer.plan import RunPlan, graph_setting, plan_run
 from trainer.recipe import Recipe
 from trainer.runtime import Runtime, seed_rank_streams
 from trainer.schedules import LRSchedule
+from trainer.seq_len import SeqLenSchedule, seq_len_schedule
 from trainer.state import TrainingState
 from trainer.step import EvalStep, TrainStep, autocast_factory, model_call, model_call_arguments
 
@@ -52,6 +53,7 @@ class Run:
     config: Dict[str, Any]  # the resolved config, with what this run actually uses beside what was asked
     steps_per_epoch: int
     total_steps: int
+    seq_lens: Optional[SeqLenSchedule]  # recipe.data.seq_len_buckets: each step's sequence length
     global_batch: int
 
     def close(self) -> None:
@@ -78,6 +80,10 @@ def build_run(plan: RunPlan, rt: Runtime) -> Run:
     total_steps = loop.epochs * steps_per_epoch
     if loop.max_steps:
         total_steps = min(total_steps, loop.max_steps)
+    seq_lens = seq_len_schedule(data_cfg.seq_len_buckets, unit=recipe.unit, context=recipe.units_per_sample,
+                                total_steps=total_steps, recipe=recipe.name, max_graphs=plan.graph.max_graphs,
+                                shapes_per_bucket=1 + (train_loader.plan.tail is not None),
+                                graphed=plan.graph.mode is GraphMode.full)
     # Gradients as views into DDP's all-reduce buckets: after the all-reduce nothing is
     # copied back into them (one copy kernel per parameter less in every step).
     executor = build_executor(plan.graph, device, ddp_kwargs={"gradient_as_bucket_view": True},
@@ -115,7 +121,8 @@ def build_run(plan: RunPlan, rt: Runtime) -> Run:
     return Run(plan=plan, rt=rt, recipe=recipe, raw_model=model, model=wrapped, executor=executor,
                optimizer=optimizer, schedule=schedule, train_loader=train_loader, eval_loader=eval_loader,
                train_step=train_step, eval_step=eval_step, perf=perf, state=state, config=config,
-               steps_per_epoch=steps_per_epoch, total_steps=total_steps, global_batch=global_batch)
+               steps_per_epoch=steps_per_epoch, total_steps=total_steps, seq_lens=seq_lens,
+               global_batch=global_batch)
 
 
 def build_recipe_alone(cfg) -> Recipe:

@@ -63,14 +63,17 @@ def check_batch_fits(n: int, world: int, samples_per_step: int, data_key: str) -
 @dataclass(frozen=True)
 class StepLayout:
     """The input rows of one training step on each rank: ``rows`` per micro-batch; a tail
-    step is padded and masked, and ``real`` counts its real samples on all ranks together.
-    Its ``str`` names the step's graph ("full", "tail48", "tail64+16")."""
+    step is padded and masked, and ``real`` counts its real samples on all ranks together;
+    ``seq_len``: a language model's sequence-length bucket (None: the whole window).
+    Its ``str`` names the step's graph ("full", "tail48", "tail64+16", "full@T256")."""
     rows: Tuple[int, ...]
     tail: bool = False
     real: int = 0
+    seq_len: Optional[int] = None
 
     def __str__(self) -> str:
-        return "tail" + "+".join(map(str, self.rows)) if self.tail else "full"
+        name = "tail" + "+".join(map(str, self.rows)) if self.tail else "full"
+        return name if self.seq_len is None else f"{name}@T{self.seq_len}"
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ import hashlib
 import math
 import time
 from collections import deque
+from dataclasses import replace
 from functools import partial
 from typing import Any, Dict, List, Optional
 
@@ -75,7 +76,7 @@ class Trainer:
             begin = position if epoch == first_epoch else 0  # resumed mid-epoch: continue where the checkpoint was
             bar = self._start_epoch(epoch, begin)
             for i in range(begin, run.steps_per_epoch):
-                if self._run_step(i) == "capture":  # capture synchronizes: the host clock is exact here
+                if self._run_step(step, i) == "capture":  # capture synchronizes: the host clock is exact here
                     self.clock["until_first_graph_step_s"] = time.perf_counter() - began
                 step += 1
                 at = StepPoint(step, epoch, epoch_end=i == run.steps_per_epoch - 1, last=step >= run.total_steps)
@@ -110,18 +111,23 @@ class Trainer:
         return _progress(self.rt.is_main and self.cfg.train.progress, self.run.steps_per_epoch,
                          f"epoch {epoch + 1}/{self.cfg.train.epochs}")
 
-    def _run_step(self, i: int) -> str:
-        """Stages, runs and times the epoch's step ``i``; returns its phase (warmup, eager, capture, graph).
+    def _run_step(self, step: int, i: int) -> str:
+        """Stages, runs and times the epoch's step ``i`` (``step`` steps done); returns its phase
+        (warmup, eager, capture, graph).
 
-        Each step layout (full, the epoch's tail) is its own graph; a tail step is timed
-        under its own name ("graph@tail48"), so the headline numbers are full steps'."""
+        Each step layout (full, the epoch's tail, a sequence-length bucket) is its own graph,
+        and is timed under its own name ("graph@tail48", "graph@full@T256"), so the headline
+        numbers are those of full steps over whole windows."""
         run = self.run
         if "startup_s" not in self.clock:  # process start to the first step (imports, data, build)
             self.clock["startup_s"] = time.time() - process_started_at()
         layout = run.train_loader.plan.layout(i)
+        if run.seq_lens is not None:
+            layout = replace(layout, seq_len=run.seq_lens.at(step))
         phase = run.executor.phase(StepRole.train, layout)
         run.executor.run(StepRole.train, run.train_loader.stage, partial(run.train_step, layout), layout)
-        run.perf.step(phase if not layout.tail else f"{phase}@{layout}", layout)
+        plain = not layout.tail and layout.seq_len is None
+        run.perf.step(phase if plain else f"{phase}@{layout}", layout)
         return phase
 
     # ---- reading the device at log intervals -----------------------------------------

@@ -51,12 +51,22 @@ class Perf:
         self.timer = StepTimer(device)
         self.units_per_sample = units_per_sample  # 1, or the tokens of a sequence
         self.window_units = 0.0  # units trained by the steps timed since the last window()
+        self.layouts: Dict[str, Any] = {}  # timed phase name -> the layout its steps have
 
     def step(self, phase: str, layout=None) -> None:
-        """Marks the end of a step of ``phase``; a tail ``layout`` trains its real samples only."""
+        """Marks the end of a step of ``phase``, training what ``layout`` holds (None: a full step)."""
         self.timer.step(phase)
-        tail = layout is not None and layout.tail
-        self.window_units += layout.real * self.units_per_sample if tail else self.units_per_step
+        self.window_units += self.units_of(layout)
+        if layout is not None:
+            self.layouts.setdefault(phase, layout)
+
+    def units_of(self, layout) -> float:
+        """Units one step of ``layout`` trains, all ranks: a tail its real samples, a
+        sequence-length bucket its tokens."""
+        if layout is None:
+            return self.units_per_step
+        samples = layout.real if layout.tail else self.units_per_step / self.units_per_sample
+        return samples * (layout.seq_len or self.units_per_sample)
 
     def window(self) -> Dict[str, float]:
         """Mean step time and throughput of the steps timed since the last call (collects events)."""
@@ -73,14 +83,15 @@ class Perf:
             return None
         return peak_tflops(torch.cuda.get_device_name(self.device), self.precision)
 
-    def phase_summary(self, phase: str) -> Dict[str, float]:
-        """Step time median/p90/mean, throughput (global and per GPU) and MFU of one phase."""
+    def phase_summary(self, phase: str, units_per_step: Optional[float] = None) -> Dict[str, float]:
+        """Step time median/p90/mean, throughput (global and per GPU) and MFU of one phase
+        (``units_per_step``: what one of its steps trains, when not a full step)."""
         self.timer.collect()
         s = self.timer.summary(phase)
         if not s:
             return {}
         per_s = f"{self.unit}_per_s"
-        s[per_s] = self.units_per_step * 1e3 / s["step_ms_mean"]
+        s[per_s] = (units_per_step or self.units_per_step) * 1e3 / s["step_ms_mean"]
         s[f"{per_s}_per_gpu"] = s[per_s] / self.world_size
         peak = self.peak()
         if peak is not None and self.flops_per_unit > 0:
@@ -90,6 +101,11 @@ class Perf:
     def run_summary(self, headline_phase: str) -> Dict[str, Any]:
         """``perf/*`` for the results: the headline phase's numbers, the MFU peak used, memory."""
         out: Dict[str, Any] = {f"perf/{k}": v for k, v in self.phase_summary(headline_phase).items()}
+        for name, layout in self.layouts.items():  # sequence-length buckets, each timed apart
+            if name.startswith(f"{headline_phase}@") and layout.seq_len is not None and not layout.tail:
+                bucket = self.phase_summary(name, self.units_of(layout))
+                for key in ("step_ms_median", f"{self.unit}_per_s", "steps_timed"):
+                    out[f"perf/bucket_T{layout.seq_len}/{key}"] = bucket[key]
         peak = self.peak()
         if peak is not None and self.flops_per_unit > 0:
             out["perf/mfu_peak"], out["perf/mfu_peak_tflops"] = peak

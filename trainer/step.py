@@ -16,6 +16,7 @@ from trainer.data import StepLayout
 from trainer.errors import ConfigError
 from trainer.recipe import PADDING_MASK, Batch, Recipe
 from trainer.schedules import LRSchedule
+from trainer.seq_len import truncate
 
 
 def accumulate(metrics: torch.Tensor, per_sample: torch.Tensor, correct: torch.Tensor, mask: torch.Tensor) -> None:
@@ -139,6 +140,8 @@ class TrainStep:
         for micro in range(micro_batches):
             raw = self.loader.tail_batch(layout, micro) if tail else self.loader.next_batch()
             batch = self.recipe.preprocess(raw, True)
+            if layout is not None and layout.seq_len is not None:
+                batch = truncate(batch, layout.seq_len)  # a static slice: each length its own graph
             last = micro == micro_batches - 1
             # DDP all-reduces only on the last micro-batch.
             sync = contextlib.nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync()
