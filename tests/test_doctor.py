@@ -195,3 +195,11 @@ def test_under_torchrun_each_rank_checks_and_rank_0_prints_one_merged_report(tmp
     [path] = tmp_path.rglob("doctor.json")
     report = json.loads(path.read_text())
     assert report["world_size"] == 2 and report["verdict"] == "blocked"
+
+
+@pytest.mark.fast
+def test_inputs_in_a_few_shapes_are_a_note_not_a_finding():
+    case, report = diagnose_case("partial_last_batch")
+    assert report.verdict == "ready" and not report.findings, report.table()
+    assert any("the inputs came in 2 sets of shapes: GraphedStep captures one graph per set" in n
+               for n in report.notes), report.notes

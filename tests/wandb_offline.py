@@ -84,8 +84,10 @@ def read_run(path: Path) -> OfflineRun:
         kind = rec.WhichOneof("record_type")
         if kind == "run":
             r = rec.run
-            run.run_id, run.group, run.job_type, run.project = r.run_id, r.run_group, r.job_type, r.project
-            run.tags = list(r.tags)
+            # A later run record may be a partial update (seen under load): it fills, never blanks.
+            run.run_id, run.group = r.run_id or run.run_id, r.run_group or run.group
+            run.job_type, run.project = r.job_type or run.job_type, r.project or run.project
+            run.tags = list(r.tags) or run.tags
             for item in r.config.update:
                 run.config[_key(item)] = _value(item)
         elif kind == "config":

@@ -1,0 +1,146 @@
+"""The reference to beat: a single-file GPT-2 small trainer in the style of the public
+nanoGPT-like scripts, with ``torch.compile``, timed. Its settings are pinned here, so that its
+numbers mean the same in every device call (issue 24's yardstick).
+
+    python scripts/reference_gpt2.py                          # micro-batch 16 x 1024, compiled, eager loop
+    python scripts/reference_gpt2.py --batch-size 32
+    python scripts/reference_gpt2.py --graphed                # the same step through graphing.GraphedStep
+    python scripts/reference_gpt2.py --output ref.json        # the numbers as JSON too
+
+Pinned: 12 layers, 12 heads, width 768, context 1024, vocabulary 50304, no biases, tied
+embedding, GELU MLP, flash attention (``F.scaled_dot_product_attention(is_causal=True)``),
+bf16 autocast with fp32 weights, TF32 matmuls, AdamW (fused, lr 6e-4, betas 0.9/0.95,
+weight decay 0.1 on matrices only), gradient clipping at 1.0, ``torch.compile(model)``
+(mode default), random tokens already on the GPU (the data costs nothing), one micro-batch
+per step. Prints milliseconds per step (median over --steps after --warmup), tokens/s and
+MFU against the GPU's dense bf16 peak (trainer/perf.py's table; 6N + 12·L·d·T FLOPs per token).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+LAYERS, HEADS, WIDTH, CONTEXT, VOCAB = 12, 12, 768, 1024, 50304
+LR, BETAS, WEIGHT_DECAY, CLIP = 6e-4, (0.9, 0.95), 0.1, 1.0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch-size", type=int, default=16, help="sequences of 1024 tokens per step")
+    parser.add_argument("--steps", type=int, default=50, help="steps timed")
+    parser.add_argument("--warmup", type=int, default=15, help="steps before timing (compilation happens here)")
+    parser.add_argument("--graphed", action="store_true", help="run the step through graphing.GraphedStep")
+    parser.add_argument("--output", type=Path, default=None, help="write the numbers here as JSON")
+    args = parser.parse_args()
+
+    import torch
+
+    from trainer.perf import peak_tflops
+
+    if not torch.cuda.is_available():
+        sys.exit("reference_gpt2.py times a GPU: this machine has no CUDA device")
+    torch.manual_seed(0)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    model = make_gpt2().cuda()
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY},
+                                   {"params": no_decay, "weight_decay": 0.0}], lr=LR, betas=BETAS, fused=True)
+    compiled = torch.compile(model)
+    tokens = torch.randint(0, VOCAB, (8, args.batch_size, CONTEXT + 1), device="cuda")
+
+    def train_step(model, x, y):
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(x)
+        loss = torch.nn.functional.cross_entropy(logits.view(-1, VOCAB).float(), y.view(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP, foreach=True)
+        optimizer.step()
+        return loss.detach()
+
+    step = train_step
+    if args.graphed:
+        import graphing
+
+        step = graphing.GraphedStep(train_step, compiled, optimizer)
+    else:
+        step = lambda x, y: train_step(compiled, x, y)  # noqa: E731
+    times = []
+    for i in range(args.warmup + args.steps):
+        batch = tokens[i % len(tokens)]
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        loss = step(batch[:, :-1], batch[:, 1:])
+        end.record()
+        if i >= args.warmup:
+            times.append((start, end))
+    torch.cuda.synchronize()
+    ms = statistics.median(s.elapsed_time(e) for s, e in times)
+    n_params = sum(p.numel() for p in model.parameters()) - model.pos.weight.numel()
+    flops_per_token = 6.0 * n_params + 12.0 * LAYERS * WIDTH * CONTEXT
+    tokens_per_s = args.batch_size * CONTEXT * 1e3 / ms
+    peak = peak_tflops(torch.cuda.get_device_name(0), "bf16")
+    result = {"script": "reference_gpt2.py", "graphed": args.graphed, "batch_size": args.batch_size,
+              "step_ms_median": ms, "tokens_per_s": tokens_per_s, "final_loss": float(loss),
+              "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+              "mfu_pct": 100 * tokens_per_s * flops_per_token / (peak[1] * 1e12) if peak else None}
+    print(f"reference GPT-2 small{' (GraphedStep)' if args.graphed else ''}, {args.batch_size}x{CONTEXT}: "
+          f"{ms:.2f} ms/step, {tokens_per_s:,.0f} tokens/s"
+          + (f", {result['mfu_pct']:.1f}% MFU ({peak[0]})" if peak else ""))
+    if args.output:
+        args.output.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+def make_gpt2():
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln_1, self.ln_2 = nn.LayerNorm(WIDTH, bias=False), nn.LayerNorm(WIDTH, bias=False)
+            self.c_attn, self.c_proj = nn.Linear(WIDTH, 3 * WIDTH, bias=False), nn.Linear(WIDTH, WIDTH, bias=False)
+            self.c_fc, self.c_out = nn.Linear(WIDTH, 4 * WIDTH, bias=False), nn.Linear(4 * WIDTH, WIDTH, bias=False)
+
+        def forward(self, x):
+            b, t, c = x.shape
+            q, k, v = (z.view(b, t, HEADS, c // HEADS).transpose(1, 2) for z in self.c_attn(self.ln_1(x)).split(c, 2))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + self.c_proj(y.transpose(1, 2).contiguous().view(b, t, c))
+            return x + self.c_out(F.gelu(self.c_fc(self.ln_2(x))))
+
+    class GPT2(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte, self.pos = nn.Embedding(VOCAB, WIDTH), nn.Embedding(CONTEXT, WIDTH)
+            self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
+            self.ln_f = nn.LayerNorm(WIDTH, bias=False)
+            self.lm_head = nn.Linear(WIDTH, VOCAB, bias=False)
+            self.lm_head.weight = self.wte.weight
+            for name, p in self.named_parameters():
+                if p.dim() >= 2:
+                    std = 0.02 / math.sqrt(2 * LAYERS) if name.endswith(("c_proj.weight", "c_out.weight")) else 0.02
+                    torch.nn.init.normal_(p, mean=0.0, std=std)
+
+        def forward(self, idx):
+            x = self.wte(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+            for block in self.blocks:
+                x = block(x)
+            return self.lm_head(self.ln_f(x))
+
+    return GPT2()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
