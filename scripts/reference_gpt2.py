@@ -61,7 +61,7 @@ def main() -> int:
         optimizer.zero_grad(set_to_none=True)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             logits = model(x)
-        loss = torch.nn.functional.cross_entropy(logits.view(-1, VOCAB).float(), y.view(-1))
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB).float(), y.reshape(-1))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP, foreach=True)
         optimizer.step()
