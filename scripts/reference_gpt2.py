@@ -12,7 +12,7 @@ embedding, GELU MLP, flash attention (``F.scaled_dot_product_attention(is_causal
 bf16 autocast with fp32 weights, TF32 matmuls, AdamW (fused, lr 6e-4, betas 0.9/0.95,
 weight decay 0.1 on matrices only), gradient clipping at 1.0, ``torch.compile(model)``
 (mode default), random tokens already on the GPU (the data costs nothing), one micro-batch
-per step. Prints milliseconds per step (median over --steps after --warmup), tokens/s and
+per step, the loss computed inside the compiled forward. Prints milliseconds per step (median over --steps after --warmup), tokens/s and
 MFU against the GPU's dense bf16 peak (trainer/perf.py's table; 6N + 12·L·d·T FLOPs per token).
 """
 from __future__ import annotations
@@ -60,8 +60,7 @@ def main() -> int:
     def train_step(model, x, y):
         optimizer.zero_grad(set_to_none=True)
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            logits = model(x)
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB).float(), y.reshape(-1))
+            loss = model(x, y)  # the loss inside the compiled forward, as the public scripts have it
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP, foreach=True)
         optimizer.step()
@@ -133,11 +132,12 @@ def make_gpt2():
                     std = 0.02 / math.sqrt(2 * LAYERS) if name.endswith(("c_proj.weight", "c_out.weight")) else 0.02
                     torch.nn.init.normal_(p, mean=0.0, std=std)
 
-        def forward(self, idx):
+        def forward(self, idx, targets):
             x = self.wte(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
             for block in self.blocks:
                 x = block(x)
-            return self.lm_head(self.ln_f(x))
+            logits = self.lm_head(self.ln_f(x))
+            return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
 
     return GPT2()
 
