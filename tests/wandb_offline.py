@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List
@@ -76,7 +77,19 @@ def _key(item) -> str:
     return item.key or "/".join(item.nested_key)
 
 
-def read_run(path: Path) -> OfflineRun:
+def read_run(path: Path, wait_s: float = 30.0) -> OfflineRun:
+    """The run in ``path``, read once its exit record is there: ``run.finish()`` (and a process's
+    exit) can return before W&B's service has written the file out, seen under load (the run
+    record itself missing). Waits up to ``wait_s`` for it; a run without one is read as it is."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        run = _read_run(path)
+        if run.exit_code is not None or time.monotonic() > deadline:
+            return run
+        time.sleep(0.2)
+
+
+def _read_run(path: Path) -> OfflineRun:
     run = OfflineRun()
     for raw in _records(Path(path).read_bytes()):
         rec = pb.Record()
@@ -84,10 +97,8 @@ def read_run(path: Path) -> OfflineRun:
         kind = rec.WhichOneof("record_type")
         if kind == "run":
             r = rec.run
-            # A later run record may be a partial update (seen under load): it fills, never blanks.
-            run.run_id, run.group = r.run_id or run.run_id, r.run_group or run.group
-            run.job_type, run.project = r.job_type or run.job_type, r.project or run.project
-            run.tags = list(r.tags) or run.tags
+            run.run_id, run.group, run.job_type, run.project = r.run_id, r.run_group, r.job_type, r.project
+            run.tags = list(r.tags)
             for item in r.config.update:
                 run.config[_key(item)] = _value(item)
         elif kind == "config":
