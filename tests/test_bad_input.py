@@ -77,6 +77,9 @@ CASES = [
     pytest.param(["recipe.data.seq_len_buckets=[8,16]"], ["recipe.data.seq_len_buckets=[8, 16] applies to language "
                                                           "models", "remove recipe.data.seq_len_buckets"],
                  id="seq-len-buckets-for-images"),
+    pytest.param(["recipe.accuracy=false", "checkpoint.best_metric=eval/accuracy"],
+                 ["checkpoint.best_metric=eval/accuracy needs the accuracy, but recipe.accuracy=false",
+                  "set checkpoint.best_metric=eval/loss"], id="best-accuracy-without-accuracy"),
     pytest.param(["graph.max_graphs=0"], ["graph.max_graphs=0 must be at least 1", "set graph.max_graphs=8"],
                  id="max-graphs-zero"),
 ]

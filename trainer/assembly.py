@@ -107,9 +107,9 @@ def build_run(plan: RunPlan, rt: Runtime) -> Run:
     train_step = TrainStep(recipe, wrapped, optimizer, schedule, train_loader, grad_accum=loop.grad_accum,
                            grad_clip=loop.grad_clip, autocast=autocast, device=device,
                            memory_format=plan.memory_format, wrap_output_fn=executor.wrap_output_fn, scaler=scaler,
-                           world_size=rt.world_size)
+                           world_size=rt.world_size, accuracy=cfg.recipe.accuracy)
     eval_step = EvalStep(recipe, lambda: executor.eval_model, eval_loader, autocast=autocast, device=device,
-                         memory_format=plan.memory_format)
+                         memory_format=plan.memory_format, accuracy=cfg.recipe.accuracy)
     global_batch = data_cfg.batch_size * loop.grad_accum * rt.world_size
     perf = Perf(device, units_per_step=global_batch * recipe.units_per_sample, unit=recipe.unit,
                 world_size=rt.world_size, flops_per_unit=recipe.flops_per_unit, precision=plan.precision,

@@ -40,6 +40,7 @@ class Trainer:
         self.checkpoints = CheckpointPolicy(cfg.checkpoint.every_steps, cfg.checkpoint.every_epochs,
                                             cfg.checkpoint.every_minutes, run.rt.is_main)
         self.evaluations = EvalPolicy(cfg.train.eval)
+        self.accuracy = cfg.recipe.accuracy  # false: the metrics are the loss alone
         self.stop = StopAgreement(run.rt)
         self.history: deque = deque(maxlen=HISTORY_ROWS)  # the last logged train/eval rows
         self.comparison: Optional[Dict[str, Any]] = None
@@ -149,7 +150,7 @@ class Trainer:
             raise NonFiniteLossError(
                 f"the training loss became non-finite (NaN/Inf) by step {at.step}: lower recipe.optim.lr, "
                 "set train.grad_clip, or check the data")
-        metrics = {"train/loss": loss_sum / count, "train/accuracy": correct / count,
+        metrics = {"train/loss": loss_sum / count, **({"train/accuracy": correct / count} if self.accuracy else {}),
                    "train/lr": float(run.optimizer.param_groups[0]["lr"]), "epoch": at.step / run.steps_per_epoch}
         if step_fn.grad_norm is not None:
             metrics["train/grad_norm"] = float(step_fn.grad_norm)  # the window's last step, before clipping
@@ -174,7 +175,8 @@ class Trainer:
         executor.eval_model.train()
         loss_sum, correct, count = self._global(run.eval_step.metrics)
         # count: loss terms, in the recipe's unit (samples, or tokens for language models)
-        return {"eval/loss": loss_sum / count, "eval/accuracy": correct / count, f"eval/{run.recipe.unit}": count}
+        return {"eval/loss": loss_sum / count, **({"eval/accuracy": correct / count} if self.accuracy else {}),
+                f"eval/{run.recipe.unit}": count}
 
     def _evaluate_and_log(self, step: int, epoch: int) -> None:
         began = time.perf_counter()
@@ -184,16 +186,14 @@ class Trainer:
         unit, best = self.run.recipe.unit, self.cfg.checkpoint.best_metric
         if self.cfg.train.eval_only:
             self.logger.log(result, step)
-            print_once(f"evaluated the weights of step {step}: loss {result['eval/loss']:.4f} "
-                       f"accuracy {100 * result['eval/accuracy']:.2f}%")
+            print_once(f"evaluated the weights of step {step}: loss {result['eval/loss']:.4f}{_accuracy(result)}")
             return
         self.history.append({"step": step, **result, "epoch": epoch})
         self.logger.log({**result, "epoch": epoch}, step)
         if best and self.run.state.maybe_save_best(step, result, best):
             print_once(f"best {best} so far: checkpoints/best.pt (step {step})")
         print_once(f"epoch {epoch}: train loss {self._last_train.get('train/loss', math.nan):.4f} | "
-                   f"test loss {result['eval/loss']:.4f} accuracy {100 * result['eval/accuracy']:.2f}% "
-                   f"({int(result[f'eval/{unit}'])} {unit})")
+                   f"test loss {result['eval/loss']:.4f}{_accuracy(result)} ({int(result[f'eval/{unit}'])} {unit})")
         self.run.perf.timer.restart()
 
     # ---- the results -----------------------------------------------------------------
@@ -246,10 +246,16 @@ def _progress(show: bool, total: int, desc: str):
 def _show(bar, at: StepPoint, metrics: Dict[str, float], unit: str, steps_per_epoch: int) -> None:
     if bar is None:
         return
-    bar.set_postfix(loss=f"{metrics['train/loss']:.4f}", acc=f"{metrics['train/accuracy']:.3f}",
+    accuracy = {"acc": f"{metrics['train/accuracy']:.3f}"} if "train/accuracy" in metrics else {}
+    bar.set_postfix(loss=f"{metrics['train/loss']:.4f}", **accuracy,
                     **{f"{unit}/s": f"{metrics.get(f'perf/{unit}_per_s', 0):.0f}"})
     bar.n = (at.step - 1) % steps_per_epoch + 1
     bar.refresh()
+
+
+def _accuracy(result: Dict[str, float]) -> str:
+    """The " accuracy 97.12%" of an evaluation's line, or nothing under recipe.accuracy=false."""
+    return f" accuracy {100 * result['eval/accuracy']:.2f}%" if "eval/accuracy" in result else ""
 
 
 def _close_bar(bar) -> None:

@@ -110,6 +110,9 @@ def _check_values(cfg) -> None:
     if c.init_from is not None and not Path(c.init_from).is_file():
         raise ConfigError(f"checkpoint.init_from={c.init_from!r} is not a file: point it at a checkpoint "
                           "(checkpoints/step_*.pt or best.pt of a run), or drop it")
+    if c.best_metric == "eval/accuracy" and not cfg.recipe.accuracy:
+        raise ConfigError("checkpoint.best_metric=eval/accuracy needs the accuracy, but recipe.accuracy=false: set "
+                          "checkpoint.best_metric=eval/loss, or recipe.accuracy=true")
     if c.best_metric is not None and not (c.best_metric.startswith("eval/") and t.eval):
         raise ConfigError(f"checkpoint.best_metric={c.best_metric!r}: name an evaluation metric (eval/accuracy, "
                           "eval/loss) and keep train.eval=true")

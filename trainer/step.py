@@ -103,7 +103,7 @@ class TrainStep:
                  autocast: Callable, device: torch.device,
                  memory_format: torch.memory_format = torch.contiguous_format,
                  wrap_output_fn: Callable[[Callable], Callable] = lambda fn: fn,
-                 scaler: Optional["torch.amp.GradScaler"] = None, world_size: int = 1):
+                 scaler: Optional["torch.amp.GradScaler"] = None, world_size: int = 1, accuracy: bool = True):
         self.forward = model_call(recipe, memory_format)
         # fp16's dynamic loss scale. All of it runs on the device when the optimizer takes the scale
         # itself (fused: ``_step_supports_amp_scaling``), so it is captured with the step: scaling,
@@ -112,7 +112,8 @@ class TrainStep:
         self.recipe, self.model, self.optimizer, self.schedule, self.loader = recipe, model, optimizer, schedule, loader
         self.grad_accum, self.grad_clip, self.autocast = grad_accum, grad_clip, autocast
         # graph.compile_model compiles these with the model
-        self.loss, self.correct = wrap_output_fn(mean_loss(recipe.criterion)), wrap_output_fn(recipe.correct)
+        self.loss = wrap_output_fn(mean_loss(recipe.criterion))
+        self.correct = wrap_output_fn(recipe.correct) if accuracy else None  # recipe.accuracy=false: none
         self.per_sample_loss = per_sample_loss(recipe.criterion)  # a tail step's: masked, summed
         self.world_size = world_size
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -203,15 +204,18 @@ class TrainStep:
     @torch.no_grad()
     def _add(self, loss: torch.Tensor, output: torch.Tensor, target: torch.Tensor,
              mask: Optional[torch.Tensor] = None) -> None:
-        correct = self.correct(output, target)
+        correct = self.correct(output, target) if self.correct is not None else None
+        terms = correct if correct is not None else target  # one per loss term: a sample, or a token
         if mask is None:
-            self.loss_sum.add_(loss.detach(), alpha=correct.numel())  # a mean over the micro-batch's terms
-            self.item_count += correct.numel()
+            self.loss_sum.add_(loss.detach(), alpha=terms.numel())  # a mean over the micro-batch's terms
+            self.item_count += terms.numel()
         else:
-            mask = mask.reshape(-1, *([1] * (correct.dim() - 1))).expand_as(correct)
-            correct = correct & mask
+            mask = mask.reshape(-1, *([1] * (terms.dim() - 1))).expand_as(terms)
             self.loss_sum += loss.detach()
             self.item_count += mask.sum()
+            correct = correct & mask if correct is not None else None
+        if correct is None:
+            return
         count = self.correct_counts.get(correct.shape)
         if count is None:
             count = self.correct_counts[correct.shape] = torch.zeros(correct.shape, dtype=torch.int64,
@@ -247,8 +251,9 @@ class _Join:
 class EvalStep:
     def __init__(self, recipe: Recipe, model_fn: Callable[[], torch.nn.Module], loader, *,
                  autocast: Callable, device: torch.device,
-                 memory_format: torch.memory_format = torch.contiguous_format):
+                 memory_format: torch.memory_format = torch.contiguous_format, accuracy: bool = True):
         self.forward = model_call(recipe, memory_format)
+        self.accuracy = accuracy
         self.recipe, self.model_fn, self.loader, self.autocast = recipe, model_fn, loader, autocast
         self.loss = per_sample_loss(recipe.criterion)
         self.metrics = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, samples
@@ -258,5 +263,7 @@ class EvalStep:
         batch = self.recipe.preprocess(self.loader.next_batch(), False)
         with self.autocast():
             output = self.forward(self.model_fn(), batch)
-        accumulate(self.metrics, self.loss(output, batch["y"]), self.recipe.correct(output, batch["y"]),
-                   batch[PADDING_MASK])
+        per_sample = self.loss(output, batch["y"])
+        correct = self.recipe.correct(output, batch["y"]) if self.accuracy else \
+            torch.zeros(per_sample.shape, dtype=torch.bool, device=per_sample.device)
+        accumulate(self.metrics, per_sample, correct, batch[PADDING_MASK])

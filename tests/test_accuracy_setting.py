@@ -1,0 +1,31 @@
+"""recipe.accuracy=false: the metrics are the loss alone (no argmax over a language model's
+vocabulary in every step), and the training itself is unchanged."""
+from __future__ import annotations
+
+import pytest
+
+from conftest import launch
+
+pytestmark = pytest.mark.fast
+TINY = ["recipe=gpt_tiny", "experiment=debug", "logger=none", "recipe.model.n_layer=1", "recipe.model.d_model=32",
+        "recipe.model.n_head=2", "recipe.model.context=32", "recipe.data.train_size=256", "recipe.data.test_size=40",
+        "recipe.data.batch_size=8", "recipe.data.eval_batch_size=16", "train.max_steps=12", "train.log_every=4"]
+
+
+def test_without_accuracy_the_same_training_logs_the_loss_alone(out):
+    runs = {flag: launch([*TINY, f"recipe.accuracy={flag}"], out / flag) for flag in ("true", "false")}
+    for done in runs.values():
+        assert done.returncode == 0, done.stderr[-3000:]
+    on, off = runs["true"], runs["false"]
+    rows_on = [r for r in on.metrics() if "train/loss" in r or "eval/loss" in r]
+    rows_off = [r for r in off.metrics() if "train/loss" in r or "eval/loss" in r]
+    assert [r.get("train/loss", r.get("eval/loss")) for r in rows_on] == \
+        [r.get("train/loss", r.get("eval/loss")) for r in rows_off]  # bit for bit: accuracy only watched
+    assert all("train/accuracy" in r or "eval/accuracy" in r for r in rows_on)
+    assert not any(k.endswith("accuracy") for r in rows_off for k in r)
+    assert "final/accuracy" in on.results() and not any(k.endswith("accuracy") for k in off.results())
+    assert off.results()["param_digests"] == on.results()["param_digests"]
+    epoch_lines = {name: [line for line in done.stdout.splitlines() if line.startswith("epoch ")]
+                   for name, done in runs.items()}
+    assert epoch_lines["false"] and not any("accuracy" in line for line in epoch_lines["false"])
+    assert all("accuracy" in line for line in epoch_lines["true"])
