@@ -102,7 +102,7 @@ def _record(run_dir, **fields):
 def test_without_locks_a_live_owner_on_this_host_is_refused_and_a_dead_one_taken_over(tmp_path, monkeypatch):
     import socket
 
-    from trainer.runtime import process_started_at
+    from trainer.process_clock import process_started_at
 
     _no_locks(monkeypatch)
     run_dir = tmp_path / "run"

@@ -24,7 +24,8 @@ from trainer import hooks
 from trainer.errors import NonFiniteLossError, Preempted
 from trainer.metrics_logger import MetricsLogger
 from trainer.policies import CheckpointPolicy, EvalPolicy, LogPolicy, StepPoint
-from trainer.runtime import print_once, process_started_at
+from trainer.process_clock import process_started_at
+from trainer.runtime import print_once
 from trainer.stop import StopAgreement
 
 HISTORY_ROWS = 1000  # logged rows kept in memory (for tests and scripts); metrics.jsonl has them all

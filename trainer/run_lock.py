@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from trainer.errors import RunDirInUse
+from trainer.process_clock import process_started_at
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +66,6 @@ class Owner:
 
     @classmethod
     def me(cls) -> "Owner":
-        from trainer.runtime import process_started_at
-
         return cls(socket.gethostname(), os.getpid(), time.time(), process_started_at(),
                    os.environ.get("TORCHELASTIC_RUN_ID", "none"), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
 
