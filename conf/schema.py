@@ -21,9 +21,9 @@ from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 
-from graphing.options import CaptureErrorMode, GraphMode, OnCaptureFailure
+from graphing.options import CaptureErrorMode, CompileMode, GraphMode, OnCaptureFailure
 
-__all__ = ["CaptureErrorMode", "GraphMode", "OnCaptureFailure"]  # re-exported: one import for config users
+__all__ = ["CaptureErrorMode", "CompileMode", "GraphMode", "OnCaptureFailure"]  # re-exported: one import for config users
 
 
 class Device(Enum):
@@ -103,7 +103,8 @@ class GraphConfig:
     mode: GraphMode = GraphMode.auto
     warmup_iters: int = 11  # DDP needs 11 eager iterations before capture
     capture_error_mode: CaptureErrorMode = CaptureErrorMode["global"]
-    compile_model: bool = False  # full mode: torch.compile(mode="default") inside the graph
+    compile_model: bool = False  # full mode: torch.compile(mode=compile_mode) inside the graph
+    compile_mode: CompileMode = CompileMode.default  # or max-autotune-no-cudagraphs (minutes of autotuning)
     on_failure: OnCaptureFailure = OnCaptureFailure.fail
     compare: bool = False  # time eager steps, then graph steps, in this process
     compare_steps: int = 100

@@ -43,8 +43,8 @@ from __future__ import annotations
 
 import importlib
 
-from graphing.options import (DDP_MIN_WARMUP, CaptureErrorMode, GraphConfigError, GraphMode, GraphOptions,
-                              OnCaptureFailure, SettingMessage)
+from graphing.options import (DDP_MIN_WARMUP, CaptureErrorMode, CompileMode, GraphConfigError, GraphMode,
+                              GraphOptions, OnCaptureFailure, SettingMessage)
 
 # The rest loads torch: imported on first use, so that `graphing.options` (the choices,
 # which conf/schema.py types its settings with) stays free of torch.
@@ -74,5 +74,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'graphing' has no attribute {name!r}")
 
 
-__all__ = ["DDP_MIN_WARMUP", "CaptureErrorMode", "GraphConfigError", "GraphMode", "GraphOptions",
+__all__ = ["DDP_MIN_WARMUP", "CaptureErrorMode", "CompileMode", "GraphConfigError", "GraphMode", "GraphOptions",
            "OnCaptureFailure", "SettingMessage", *_LAZY]

@@ -33,6 +33,13 @@ global: from any thread (the safe default); thread_local: only from the capturin
 so a pinned-memory loader thread may run; relaxed: never."""
 
 
+class CompileMode(Enum):
+    """torch.compile's mode for ``compile_model``: kernels captured inside the whole-step graph.
+    Not "reduce-overhead" or "max-autotune", which bring CUDA graphs of their own."""
+    default = "default"
+    max_autotune_no_cudagraphs = "max-autotune-no-cudagraphs"  # autotuned matmuls and Triton configs: slow to compile
+
+
 class OnCaptureFailure(Enum):
     fail = "fail"  # every rank stops with the reason
     eager = "eager"  # every rank continues eagerly
@@ -109,14 +116,15 @@ class GraphOptions:
     warmup_iters: int = DDP_MIN_WARMUP
     capture_error_mode: str = "global"
     on_failure: str = "fail"
-    compile_model: bool = False  # full mode: torch.compile(mode="default") inside the graph
+    compile_model: bool = False  # full mode: torch.compile(mode=compile_mode) inside the graph
+    compile_mode: str = "default"
     eager_steps_before_capture: int = 0
     max_graphs: int = 8
     shape_warmup_iters: int = 1
 
     def __post_init__(self):
         for name, kind in (("mode", GraphMode), ("capture_error_mode", CaptureErrorMode),
-                           ("on_failure", OnCaptureFailure)):
+                           ("on_failure", OnCaptureFailure), ("compile_mode", CompileMode)):
             value = _value(getattr(self, name))
             choices = [member.value for member in kind]
             if value not in choices:
@@ -138,6 +146,10 @@ class GraphOptions:
             why = "this machine has no usable CUDA GPU" if not cuda_available else f"the device is {device_type}"
             raise GraphConfigError(f"{{mode}}={m} needs a CUDA GPU but {why}: set {{mode}}=eager "
                                    "({mode}=auto picks eager without a GPU)")
+        if self.compile_mode != CompileMode.default.value and not self.compile_model:
+            raise GraphConfigError(f"{{compile_mode}}={literal(self.compile_mode)} applies to {{compile_model}}=true "
+                                   "(the model compiled inside the whole-step graph): set {compile_model}=true, or "
+                                   "drop {compile_mode}")
         if self.compile_model and mode is not GraphMode.full:
             raise GraphConfigError(f"{{compile_model}}=true applies to {{mode}}=full, not {m}: "
                                    "set {mode}=full or {compile_model}=false")

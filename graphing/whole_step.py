@@ -53,7 +53,7 @@ class WholeStepGraphExecutor(Executor):
             # CUDA graphs cannot nest inside this capture. dynamic=False: each input
             # shape compiles its own static kernels (each shape has its own graph anyway).
             _allow_recompiles(self.options.max_graphs)
-            model = torch.compile(model, mode="default", dynamic=False)
+            model = torch.compile(model, mode=self.options.compile_mode, dynamic=False)
         self.eval_model = model
         self.train_model = run_on_stream(lambda: self._ddp(model), self.side)
         return self.train_model
@@ -61,7 +61,7 @@ class WholeStepGraphExecutor(Executor):
     def wrap_output_fn(self, fn):
         # Compiled too when the model is: the loss and the metrics read the whole output (a
         # language model's logits: batch x context x vocabulary); fused kernels read it once.
-        return torch.compile(fn, mode="default", dynamic=False) if self.options.compile_model else fn
+        return torch.compile(fn, mode=self.options.compile_mode, dynamic=False) if self.options.compile_model else fn
 
     def phase(self, role: StepRole, shape: Shape = None) -> str:
         if (role, shape) in self.graphs:

@@ -80,6 +80,9 @@ CASES = [
     pytest.param(["recipe.accuracy=false", "checkpoint.best_metric=eval/accuracy"],
                  ["checkpoint.best_metric=eval/accuracy needs the accuracy, but recipe.accuracy=false",
                   "set checkpoint.best_metric=eval/loss"], id="best-accuracy-without-accuracy"),
+    pytest.param(["graph.compile_mode=max_autotune_no_cudagraphs"],
+                 ["graph.compile_mode=max-autotune-no-cudagraphs applies to graph.compile_model=true"],
+                 id="compile-mode-without-compile-model"),
     pytest.param(["graph.max_graphs=0"], ["graph.max_graphs=0 must be at least 1", "set graph.max_graphs=8"],
                  id="max-graphs-zero"),
 ]

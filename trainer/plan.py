@@ -153,7 +153,7 @@ def graph_options(cfg, device: torch.device, world_size: int) -> GraphOptions:
     g = cfg.graph
     try:
         options = GraphOptions(mode=g.mode, warmup_iters=g.warmup_iters, capture_error_mode=g.capture_error_mode,
-                               on_failure=g.on_failure, compile_model=g.compile_model,
+                               on_failure=g.on_failure, compile_model=g.compile_model, compile_mode=g.compile_mode,
                                eager_steps_before_capture=g.compare_steps if g.compare else 0,
                                max_graphs=g.max_graphs, shape_warmup_iters=g.shape_warmup_iters)
         options = options.resolved(device.type, world_size, torch.cuda.is_available())
