@@ -4,9 +4,9 @@ graph per rank and per input shape, and evaluation as forward-only graphs, all i
 memory pool.
 
 Several shapes (a last partial batch, sequence-length buckets, a user's loop that
-meets a few batch sizes): each shape the caller names gets its own graph, captured after
-eager calls at that shape (the first shape: ``warmup_iters``, what DDP needs; later
-ones: ``shape_warmup_iters``), up to ``max_graphs`` per role.
+meets a few batch sizes): each shape the caller names gets its own graph, up to
+``max_graphs`` per role; graphing/shapes.py decides when each is captured (after the
+step's ``warmup_iters``, what DDP needs, and ``shape_warmup_iters`` calls at the shape).
 
 Why one shared pool is safe in any replay order: graphs replay one at a time, on one
 stream, and none reads memory that another graph allocated. Everything a graph leaves
@@ -30,6 +30,7 @@ import torch.distributed as dist
 from graphing.capture import capture, pool_mib, reset_rng_capture_state, run_on_stream
 from graphing.executor import Executor, GraphRecord, Shape, StepRole, distributed
 from graphing.shapes import ShapeBook
+
 
 class WholeStepGraphExecutor(Executor):
     captures_optimizer = True
@@ -77,7 +78,6 @@ class WholeStepGraphExecutor(Executor):
             return
         if self.book.meet(role, shape):
             self.report.eager_shapes.append(f"{role.value}@{shape}")
-        self.calls[role] += 1
         stage()
         if self.fallen_back or not self.book.capture_now(role, shape):
             run_on_stream(fn, self.side)

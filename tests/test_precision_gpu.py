@@ -11,10 +11,10 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import graphing
 from conftest import cuda_count, launch
+from doctor_gallery import fp16_scaled_step
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(cuda_count() < 1, reason="needs a CUDA GPU")]
 
@@ -79,18 +79,7 @@ def _scaled_loop(mode: str, overflow_at: int, steps: int = 24):
     scaler = torch.amp.GradScaler("cuda", init_scale=2.0 ** 10, growth_interval=3)
     boost = torch.ones((), device="cuda")  # 1, or inf at the chosen step
 
-    def train_step(model, x, y):
-        optimizer.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=torch.float16, cache_enabled=False):
-            loss = F.mse_loss(model(x).float(), y) * boost
-        scaler.scale(loss).backward()
-        scaler.unscale_(optimizer)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
-        scaler.step(optimizer)
-        scaler.update()
-        return loss.detach()
-
-    step = graphing.GraphedStep(train_step, model, optimizer, mode=mode, warmup_iters=3)
+    step = graphing.GraphedStep(fp16_scaled_step(optimizer, scaler, boost), model, optimizer, mode=mode, warmup_iters=3)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(32, 16, generator=g), torch.randn(32, 1, generator=g)
     seen = []

@@ -19,9 +19,14 @@ from trainer.schedules import LRSchedule
 from trainer.seq_len import truncate
 
 
+def per_term(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A mask of real samples (one per row) spread over ``like``'s loss terms (a sequence's tokens)."""
+    return mask.reshape(-1, *([1] * (like.dim() - 1))).expand_as(like)
+
+
 def accumulate(metrics: torch.Tensor, per_sample: torch.Tensor, correct: torch.Tensor, mask: torch.Tensor) -> None:
     """Adds a batch's masked [loss sum, correct count, sample count] to ``metrics`` (on the device)."""
-    mask = mask.reshape(-1, *([1] * (per_sample.dim() - 1))).expand_as(per_sample)
+    mask = per_term(mask, per_sample)
     losses = torch.where(mask, per_sample.double(), 0.0)
     metrics += torch.stack([losses.sum(), (correct & mask).sum().double(), mask.sum().double()])
 
@@ -181,8 +186,7 @@ class TrainStep:
                               "real samples of an epoch's last partial step: return {**batch, ...} from preprocess, "
                               "or set recipe.data.drop_last=true")
         per_sample = self.per_sample_loss(output, batch["y"])
-        mask = batch[PADDING_MASK].reshape(-1, *([1] * (per_sample.dim() - 1))).expand_as(per_sample)
-        summed = torch.where(mask, per_sample, 0.0).sum()
+        summed = torch.where(per_term(batch[PADDING_MASK], per_sample), per_sample, 0.0).sum()
         terms_per_sample = per_sample[0].numel()  # 1, or the tokens of a sequence
         joined = self._count(summed, output, batch["y"], mask=batch[PADDING_MASK])
         return summed * (self.world_size / (layout.real * terms_per_sample)), joined
@@ -210,7 +214,7 @@ class TrainStep:
             self.loss_sum.add_(loss.detach(), alpha=terms.numel())  # a mean over the micro-batch's terms
             self.item_count += terms.numel()
         else:
-            mask = mask.reshape(-1, *([1] * (terms.dim() - 1))).expand_as(terms)
+            mask = per_term(mask, terms)
             self.loss_sum += loss.detach()
             self.item_count += mask.sum()
             correct = correct & mask if correct is not None else None

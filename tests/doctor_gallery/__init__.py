@@ -102,6 +102,29 @@ def sgd(model: nn.Module, device: torch.device, lr: float = 0.05) -> torch.optim
     return torch.optim.SGD(model.parameters(), lr=torch.tensor(lr, device=device), momentum=0.9, **kwargs)
 
 
+def fp16_scaled_step(optimizer: torch.optim.Optimizer, scaler: "torch.amp.GradScaler",
+                     boost: Optional[torch.Tensor] = None) -> Callable[..., torch.Tensor]:
+    """fp16's documented GradScaler usage: float16 autocast, scale, unscale before clipping, step,
+    update. ``boost``: a device tensor the loss is multiplied by (a loop writes inf into it to
+    make a step overflow)."""
+    import torch.nn.functional as F
+
+    def step(model, x, y):
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(x.device.type, dtype=torch.float16, cache_enabled=False):
+            loss = F.mse_loss(model(x).float(), y)
+        if boost is not None:
+            loss = loss * boost
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+        scaler.step(optimizer)
+        scaler.update()
+        return loss.detach()
+
+    return step
+
+
 def mse_step(optimizer: torch.optim.Optimizer) -> Callable[..., torch.Tensor]:
     """The plain step of the cases whose defect lies outside it (in the optimizer, the model, the loop)."""
     import torch.nn.functional as F
