@@ -48,6 +48,7 @@ class GPTConfig:
     context: int = 256  # tokens per sample
     vocab: int = BYTES  # token ids are < vocab; embedding and output head rows
     dropout: float = 0.0  # attention and residual dropout while training
+    layer_norm_bias: bool = True  # false: LayerNorms scale only (GPT-2 had biases; nanoGPT-style trainers drop them)
 
 
 def model_config(settings) -> GPTConfig:
@@ -58,7 +59,12 @@ def model_config(settings) -> GPTConfig:
         if key not in known:
             raise ConfigError(f"recipe.model.{key} is not a setting of the GPT model: remove it, or use one of "
                               f"{', '.join('recipe.model.' + k for k in known)}")
-        kind = int if known[key].type in (int, "int") else float
+        kind = {"int": int, "float": float, "bool": bool}.get(known[key].type, known[key].type)
+        if kind is bool:
+            if not isinstance(value, bool):
+                raise ConfigError(f"recipe.model.{key}={value!r} must be true or false")
+            values[key] = value
+            continue
         accepted = int if kind is int else (int, float)
         if isinstance(value, bool) or not isinstance(value, accepted):
             raise ConfigError(f"recipe.model.{key}={value!r} must be {'an integer' if kind is int else 'a number'}")
@@ -95,9 +101,9 @@ class CausalSelfAttention(nn.Module):
 class Block(nn.Module):
     def __init__(self, c: GPTConfig):
         super().__init__()
-        self.ln1 = nn.LayerNorm(c.d_model)
+        self.ln1 = nn.LayerNorm(c.d_model, bias=c.layer_norm_bias)
         self.attn = CausalSelfAttention(c)
-        self.ln2 = nn.LayerNorm(c.d_model)
+        self.ln2 = nn.LayerNorm(c.d_model, bias=c.layer_norm_bias)
         self.mlp = nn.Sequential(nn.Linear(c.d_model, 4 * c.d_model, bias=False), nn.GELU(),
                                  nn.Linear(4 * c.d_model, c.d_model, bias=False), nn.Dropout(c.dropout))
 
@@ -116,7 +122,7 @@ class GPT(nn.Module):
         self.pos_emb = nn.Embedding(c.context, c.d_model)
         self.drop = nn.Dropout(c.dropout)
         self.blocks = nn.ModuleList(Block(c) for _ in range(c.n_layer))
-        self.ln_f = nn.LayerNorm(c.d_model)
+        self.ln_f = nn.LayerNorm(c.d_model, bias=c.layer_norm_bias)
         self.head = nn.Linear(c.d_model, c.vocab, bias=False)
         self.head.weight = self.tok_emb.weight  # tied: one matrix embeds and un-embeds
         self.apply(self._init)

@@ -6,6 +6,7 @@ numbers mean the same in every device call (issue 24's yardstick).
     python scripts/reference_gpt2.py --batch-size 32
     python scripts/reference_gpt2.py --graphed                # the same step through graphing.GraphedStep
     python scripts/reference_gpt2.py --output ref.json        # the numbers as JSON too
+    python scripts/reference_gpt2.py --loss chunked           # a lever, measured: chunked linear + cross-entropy
 
 Pinned: 12 layers, 12 heads, width 768, context 1024, vocabulary 50304, no biases, tied
 embedding, GELU MLP, flash attention (``F.scaled_dot_product_attention(is_causal=True)``),
@@ -18,6 +19,7 @@ MFU against the GPU's dense bf16 peak (trainer/perf.py's table; 6N + 12·L·d·T
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import statistics
@@ -38,6 +40,10 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=15, help="steps before timing (compilation happens here)")
     parser.add_argument("--graphed", action="store_true", help="run the step through graphing.GraphedStep")
     parser.add_argument("--output", type=Path, default=None, help="write the numbers here as JSON")
+    parser.add_argument("--loss", choices=("inside", "chunked"), default="inside",
+                        help="inside: cross-entropy inside the compiled forward (pinned); chunked: the output head "
+                             "and loss fused in row chunks that never hold the whole logits (a lever to measure)")
+    parser.add_argument("--chunk-rows", type=int, default=4096, help="--loss chunked: tokens per chunk")
     args = parser.parse_args()
 
     import torch
@@ -49,7 +55,7 @@ def main() -> int:
     torch.manual_seed(0)
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
-    model = make_gpt2().cuda()
+    model = make_gpt2(chunked_loss_rows=args.chunk_rows if args.loss == "chunked" else None).cuda()
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY},
@@ -66,7 +72,6 @@ def main() -> int:
         optimizer.step()
         return loss.detach()
 
-    step = train_step
     if args.graphed:
         import graphing
 
@@ -88,11 +93,13 @@ def main() -> int:
     flops_per_token = 6.0 * n_params + 12.0 * LAYERS * WIDTH * CONTEXT
     tokens_per_s = args.batch_size * CONTEXT * 1e3 / ms
     peak = peak_tflops(torch.cuda.get_device_name(0), "bf16")
-    result = {"script": "reference_gpt2.py", "graphed": args.graphed, "batch_size": args.batch_size,
+    result = {"script": "reference_gpt2.py", "graphed": args.graphed, "batch_size": args.batch_size, "loss": args.loss,
+              "peak_allocated_mib": torch.cuda.max_memory_allocated() / 2**20,
               "step_ms_median": ms, "tokens_per_s": tokens_per_s, "final_loss": float(loss),
               "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
               "mfu_pct": 100 * tokens_per_s * flops_per_token / (peak[1] * 1e12) if peak else None}
-    print(f"reference GPT-2 small{' (GraphedStep)' if args.graphed else ''}, {args.batch_size}x{CONTEXT}: "
+    print(f"reference GPT-2 small{' (GraphedStep)' if args.graphed else ''}"
+          f"{', chunked loss' if args.loss == 'chunked' else ''}, {args.batch_size}x{CONTEXT}: "
           f"{ms:.2f} ms/step, {tokens_per_s:,.0f} tokens/s"
           + (f", {result['mfu_pct']:.1f}% MFU ({peak[0]})" if peak else ""))
     if args.output:
@@ -100,7 +107,8 @@ def main() -> int:
     return 0
 
 
-def make_gpt2():
+def make_gpt2(chunked_loss_rows=None):
+    """The pinned model; ``chunked_loss_rows``: its loss through ``chunked_linear_cross_entropy``."""
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
@@ -136,10 +144,76 @@ def make_gpt2():
             x = self.wte(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
             for block in self.blocks:
                 x = block(x)
-            logits = self.lm_head(self.ln_f(x))
+            x = self.ln_f(x)
+            if chunked_loss_rows:
+                return chunked_linear_cross_entropy(x.flatten(0, 1), self.lm_head.weight, targets.flatten(),
+                                                    chunked_loss_rows)
+            logits = self.lm_head(x)
             return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
 
     return GPT2()
+
+
+def chunked_linear_cross_entropy(hidden, weight, targets, rows):
+    """The mean cross-entropy of ``hidden @ weight.T`` against ``targets``, ``rows`` tokens at a
+    time, so that only one chunk's logits exist at once (issue 24's fused linear + cross-entropy
+    lever). The gradients are computed in the forward pass, chunk by chunk (the softmax minus
+    the one-hot, times 1/N, then the two matmuls), and backward scales them: no host syncs, so a
+    graph can hold it. On CUDA each chunk's softmax is one compiled kernel, and the matmuls run
+    in bf16 with fp32 accumulation, as autocast's would.
+    """
+    import torch
+
+    @torch.compiler.disable  # its loop and in-place gradient sums stay eager (a graph replays them anyway)
+    def run(hidden, weight, targets):
+        with torch.autocast(hidden.device.type, enabled=False):
+            dtype = torch.bfloat16 if hidden.is_cuda else hidden.dtype
+            return _linear_cross_entropy(hidden.is_cuda).apply(hidden.to(dtype), weight, targets, rows)
+
+    return run(hidden, weight, targets)
+
+
+def _chunk_loss_and_gradient(logits, targets, scale):
+    """Per-token losses and d(sum of losses * scale)/d logits, for one chunk (compiled: one pass over it)."""
+    import torch
+    import torch.nn.functional as F
+
+    lf = logits.float()
+    lse = torch.logsumexp(lf, dim=1)
+    losses = lse - lf.gather(1, targets[:, None]).squeeze(1)
+    grad = (torch.exp(lf - lse[:, None]) - F.one_hot(targets, lf.shape[1]).to(lf.dtype)) * scale
+    return losses, grad.to(logits.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _linear_cross_entropy(compiled: bool):
+    import torch
+
+    chunk_kernel = torch.compile(_chunk_loss_and_gradient, dynamic=False) if compiled else _chunk_loss_and_gradient
+
+    class LinearCrossEntropy(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, hidden, weight, targets, rows):
+            w = weight.to(hidden.dtype)
+            n = hidden.shape[0]
+            grad_hidden = torch.empty_like(hidden)
+            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=hidden.device)
+            loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+            for start in range(0, n, rows):
+                h = hidden[start:start + rows]
+                losses, grad = chunk_kernel(h @ w.t(), targets[start:start + rows], 1.0 / n)
+                loss += losses.sum()
+                torch.mm(grad, w, out=grad_hidden[start:start + rows])
+                grad_weight += (grad.t() @ h).float()
+            ctx.save_for_backward(grad_hidden, grad_weight)
+            return loss / n
+
+        @staticmethod
+        def backward(ctx, grad_loss):
+            grad_hidden, grad_weight = ctx.saved_tensors
+            return grad_hidden * grad_loss.to(grad_hidden.dtype), grad_weight * grad_loss, None, None
+
+    return LinearCrossEntropy
 
 
 if __name__ == "__main__":

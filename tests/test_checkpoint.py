@@ -14,8 +14,8 @@ from omegaconf import OmegaConf
 
 from conftest import torch_loads
 from trainer.checkpoint import (UnreadableCheckpoint, check_compatible, check_same_epochs, latest_checkpoint,
-                                list_checkpoints, load_checkpoint, load_optimizer_state, rng_state, save_checkpoint,
-                                set_rng_state)
+                                list_checkpoints, load_checkpoint, load_model_state, load_optimizer_state, rng_state,
+                                save_checkpoint, set_rng_state)
 from trainer.errors import ConfigError
 from trainer.optim import build_optimizer
 from trainer.plan import optimizer_spec
@@ -413,3 +413,19 @@ def test_a_checkpoint_counting_epochs_of_another_length_is_refused_naming_drop_l
         check_same_epochs(state, _with_drop_last(drop), steps, resume="auto")
     want = "true" if saved_drop is None else str(saved_drop).lower()
     assert f"Set recipe.data.drop_last={want} to resume it" in str(err.value) and "step 20" in str(err.value)
+
+
+def test_a_checkpoint_of_another_model_is_refused_naming_the_model_settings_that_differ():
+    from recipes.gpt import GPT, GPTConfig
+
+    tiny = dict(n_layer=1, n_head=2, d_model=16, context=8, vocab=32)
+    saved = GPT(GPTConfig(**tiny))  # written before recipe.model.layer_norm_bias existed: biases
+    state = {"model": saved.state_dict(), "config": {"recipe": {"model": dict(tiny)}}}
+    here = GPT(GPTConfig(**tiny, layer_norm_bias=False))
+    with pytest.raises(ConfigError) as err:
+        load_model_state(here, state, {"recipe": {"model": {**tiny, "layer_norm_bias": False}}}, resume="auto")
+    assert "recipe.model.layer_norm_bias=unset (the default) there, false here" in str(err.value)
+    assert "checkpoint.resume=never" in str(err.value)
+    same = GPT(GPTConfig(**tiny))  # the same model loads, every tensor equal
+    load_model_state(same, state, {"recipe": {"model": dict(tiny)}})
+    assert all(torch.equal(a, b) for a, b in zip(same.state_dict().values(), saved.state_dict().values()))

@@ -230,6 +230,7 @@ def test_unknown_gpt_model_key_is_named_once_in_one_process(train_here):
     ("gpt_tiny", "recipe.model.n_head=5", "recipe.model.n_head"),  # 384 is not divisible by 5
     ("gpt_tiny", "recipe.model.dropout=1.5", "recipe.model.dropout"),
     ("gpt2_small", "recipe.model.vocab=0", "recipe.model.vocab"),
+    ("gpt2_small", "recipe.model.layer_norm_bias=2", "recipe.model.layer_norm_bias"),
     ("gpt2_small", "recipe.data.source=webtext", "recipe.data.source"),
     ("cifar10_resnet18", "+recipe.model.width=32", "recipe.model"),
 ])

@@ -266,7 +266,7 @@ def test_the_projection_does_not_extrapolate_beyond_the_sweep(tmp_path):
 # ---- every script reads train.py's config as train.py does ------------------------------
 
 OVERRIDE_SCRIPTS = ["doctor.py", "profile_step.py", "bench_input.py", "bench_checkpointing.py", "bench_shapes.py",
-                    "export_images.py", "project_scaling.py", "compare.py", "sweep.py"]
+                    "bench_gpt2.py", "export_images.py", "project_scaling.py", "compare.py", "sweep.py"]
 # It imports torch at module level (an example to read top to bottom): its --help takes torch's import time too.
 TORCH_AT_IMPORT = {"own_loop.py"}
 ALL_SCRIPTS = sorted(p.name for p in (ROOT / "scripts").glob("*.py") if p.name != "__init__.py")
@@ -377,3 +377,24 @@ def test_every_script_reports_a_bad_choice_as_train_py_does(tmp_path, name):
 def test_an_option_the_script_does_not_have_is_argparses_error():
     proc = script("doctor.py", "--steps", "3", "recipe=mnist", timeout=60)
     assert proc.returncode == 2 and "doctor.py: error: unrecognized arguments: --steps" in proc.stderr
+
+
+# ---- issue 24's levers -----------------------------------------------------------------
+
+@pytest.mark.fast
+@pytest.mark.parametrize("rows", [4, 10, 64])  # uneven chunks, one chunk, a chunk larger than the tokens
+def test_the_chunked_linear_cross_entropy_lever_equals_cross_entropy_in_value_and_gradients(rows):
+    import torch
+    import torch.nn.functional as F
+
+    from scripts.reference_gpt2 import chunked_linear_cross_entropy
+
+    torch.manual_seed(0)
+    hidden = torch.randn(10, 8, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(13, 8, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 13, (10,))
+    chunked = chunked_linear_cross_entropy(hidden, weight, targets, rows) * 3  # backward gets a gradient of 3
+    plain = F.cross_entropy(hidden @ weight.t(), targets) * 3
+    assert chunked.item() == pytest.approx(plain.item(), rel=1e-6)  # losses summed in fp32
+    for mine, theirs in zip(torch.autograd.grad(chunked, (hidden, weight)), torch.autograd.grad(plain, (hidden, weight))):
+        assert mine.dtype == theirs.dtype and torch.allclose(mine, theirs, rtol=1e-5, atol=1e-7)

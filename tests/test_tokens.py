@@ -221,7 +221,8 @@ def test_gpt2_small_config_has_gpt2s_shape_and_124m_parameters():
     r = cfg.recipe
     assert r.name == "gpt2_small" and r._target_ == "recipes.gpt.build"
     c = model_config(r.model)
-    assert (c.n_layer, c.n_head, c.d_model, c.context, c.vocab, c.dropout) == (12, 12, 768, 1024, 50304, 0.0)
+    assert (c.n_layer, c.n_head, c.d_model, c.context, c.vocab, c.dropout, c.layer_norm_bias) == \
+        (12, 12, 768, 1024, 50304, 0.0, False)
     assert (r.optim._target_, r.optim.lr, list(r.optim.betas), r.optim.weight_decay) == \
         ("torch.optim.AdamW", 6e-4, [0.9, 0.95], 0.1)
     assert r.schedule._target_ == "trainer.schedules.Cosine" and r.schedule.warmup_steps > 0
@@ -234,7 +235,8 @@ def test_gpt2_small_config_has_gpt2s_shape_and_124m_parameters():
     assert model.head.weight is model.tok_emb.weight  # tied: counted once
     n = sum(p.numel() for p in model.parameters())
     d = 768
-    assert n == 12 * (12 * d * d + 4 * d) + 50304 * d + 1024 * d + 2 * d == 124_392_960
+    # per block 12·d² of matrices and two scale-only LayerNorms (d each); the final LayerNorm's d
+    assert n == 12 * (12 * d * d + 2 * d) + 50304 * d + 1024 * d + d == 124_373_760
     assert model.training_flops_per_token() == 6 * (n - 1024 * d) + 12 * 12 * d * 1024
 
 

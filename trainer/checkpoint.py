@@ -269,6 +269,28 @@ def check_same_epochs(state: Dict[str, Any], config: Dict[str, Any], steps_per_e
         f"{str(saved_drop).lower()} to resume it, or checkpoint.resume=never to start over")
 
 
+def load_model_state(model: torch.nn.Module, state: Dict[str, Any], config: Dict[str, Any], *,
+                     resume: str = "auto", path: Optional[Path] = None) -> None:
+    """``model.load_state_dict(state["model"])``; a checkpoint of another model is refused with the
+    ``recipe.model`` settings that differ between its config and this run's named."""
+    try:
+        model.load_state_dict(state["model"])
+    except RuntimeError as e:
+        saved = (state.get("config") or {}).get("recipe", {}).get("model") or {}
+        now = (config.get("recipe") or {}).get("model") or {}
+        differ = [f"recipe.model.{k}={_shown(saved, k)} there, {_shown(now, k)} here"
+                  for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
+        where = f" ({path})" if path is not None else ""
+        cause = "; ".join(differ) if differ else str(e).strip().splitlines()[0][:300]
+        raise ConfigError(f"checkpoint.resume={resume} found a checkpoint{where} of another model ({cause}): set the "
+                          "same recipe.model settings to resume it, or checkpoint.resume=never to start over") from None
+
+
+def _shown(settings: Dict[str, Any], key: str) -> str:
+    return "unset (the default)" if key not in settings else str(settings[key]).lower() if isinstance(
+        settings[key], bool) else str(settings[key])
+
+
 def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: Dict[str, Any]) -> None:
     """``optimizer.load_state_dict(saved)`` that keeps the live tensor hyper-parameters.
 

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from trainer.checkpoint import (UnreadableCheckpoint, check_compatible, check_same_epochs, latest_checkpoint,
-                                load_checkpoint, load_optimizer_state, rng_state, save_checkpoint, save_best,
-                                set_rng_state)
+                                load_checkpoint, load_model_state, load_optimizer_state, rng_state, save_checkpoint,
+                                save_best, set_rng_state)
 from trainer.errors import ConfigError, StorageError
 from trainer.runtime import Runtime, print_once, seed_rank_streams
 
@@ -112,7 +112,7 @@ class TrainingState:
             state = _load_named(path, resume)
         check_compatible(state, self.recipe_name, resume=resume, path=path)
         check_same_epochs(state, self.config, self.steps_per_epoch, resume=resume, path=path)
-        self.model.load_state_dict(state["model"])  # in place: DDP and graphed callables see it
+        load_model_state(self.model, state, self.config, resume=resume, path=path)  # in place: DDP and graphs see it
         load_optimizer_state(self.optimizer, state["optimizer"])
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])  # in place where the scale exists already

@@ -1,0 +1,142 @@
+"""GPT-2 small: this project against the reference trainer (scripts/reference_gpt2.py), side by
+side in one call, and what each lever of issue 24 is worth.
+
+    python scripts/bench_gpt2.py                              # micro-batches 16 and 32
+    python scripts/bench_gpt2.py --batch-sizes 16,32,64 --levers
+    python scripts/bench_gpt2.py --autotune --inductor-cache .inductor_cache
+    python scripts/bench_gpt2.py --batch-sizes 16 recipe.data.batch_size=8   # refused: the script sets it
+
+For each micro-batch: the reference (its settings pinned in its file), then
+``train.py recipe=gpt2_small graph=full_compiled recipe.accuracy=false`` on synthetic tokens,
+evaluation off. ``--levers`` adds, at the first micro-batch, one run per lever with it undone
+or tried: the reference with the chunked linear + cross-entropy loss; the project with its
+accuracy on, with LayerNorm biases, as ``graph=full`` (model not compiled) and ``graph=eager``.
+``--autotune`` adds the project with ``graph.compile_mode=max_autotune_no_cudagraphs`` twice,
+sharing one inductor cache (``--inductor-cache``, default a fresh directory): the first run
+fills it unless it was carried in, the second finds it. Milliseconds are the median step
+(after warm-up and capture); tokens/s = micro-batch x 1024 / that. Prints a markdown table;
+writes it and the numbers to --output (default scripts/results/gpt2_vs_reference.json and .md).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from trainer.cli import script_config  # noqa: E402
+
+CONTEXT = 1024
+PROJECT = ["recipe=gpt2_small", "graph=full_compiled", "recipe.accuracy=false", "recipe.data.source=synthetic",
+           "logger=none", "train.progress=false", "train.eval=false", "checkpoint.keep=1"]
+SETS = ("recipe.data.batch_size", "graph", "run_dir", "train.max_steps")  # the script's, per run
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch-sizes", default="16,32", help="micro-batches (sequences of 1024 tokens)")
+    parser.add_argument("--steps", type=int, default=80, help="train.py's optimizer steps per run")
+    parser.add_argument("--levers", action="store_true", help="one run per lever at the first micro-batch")
+    parser.add_argument("--autotune", action="store_true",
+                        help="graph.compile_mode=max_autotune_no_cudagraphs twice, sharing an inductor cache")
+    parser.add_argument("--inductor-cache", type=Path, default=None,
+                        help="--autotune's inductor cache directory (kept; default: a fresh one, removed)")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take")
+    parser.add_argument("--output", type=Path, default=None)
+    args, cfg = script_config(parser, defaults=PROJECT)
+    taken = [o for o in args.overrides if o.lstrip("+~").split("=")[0] in SETS]
+    if taken:
+        sys.exit(f"bench_gpt2.py: {', '.join(taken)}: the script sets {', '.join(SETS)} itself; drop them")
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    rows: List[Dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as scratch:
+        def project(name: str, batch: int, *extra: str, env: Optional[Dict[str, str]] = None) -> None:
+            rows.append(run_project(name, batch, args, [*extra], Path(scratch, str(len(rows))), env))
+
+        for batch in sizes:
+            rows.append(run_reference("reference", batch, args))
+            project("project: full_compiled, accuracy off", batch)
+        if args.levers:
+            first = sizes[0]
+            rows.append(run_reference("reference, chunked linear + cross-entropy", first, args, "--loss", "chunked"))
+            project("project: accuracy on (as before issue 24)", first, "recipe.accuracy=true")
+            project("project: LayerNorm biases", first, "recipe.model.layer_norm_bias=true")
+            project("project: graph=full (model not compiled)", first, "graph=full")
+            project("project: graph=eager (model not compiled)", first, "graph=eager")
+        if args.autotune:
+            cache = args.inductor_cache or Path(scratch, "inductor")
+            carried = cache.is_dir() and any(cache.iterdir())
+            env = {"TORCHINDUCTOR_CACHE_DIR": str(cache.resolve())}
+            for turn in ("carried cache" if carried else "cold cache", "warm cache"):
+                project(f"project: max_autotune_no_cudagraphs, {turn}", sizes[0],
+                        "graph.compile_mode=max_autotune_no_cudagraphs", env=env)
+    table = markdown(rows)
+    print(table)
+    output = args.output or REPO / "scripts" / "results" / "gpt2_vs_reference.json"
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps({"rows": rows}, indent=2) + "\n")
+    output.with_suffix(".md").write_text(table + "\n")
+    return 0
+
+
+def run_reference(name: str, batch: int, args, *extra: str) -> Dict[str, Any]:
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        command = [sys.executable, "scripts/reference_gpt2.py", "--batch-size", str(batch), "--output", out.name,
+                   *extra]
+        wall = _run(name, command, args.timeout)
+        result = json.loads(Path(out.name).read_text())
+    return {"name": name, "batch_size": batch, "step_ms": result["step_ms_median"],
+            "tokens_per_s": result["tokens_per_s"], "mfu_pct": result.get("mfu_pct"),
+            "peak_allocated_mib": result.get("peak_allocated_mib"), "wall_s": wall, "command": " ".join(command[1:-2])}
+
+
+def run_project(name: str, batch: int, args, extra: List[str], run_dir: Path,
+                env: Optional[Dict[str, str]]) -> Dict[str, Any]:
+    command = [sys.executable, "train.py", *args.train_options, *PROJECT, *args.overrides, *extra,
+               f"recipe.data.batch_size={batch}", f"train.max_steps={args.steps}", f"run_dir={run_dir}"]
+    wall = _run(name, command, args.timeout, env)
+    result = json.loads((run_dir / "results.json").read_text())
+    ms = result["perf/step_ms_median"]
+    return {"name": name, "batch_size": batch, "step_ms": ms, "tokens_per_s": batch * CONTEXT * 1e3 / ms,
+            "mfu_pct": result.get("perf/mfu_pct"), "peak_allocated_mib": result.get("perf/peak_allocated_mib"),
+            "wall_s": wall, "command": " ".join(c for c in command[1:-1])}
+
+
+def _run(name: str, command: List[str], timeout: float, env: Optional[Dict[str, str]] = None) -> float:
+    print(f"bench_gpt2: {name}: {' '.join(command[1:])}", flush=True)
+    started = time.time()
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+    if done.returncode != 0:
+        sys.exit(f"bench_gpt2: '{name}' failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return time.time() - started
+
+
+def markdown(rows: List[Dict[str, Any]]) -> str:
+    """One line per run, each with its tokens/s over the reference's at the same micro-batch."""
+    reference = {r["batch_size"]: r["tokens_per_s"] for r in rows if r["name"] == "reference"}
+    lines = ["| run | micro-batch | ms/step (median) | tokens/s | vs reference | MFU | peak MiB | wall s |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ratio = r["tokens_per_s"] / reference[r["batch_size"]] if r["batch_size"] in reference else None
+        cells = [r["name"], str(r["batch_size"]), f"{r['step_ms']:.2f}", f"{r['tokens_per_s']:,.0f}",
+                 _shown(ratio, "{:.3f}x"), _shown(r.get("mfu_pct"), "{:.1f}%"),
+                 _shown(r.get("peak_allocated_mib"), "{:,.0f}"), f"{r['wall_s']:.0f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _shown(value: Optional[float], form: str) -> str:
+    return "—" if value is None else form.format(value)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
