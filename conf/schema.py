@@ -51,6 +51,13 @@ class MemoryFormat(Enum):
     contiguous = "contiguous"
 
 
+class GradReduce(Enum):
+    fp32 = "fp32"  # gradients all-reduced as they are
+    # DDP's bf16_compress_hook: half the bytes on the wire; each rank's gradient is rounded to bf16
+    # before the sum, so the loss differs from fp32's by that rounding
+    bf16 = "bf16"
+
+
 class LoggerBackend(Enum):
     wandb = "wandb"
     none = "none"
@@ -120,6 +127,16 @@ class LossScaleConfig:
 
 
 @dataclass
+class DDPConfig:
+    """DistributedDataParallel's gradient all-reduce; read only with more than one process."""
+    # MiB per all-reduce bucket. null: torch's default, 25 MiB after a 1 MiB first bucket (so the
+    # all-reduce starts early in backward); a number caps every bucket, the first one too
+    bucket_cap_mb: Optional[float] = None
+    grad_reduce: GradReduce = GradReduce.fp32
+    static_graph: bool = False  # DDP's static_graph: the same parameters get gradients in every step
+
+
+@dataclass
 class TrainLoopConfig:
     epochs: int = 10
     max_steps: Optional[int] = None  # stop early after this many optimizer steps
@@ -135,6 +152,7 @@ class TrainLoopConfig:
     # one more forward of compute. The recipe applies it (Recipe.activation_checkpointing) or is refused.
     activation_checkpointing: bool = False
     progress: bool = True  # progress bar on rank 0
+    ddp: DDPConfig = field(default_factory=DDPConfig)
 
 
 @dataclass

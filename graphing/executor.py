@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 
 SampleInputs = Callable[[], Tuple[torch.Tensor, ...]]
 Shape = Optional[Hashable]  # a step's input shapes, as its caller names them (None: the step has one)
+CommHook = Callable[[Any, "dist.GradBucket"], torch.futures.Future]  # DDP's: reduces one bucket of gradients
 
 
 class StepRole(Enum):
@@ -104,14 +105,18 @@ class Executor:
 
     ``on_fallback`` is told when a failed capture is given up for eager execution
     (``on_failure="eager"``); a caller with its own names for the settings words it.
+    ``comm_hook`` (``(state, bucket) -> Future``, as ``DDP.register_comm_hook`` takes it) is
+    registered on the DDP this executor builds, with DDP's process group as its state (None:
+    the default group), which is what torch's ``ddp_comm_hooks.default_hooks`` expect.
     """
 
     captures_optimizer = False  # whether optimizer.step() runs inside a captured graph
 
     def __init__(self, options: GraphOptions, device: torch.device, ddp_kwargs: Optional[Dict[str, Any]] = None,
-                 on_fallback: Callable[[CaptureError], None] = log_fallback):
+                 on_fallback: Callable[[CaptureError], None] = log_fallback, comm_hook: Optional[CommHook] = None):
         self.options, self.device = options, torch.device(device)
         self.ddp_kwargs = dict(ddp_kwargs or {})
+        self.comm_hook = comm_hook
         self.on_fallback = on_fallback
         self.warmup_iters = options.warmup_iters
         self.calls: Counter = Counter()
@@ -139,7 +144,10 @@ class Executor:
         if not distributed():
             return model
         device_ids = [self.device.index] if self.device.type == "cuda" else None
-        return DDP(model, **{"device_ids": device_ids, **self.ddp_kwargs})  # a re-wrapped DDP brings its own
+        ddp = DDP(model, **{"device_ids": device_ids, **self.ddp_kwargs})  # a re-wrapped DDP brings its own
+        if self.comm_hook is not None:  # before the first backward: DDP takes hooks only then
+            ddp.register_comm_hook(self.ddp_kwargs.get("process_group"), self.comm_hook)
+        return ddp
 
     def phase(self, role: StepRole, shape: Shape = None) -> str:
         return "warmup" if self.calls[role] < self.warmup_iters else "eager"

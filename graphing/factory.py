@@ -21,7 +21,7 @@ EXECUTORS = {
 def build_executor(options: GraphOptions, device: torch.device,
                    ddp_kwargs: Optional[Dict[str, Any]] = None, **kwargs: Any) -> Executor:
     """The executor for ``options.mode`` (resolve ``auto`` first: ``GraphOptions.resolved``).
-    ``kwargs`` go to the executor (``on_fallback``)."""
+    ``kwargs`` go to the executor (``on_fallback``, ``comm_hook``)."""
     if options.mode not in EXECUTORS:
         raise ValueError(f"mode={options.mode.value!r} is not resolved: call GraphOptions.resolved(...) first")
     module, name = EXECUTORS[options.mode].split(":")

@@ -11,6 +11,8 @@
 | data.source=mnist offline, no files            | 2    | recipe.data.source / recipe.data.root  |
 | unwritable output directory                    | 2    | output_root / run_dir                  |
 | zero or negative sizes                         | 2    | the key                                |
+| train.ddp.bucket_cap_mb=0                      | 2    | train.ddp.bucket_cap_mb                |
+| DDP's static_graph with gradient accumulation  | 2    | train.ddp.static_graph                 |
 | recipe/optimizer/schedule _target_ not found   | 2    | the _target_ key                       |
 | an optimizer argument the class does not take  | 2    | recipe.optim.<key>                     |
 | a host-side LR scheduler                       | 2    | recipe.schedule._target_               |
@@ -85,6 +87,8 @@ CASES = [
                  id="compile-mode-without-compile-model"),
     pytest.param(["graph.max_graphs=0"], ["graph.max_graphs=0 must be at least 1", "set graph.max_graphs=8"],
                  id="max-graphs-zero"),
+    pytest.param(["train.ddp.bucket_cap_mb=0"], ["train.ddp.bucket_cap_mb=0.0 must be a positive number of MiB",
+                                                 "or null for torch's default"], id="ddp-bucket-zero"),
 ]
 
 
@@ -128,6 +132,18 @@ def test_warmup_below_eleven_under_ddp_is_refused_with_the_reason():
     assert graph_options(compose(["graph=full"]), cuda, world_size=2).mode is GraphMode.full
     with pytest.raises(ConfigError, match=r"graph.warmup_iters=5 is too few"):
         graph_options(compose(["graph=partial", "graph.warmup_iters=5"]), cuda, world_size=2)
+
+
+@pytest.mark.fast
+def test_ddp_static_graph_with_gradient_accumulation_is_refused_where_ddp_is_used():
+    from trainer.plan import plan_run
+
+    cpu = torch.device("cpu")
+    cfg = compose(["train.ddp.static_graph=true", "train.grad_accum=2"])
+    with pytest.raises(ConfigError, match=r"train.ddp.static_graph=true with train.grad_accum=2: .* under no_sync"):
+        plan_run(cfg, cpu, world_size=2)
+    assert plan_run(cfg, cpu, world_size=1).ddp.kwargs["static_graph"]  # one process: no DDP, nothing to refuse
+    assert plan_run(compose(["train.ddp.static_graph=true"]), cpu, world_size=2).ddp.kwargs["static_graph"]
 
 
 @pytest.mark.fast

@@ -51,6 +51,8 @@ def test_defaults_are_the_readme_defaults():
     assert dict(cfg.recipe.schedule) == {"_target_": "trainer.schedules.Constant", "warmup_steps": 0}
     assert cfg.train.epochs == 10 and cfg.device.value == "auto"
     assert cfg.logger.backend.value == "wandb" and cfg.logger.wandb.mode is None  # offline unless told
+    ddp = cfg.train.ddp  # bucket_cap_mb null: torch's own buckets (a 1 MiB first one, then 25 MiB)
+    assert (ddp.bucket_cap_mb, ddp.grad_reduce.value, ddp.static_graph) == (None, "fp32", False)
 
 
 @pytest.mark.fast
@@ -61,6 +63,7 @@ def test_defaults_are_the_readme_defaults():
     ("device", "auto, cpu, cuda"),
     ("recipe.data.loader", "auto, device, host"),
     ("train.precision", "fp32, bf16, fp16, auto"),
+    ("train.ddp.grad_reduce", "fp32, bf16"),
     ("logger.backend", "wandb, none"),
     ("logger.wandb.mode", "offline, online, disabled"),
 ])
@@ -80,6 +83,21 @@ def test_a_typo_or_a_wrong_type_fails_at_compose_time():
         compose(["train.epochs=many"])
     assert isinstance(wrong_type.value.__cause__, ValidationError)
     assert "train.epochs" in str(wrong_type.value.__cause__)
+
+
+@pytest.mark.fast
+def test_ddp_settings_compose_with_any_recipe_and_are_typed():
+    cfg = compose(["recipe=gpt2_small", "train.ddp.bucket_cap_mb=1.5", "train.ddp.grad_reduce=bf16",
+                   "train.ddp.static_graph=true"])
+    ddp = cfg.train.ddp
+    assert (ddp.bucket_cap_mb, ddp.grad_reduce.value, ddp.static_graph) == (1.5, "bf16", True)
+    assert cfg.train.precision.value == "bf16" and cfg.train.grad_clip == 1.0  # the recipe's train settings stay
+    assert compose(["train.ddp.bucket_cap_mb=4"]).train.ddp.bucket_cap_mb == 4.0
+    for bad, needle in (("train.ddp.bucket_cap_mb=big", "could not be converted to Float"),
+                        ("train.ddp.bucket_size=4", "Key 'bucket_size' not in 'DDPConfig'")):
+        with pytest.raises(ConfigCompositionException) as err:
+            compose([bad])
+        assert needle in str(err.value.__cause__ or err.value), err.value
 
 
 @pytest.mark.fast

@@ -84,9 +84,7 @@ def build_run(plan: RunPlan, rt: Runtime) -> Run:
                                 total_steps=total_steps, recipe=recipe.name, max_graphs=plan.graph.max_graphs,
                                 shapes_per_bucket=1 + (train_loader.plan.tail is not None),
                                 graphed=plan.graph.mode is GraphMode.full)
-    # Gradients as views into DDP's all-reduce buckets: after the all-reduce nothing is
-    # copied back into them (one copy kernel per parameter less in every step).
-    executor = build_executor(plan.graph, device, ddp_kwargs={"gradient_as_bucket_view": True},
+    executor = build_executor(plan.graph, device, ddp_kwargs=plan.ddp.kwargs, comm_hook=plan.ddp.comm_hook,
                               on_fallback=partial(log_fallback, name=graph_setting))  # in this trainer's words
     optimizer = build_optimizer(plan.optimizer, model.parameters(), device, captured=executor.captures_optimizer,
                                 loss_scaled=plan.precision == "fp16")

@@ -15,6 +15,7 @@ and read by the parts it concerns.
 from __future__ import annotations
 
 import inspect
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional
@@ -54,6 +55,14 @@ class ScheduleSpec:
 
 
 @dataclass(frozen=True)
+class DDPSpec:
+    """``train.ddp``: DDP's keyword arguments, and the communication hook its all-reduce goes
+    through (None: DDP's own, in the gradients' dtype)."""
+    kwargs: Dict[str, Any]
+    comm_hook: Optional[Callable]
+
+
+@dataclass(frozen=True)
 class RunPlan:
     cfg: Any  # the composed config: plain values (epochs, intervals, paths) are read from it
     device: torch.device
@@ -63,6 +72,7 @@ class RunPlan:
     build_recipe: Callable  # build(cfg, runtime) -> trainer.recipe.Recipe
     optimizer: OptimizerSpec
     schedule: ScheduleSpec
+    ddp: DDPSpec  # used only when a process group is up
     loader: str  # as asked (auto | device | host) until for_recipe resolves it
     memory_format: Any  # as asked ("auto", ...) until for_recipe resolves it to a torch.memory_format
 
@@ -82,7 +92,7 @@ def plan_run(cfg, device: torch.device, world_size: int) -> RunPlan:
     build_recipe, optimizer = recipe_builder(cfg), optimizer_spec(cfg.recipe.optim)
     return RunPlan(cfg=cfg, device=device, world_size=world_size, graph=graph_options(cfg, device, world_size),
                    precision=resolve_precision(cfg.train.precision.value, device), build_recipe=build_recipe,
-                   optimizer=optimizer, schedule=schedule_spec(cfg.recipe.schedule),
+                   optimizer=optimizer, schedule=schedule_spec(cfg.recipe.schedule), ddp=ddp_spec(cfg, world_size),
                    loader=cfg.recipe.data.loader.value, memory_format=cfg.train.memory_format.value)
 
 
@@ -102,6 +112,10 @@ def _check_values(cfg) -> None:
     if t.loss_scale.init <= 0 or t.loss_scale.growth_interval < 1:
         raise ConfigError(f"train.loss_scale.init={t.loss_scale.init} must be > 0 and train.loss_scale.growth_interval="
                           f"{t.loss_scale.growth_interval} at least 1")
+    cap = t.ddp.bucket_cap_mb
+    if cap is not None and not 0 < cap < math.inf:
+        raise ConfigError(f"train.ddp.bucket_cap_mb={cap} must be a positive number of MiB: set "
+                          "train.ddp.bucket_cap_mb=25 (say), or null for torch's default")
     if t.max_steps is not None and t.max_steps < 1:
         raise ConfigError(f"train.max_steps={t.max_steps} must be at least 1 (or null for whole epochs)")
     if c.resume not in ("auto", "never") and not Path(c.resume).is_file():
@@ -135,6 +149,27 @@ def resolve_memory_format(setting: str, model: torch.nn.Module, device: torch.de
         has_conv = any(isinstance(m, torch.nn.Conv2d) for m in model.modules())
         setting = "channels_last" if has_conv and device.type == "cuda" else "contiguous"
     return torch.channels_last if setting == "channels_last" else torch.contiguous_format
+
+
+def ddp_spec(cfg, world_size: int) -> DDPSpec:
+    """``train.ddp`` as DDP's keyword arguments and communication hook (checked where DDP is used)."""
+    cfg_ddp = cfg.train.ddp
+    if cfg_ddp.static_graph and cfg.train.grad_accum > 1 and world_size > 1:
+        # Measured on torch 2.14: DDP's reducer fails an internal assert (expect_autograd_hooks_)
+        # when a static graph's first backward runs under no_sync, as every step's first micro-batch does.
+        raise ConfigError(f"train.ddp.static_graph=true with train.grad_accum={cfg.train.grad_accum}: DDP built with "
+                          "static_graph fails when its first backward runs under no_sync, as the first micro-batch "
+                          "of a step does. Set train.ddp.static_graph=false, or train.grad_accum=1")
+    # Gradients as views into DDP's all-reduce buckets: after the all-reduce nothing is
+    # copied back into them (one copy kernel per parameter less in every step).
+    kwargs: Dict[str, Any] = {"gradient_as_bucket_view": True, "static_graph": cfg_ddp.static_graph}
+    if cfg_ddp.bucket_cap_mb is not None:  # passed at all, it also replaces torch's 1 MiB first bucket
+        kwargs["bucket_cap_mb"] = cfg_ddp.bucket_cap_mb
+    comm_hook = None
+    if cfg_ddp.grad_reduce.value == "bf16":
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+        comm_hook = bf16_compress_hook
+    return DDPSpec(kwargs=kwargs, comm_hook=comm_hook)
 
 
 def recipe_builder(cfg) -> Callable:
