@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from trainer.data import StepLayout
 from trainer.recipe import PADDING_MASK, Datasets, Recipe, Split, top1_correct
 from trainer.schedules import Constant, Cosine
-from trainer.step import EvalStep, TrainStep, mean_loss, per_sample_loss, takes_reduction
+from trainer.step import EvalStep, ModelAndLoss, TrainStep, mean_loss, model_call, per_sample_loss, takes_reduction
 
 pytestmark = pytest.mark.fast
 
@@ -31,15 +31,20 @@ class FixedBatches:
         return {"x": self.batch["x"][rows], "y": self.batch["y"][rows], PADDING_MASK: self.mask[rows]}
 
 
-def make_step(criterion, schedule, grad_accum=1, rows=8, real=None):
+def make_step(criterion, schedule, grad_accum=1, rows=8, real=None, fused_loss=False, accuracy=True):
+    """A step over a linear model; ``fused_loss``: the model handed over is a ModelAndLoss, as
+    graph.compile_model builds it."""
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
     x, y = torch.randn(8, 4)[:rows], torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])[:rows]
     recipe = Recipe(name="t", model=model, data=Datasets(Split(x, y), Split(x, y), "t"),
                     preprocess=lambda batch, train: batch, criterion=criterion, correct=top1_correct)
     optimizer = torch.optim.SGD(model.parameters(), lr=torch.tensor(0.1))
-    step = TrainStep(recipe, model, optimizer, schedule, FixedBatches(x, y, real), grad_accum=grad_accum,
-                     grad_clip=0.0, autocast=contextlib.nullcontext, device=torch.device("cpu"))
+    called = ModelAndLoss(model, model_call(recipe, torch.contiguous_format), mean_loss(criterion), "cpu") \
+        if fused_loss else model
+    step = TrainStep(recipe, called, optimizer, schedule, FixedBatches(x, y, real), grad_accum=grad_accum,
+                     grad_clip=0.0, autocast=contextlib.nullcontext, device=torch.device("cpu"),
+                     fused_loss=fused_loss, accuracy=accuracy)
     return step, model, x, y
 
 
@@ -146,3 +151,27 @@ def test_a_recipes_forward_gives_the_model_a_second_input_in_training_and_evalua
     evaluation = EvalStep(recipe, lambda: model, loader, autocast=contextlib.nullcontext, device=torch.device("cpu"))
     evaluation()
     assert evaluation.metrics[0].item() / 8 == pytest.approx(expected, rel=1e-6)
+
+
+@pytest.mark.parametrize("grad_accum,real,accuracy", [(1, None, True), (2, None, False), (1, 5, True), (1, 5, False)])
+def test_the_model_compiled_with_its_loss_trains_and_counts_as_the_model_and_loss_apart(grad_accum, real, accuracy):
+    """graph.compile_model hands the step a ModelAndLoss (the model and its mean loss as one
+    module): full steps, a padded tail step, accumulation and evaluation come out bit for bit
+    as with the model and the loss called apart."""
+    def run(fused):
+        step, model, x, y = make_step(F.cross_entropy, Constant(base_lr=0.1, total_steps=10), grad_accum,
+                                      real=real, fused_loss=fused, accuracy=accuracy)
+        for _ in range(3):
+            step(StepLayout((8,), tail=True, real=real) if real is not None else None)
+        evaluation = EvalStep(step.recipe, lambda: step.model, step.loader, autocast=contextlib.nullcontext,
+                              device=torch.device("cpu"), fused_loss=fused, accuracy=accuracy)
+        step.loader.batch = {**step.loader.batch, PADDING_MASK: torch.ones(8, dtype=torch.bool)}
+        evaluation()
+        return [p.detach().clone() for p in model.parameters()], step.totals(), evaluation.metrics.clone()
+
+    apart, fused = run(False), run(True)
+    for a, b in zip(apart[0], fused[0]):
+        assert torch.equal(a, b)
+    assert torch.equal(apart[1], fused[1]) and torch.equal(apart[2], fused[2])
+    assert apart[1][2].item() == 3 * (real or 8 * grad_accum)  # the items counted: real samples only
+    assert not torch.equal(apart[0][0], make_step(F.cross_entropy, Constant(base_lr=0.1, total_steps=10))[1].weight)

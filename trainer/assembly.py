@@ -29,7 +29,8 @@ from trainer.runtime import Runtime, seed_rank_streams
 from trainer.schedules import LRSchedule
 from trainer.seq_len import SeqLenSchedule, seq_len_schedule
 from trainer.state import TrainingState
-from trainer.step import EvalStep, TrainStep, autocast_factory, model_call, model_call_arguments
+from trainer.step import (EvalStep, ModelAndLoss, TrainStep, autocast_factory, mean_loss, model_call,
+                          model_call_arguments)
 
 
 @dataclass
@@ -101,13 +102,17 @@ def build_run(plan: RunPlan, rt: Runtime) -> Run:
         train_loader.start_epoch(0)
         return inputs
 
-    wrapped = executor.wrap_model(model, sample_inputs, autocast)
+    # A compiled model is compiled with its loss, as one function (trainer/step.py ModelAndLoss).
+    fused_loss = plan.graph.compile_model
+    wrapped = executor.wrap_model(ModelAndLoss(model, model_call(recipe, plan.memory_format),
+                                               mean_loss(recipe.criterion), device.type) if fused_loss else model,
+                                  sample_inputs, autocast)
     train_step = TrainStep(recipe, wrapped, optimizer, schedule, train_loader, grad_accum=loop.grad_accum,
                            grad_clip=loop.grad_clip, autocast=autocast, device=device,
                            memory_format=plan.memory_format, wrap_output_fn=executor.wrap_output_fn, scaler=scaler,
-                           world_size=rt.world_size, accuracy=cfg.recipe.accuracy)
+                           world_size=rt.world_size, accuracy=cfg.recipe.accuracy, fused_loss=fused_loss)
     eval_step = EvalStep(recipe, lambda: executor.eval_model, eval_loader, autocast=autocast, device=device,
-                         memory_format=plan.memory_format, accuracy=cfg.recipe.accuracy)
+                         memory_format=plan.memory_format, accuracy=cfg.recipe.accuracy, fused_loss=fused_loss)
     global_batch = data_cfg.batch_size * loop.grad_accum * rt.world_size
     perf = Perf(device, units_per_step=global_batch * recipe.units_per_sample, unit=recipe.unit,
                 world_size=rt.world_size, flops_per_unit=recipe.flops_per_unit, precision=plan.precision,

@@ -46,6 +46,27 @@ def model_call(recipe: Recipe, memory_format: torch.memory_format) -> Callable[[
     return lambda model, batch: forward(model, {**batch, "x": model_input(batch, memory_format)})
 
 
+class ModelAndLoss(torch.nn.Module):
+    """The model and its mean loss as one module, built for ``graph.compile_model`` so that
+    torch.compile sees them as one function. ``forward(batch, output)`` returns (the model's
+    output, mean loss), or (None, mean loss) with ``output=False``: the output is then never a
+    result of the compiled function, so its memory (a language model's logits) is the
+    compiler's to free once backward no longer needs it. The loss is computed outside
+    autocast, as the step computes it when the two are apart, so every mode computes the same loss."""
+
+    def __init__(self, model: torch.nn.Module, call: Callable[[torch.nn.Module, Batch], Any],
+                 loss: Callable[[Any, torch.Tensor], torch.Tensor], device_type: str):
+        super().__init__()
+        self.model = model
+        self.call, self.loss, self.device_type = call, loss, device_type
+
+    def forward(self, batch: Batch, output: bool = True) -> Tuple[Any, torch.Tensor]:
+        out = self.call(self.model, batch)
+        with torch.autocast(self.device_type, enabled=False):
+            loss = self.loss(out, batch["y"])
+        return (out if output else None), loss
+
+
 class _Recorded(Exception):
     """Stops the model's forward at its first call, once the arguments are recorded."""
 
@@ -108,7 +129,10 @@ class TrainStep:
                  autocast: Callable, device: torch.device,
                  memory_format: torch.memory_format = torch.contiguous_format,
                  wrap_output_fn: Callable[[Callable], Callable] = lambda fn: fn,
-                 scaler: Optional["torch.amp.GradScaler"] = None, world_size: int = 1, accuracy: bool = True):
+                 scaler: Optional["torch.amp.GradScaler"] = None, world_size: int = 1, accuracy: bool = True,
+                 fused_loss: bool = False):
+        # fused_loss: ``model`` is a ModelAndLoss (wrapped): it takes the batch and returns (output, mean loss)
+        self.fused_loss = fused_loss
         self.forward = model_call(recipe, memory_format)
         # fp16's dynamic loss scale. All of it runs on the device when the optimizer takes the scale
         # itself (fused: ``_step_supports_amp_scaling``), so it is captured with the step: scaling,
@@ -153,13 +177,16 @@ class TrainStep:
             sync = contextlib.nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync()
             with sync:
                 with self.autocast():
-                    output = self.forward(self.model, batch)
+                    # A full step whose metrics read no output (recipe.accuracy=false) takes the loss alone
+                    output, loss = self.model(batch, output=tail or self.correct is not None) if self.fused_loss \
+                        else (self.forward(self.model, batch), None)
                 if tail:
                     loss, joined = self._masked_loss(output, batch, layout)
                 else:
-                    loss = self.loss(output, batch["y"])
+                    loss = self.loss(output, batch["y"]) if loss is None else loss
                     joined = self._count(loss, output, batch["y"])
                     loss = loss / self.grad_accum if self.grad_accum > 1 else loss
+                del output  # what the metrics read, _Join holds; the rest is backward's to free
                 (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
             joined()  # before output and labels can be freed and their memory reused
         if self.grad_clip > 0:
@@ -203,7 +230,8 @@ class TrainStep:
         stream.wait_stream(main)
         with torch.cuda.stream(stream):
             self._add(loss, output, target, mask)
-        return _Join(main, stream, (loss, output, target, mask))
+        read = (output, target) if self.correct is not None else ()  # recipe.accuracy=false: the loss alone
+        return _Join(main, stream, (loss, mask, *read))
 
     @torch.no_grad()
     def _add(self, loss: torch.Tensor, output: torch.Tensor, target: torch.Tensor,
@@ -255,8 +283,10 @@ class _Join:
 class EvalStep:
     def __init__(self, recipe: Recipe, model_fn: Callable[[], torch.nn.Module], loader, *,
                  autocast: Callable, device: torch.device,
-                 memory_format: torch.memory_format = torch.contiguous_format, accuracy: bool = True):
+                 memory_format: torch.memory_format = torch.contiguous_format, accuracy: bool = True,
+                 fused_loss: bool = False):
         self.forward = model_call(recipe, memory_format)
+        self.fused_loss = fused_loss  # the model is a ModelAndLoss: its mean loss is computed and left unused
         self.accuracy = accuracy
         self.recipe, self.model_fn, self.loader, self.autocast = recipe, model_fn, loader, autocast
         self.loss = per_sample_loss(recipe.criterion)
@@ -266,7 +296,7 @@ class EvalStep:
     def __call__(self) -> None:
         batch = self.recipe.preprocess(self.loader.next_batch(), False)
         with self.autocast():
-            output = self.forward(self.model_fn(), batch)
+            output = self.model_fn()(batch)[0] if self.fused_loss else self.forward(self.model_fn(), batch)
         per_sample = self.loss(output, batch["y"])
         correct = self.recipe.correct(output, batch["y"]) if self.accuracy else \
             torch.zeros(per_sample.shape, dtype=torch.bool, device=per_sample.device)
