@@ -8,7 +8,9 @@ Builds the trainer as train.py does, warms up (and captures, in graph modes), th
 profiles ``--steps`` steps: the step's wall time from CUDA events, the summed time of
 the kernels and copies it ran (CUPTI), their ratio (how busy the GPU was), and the
 kernel count per step, throughput and MFU. ``--top N`` adds the N kernels that took the
-most time per step, with their counts (where the time goes, and where each op comes from).
+most time per step, with their counts (where the time goes, and where each op comes from);
+``--gaps N`` the N places where the GPU sat idle longest in a step, summed per step, each
+named by the ops before and after it (where a graphed step still waits).
 Prints a line and writes JSON to --output.
 """
 from __future__ import annotations
@@ -29,6 +31,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--output", type=Path, default=None, help="JSON file for the numbers")
     parser.add_argument("--top", type=int, default=0, help="list the N kernels with the most time per step")
+    parser.add_argument("--gaps", type=int, default=0, help="list the N places the GPU sat idle longest per step")
     args, cfg = script_config(parser, defaults=["logger=none", "train.progress=false"])
     import torch  # after the command line: --help and a bad override answer at once
 
@@ -87,9 +90,14 @@ def profile_job(session, args) -> int:
         result["mfu_pct"] = 100 * units_per_s * run.recipe.flops_per_unit / (peak[1] * 1e12)
     if args.top:
         result["top_kernels"] = top_kernels(gpu_events, args.steps, args.top)
-    print(json.dumps({k: v for k, v in result.items() if k != "top_kernels"}))
+    if args.gaps:
+        result["idle_ms"], result["idle_gaps"] = idle_gaps(gpu_events, args.steps, args.gaps)
+    print(json.dumps({k: v for k, v in result.items() if k not in ("top_kernels", "idle_gaps")}))
     for row in result.get("top_kernels", []):
         print(f"  {row['ms_per_step']:8.4f} ms  {row['per_step']:6.1f}x  {row['name'][:110]}")
+    for row in result.get("idle_gaps", []):
+        print(f"  idle {row['ms_per_step']:8.4f} ms  {row['per_step']:6.1f}x  after {row['after'][:60]}  "
+              f"before {row['before'][:60]}")
     if args.output:
         args.output.write_text(json.dumps(result, indent=2) + "\n")
     return 0
@@ -103,6 +111,28 @@ def top_kernels(events, steps: int, n: int):
         by_name[e.name] = (ms + e.device_time / 1e3, count + 1)
     rows = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:n]
     return [{"name": name, "ms_per_step": ms / steps, "per_step": count / steps} for name, (ms, count) in rows]
+
+
+def idle_gaps(events, steps: int, n: int):
+    """The GPU's idle time per step (no op running on any stream), and the ``n`` op boundaries
+    with the most of it: ms per step, gaps per step, the op that ended before and the one
+    that started after."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in events)
+    if not spans:
+        return 0.0, []
+    by_pair, idle_us = {}, 0.0
+    busy_until, last = spans[0][1], spans[0][2]
+    for start, end, name in spans[1:]:
+        if start > busy_until:
+            gap = start - busy_until
+            idle_us += gap
+            us, count = by_pair.get((last, name), (0.0, 0))
+            by_pair[last, name] = (us + gap, count + 1)
+        if end > busy_until:
+            busy_until, last = end, name
+    rows = sorted(by_pair.items(), key=lambda kv: -kv[1][0])[:n]
+    return idle_us / 1e3 / steps, [{"after": a, "before": b, "ms_per_step": us / 1e3 / steps, "per_step": c / steps}
+                                   for (a, b), (us, c) in rows]
 
 
 if __name__ == "__main__":

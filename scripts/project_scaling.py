@@ -19,7 +19,10 @@ it, while the gradient all-reduce stays. The model, with every assumption a flag
   ib_latency``, and a tree, ``2 s / ib_bw + 2 ceil(log2 n) * ib_latency``, as NCCL picks
   (a hierarchical all-reduce: reduce-scatter and all-gather inside the node).
 - no overlap of the all-reduce with backward (DDP overlaps buckets with backward, so
-  this is an upper bound on the exposed time), and the same all-reduce time in both modes.
+  this is an upper bound on the exposed time), and the same all-reduce time in both modes;
+  ``--allreduce-scale`` multiplies it by what was measured (scripts/bench_allreduce.py: the
+  2-GPU step minus the 1-GPU step, over this model's 2-GPU all-reduce), and
+  ``--grad-bytes-per-param 2`` models ``train.ddp.grad_reduce=bf16``.
 - step(N, mode) = compute + all-reduce; graph speedup = step(N, eager) / step(N, graph).
 
 The check: for every 2-GPU point of the sweep, the model's step next to the measured one.
@@ -91,11 +94,11 @@ def curves(points: Sequence[dict], recipe: str, nproc: int) -> Dict[str, Dict[in
 
 
 def project(one_gpu: Dict[str, Dict[int, float]], global_batch: int, gpus: Sequence[int], grad_bytes: float,
-            links: Links, graph_mode: str = "full") -> List[dict]:
+            links: Links, graph_mode: str = "full", allreduce_scale: float = 1.0) -> List[dict]:
     rows = []
     for n in gpus:
         per_gpu = global_batch / n
-        comm_ms = 1e3 * allreduce_s(grad_bytes, n, links)
+        comm_ms = 1e3 * allreduce_s(grad_bytes, n, links) * allreduce_scale
         row = {"gpus": n, "batch_per_gpu": per_gpu, "allreduce_ms": comm_ms}
         for mode, curve in one_gpu.items():
             compute = step_ms_at(curve, per_gpu)
@@ -108,17 +111,25 @@ def project(one_gpu: Dict[str, Dict[int, float]], global_batch: int, gpus: Seque
 
 
 def check_two_gpus(points: Sequence[dict], recipe: str, one_gpu: Dict[str, Dict[int, float]], grad_bytes: float,
-                   links: Links) -> List[dict]:
+                   links: Links, allreduce_scale: float = 1.0) -> List[dict]:
     """The model against every measured 2-GPU point: predicted vs measured step."""
     rows = []
     for mode, curve in curves(points, recipe, 2).items():
         for batch, measured in sorted(curve.items()):
             if mode not in one_gpu or batch not in one_gpu[mode]:
                 continue
-            predicted = one_gpu[mode][batch] + 1e3 * allreduce_s(grad_bytes, 2, links)
+            predicted = one_gpu[mode][batch] + 1e3 * allreduce_s(grad_bytes, 2, links) * allreduce_scale
             rows.append({"mode": mode, "batch_per_gpu": batch, "measured_ms": measured, "predicted_ms": predicted,
                          "error": predicted / measured - 1})
     return rows
+
+
+def parameter_count_of(recipe: str) -> int:
+    """``parameter_count`` of a built-in or conf/ recipe, by name."""
+    from conf.schema import compose
+
+    return parameter_count(compose([f"recipe={recipe}", "recipe.data.source=synthetic", "recipe.data.train_size=64",
+                                    "recipe.data.test_size=16"]))
 
 
 def parameter_count(cfg) -> int:
@@ -130,7 +141,7 @@ def parameter_count(cfg) -> int:
 
 
 def markdown(recipe: str, global_batch: int, grad_bytes: float, rows: List[dict], check: List[dict],
-             links: Links, modes: Sequence[str]) -> str:
+             links: Links, modes: Sequence[str], allreduce_scale: float = 1.0) -> str:
     from trainer.results import markdown_table
 
     table = markdown_table(
@@ -138,14 +149,14 @@ def markdown(recipe: str, global_batch: int, grad_bytes: float, rows: List[dict]
         [[str(r["gpus"]), f"{r['batch_per_gpu']:g}", f"{r['allreduce_ms']:.3f}",
           *("beyond the sweep" if r[f"{m}_step_ms"] is None else f"{r[f'{m}_step_ms']:.3f}" for m in modes),
           "—" if r.get("graph_speedup") is None else f"{r['graph_speedup']:.2f}x"] for r in rows])
-    lines = [f"### {recipe}: global batch {global_batch}, {grad_bytes / 2**20:.1f} MiB of fp32 gradients", "", table]
+    lines = [f"### {recipe}: global batch {global_batch}, {grad_bytes / 2**20:.1f} MiB of gradients", "", table]
     if check:
         lines += ["", "Model vs measured, 2 GPUs:", "", markdown_table(
             ["mode", "batch/GPU", "measured ms", "model ms", "error"],
             [[c["mode"], c["batch_per_gpu"], f"{c['measured_ms']:.3f}", f"{c['predicted_ms']:.3f}",
               f"{100 * c['error']:+.0f}%"] for c in check])]
     lines += ["", "Assumptions: " + ", ".join(f"{k}={v}" for k, v in asdict(links).items())
-              + "; no overlap of the all-reduce with backward; compute from the 1-GPU sweep."]
+              + f"; all-reduce x{allreduce_scale:g} (no overlap with backward at x1); compute from the 1-GPU sweep."]
     return "\n".join(lines)
 
 
@@ -157,6 +168,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--gpus", default="1,2,8,64,512")
     parser.add_argument("--graph-mode", default="full", help="the graph mode the speedup is for")
     parser.add_argument("--params", type=int, default=None, help="trainable parameters (default: build the recipe)")
+    parser.add_argument("--allreduce-scale", type=float, default=1.0,
+                        help="the modeled all-reduce times this (measured: scripts/bench_allreduce.py)")
+    parser.add_argument("--grad-bytes-per-param", type=float, default=4.0, help="4: fp32 gradients; 2: grad_reduce=bf16")
     parser.add_argument("--output", type=Path, default=None)
     for name, value in asdict(Links()).items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
@@ -172,17 +186,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         sys.exit(f"{args.sweep} has no 1-GPU eager and {args.graph_mode} points for recipe {args.recipe}: "
                  f"run scripts/sweep.py --recipes {args.recipe} --nprocs 1 (with modes eager,{args.graph_mode})")
     params = args.params or parameter_count(cfg)
-    grad_bytes = 4.0 * params
+    if args.allreduce_scale <= 0 or args.grad_bytes_per_param <= 0:
+        sys.exit("--allreduce-scale and --grad-bytes-per-param must be positive")
+    grad_bytes = args.grad_bytes_per_param * params
     gpus = [int(g) for g in args.gpus.split(",")]
-    rows = project(one_gpu, args.global_batch, gpus, grad_bytes, links, args.graph_mode)
-    check = check_two_gpus(points, args.recipe, one_gpu, grad_bytes, links)
-    text = markdown(args.recipe, args.global_batch, grad_bytes, rows, check, links, list(one_gpu))
+    rows = project(one_gpu, args.global_batch, gpus, grad_bytes, links, args.graph_mode, args.allreduce_scale)
+    check = check_two_gpus(points, args.recipe, one_gpu, grad_bytes, links, args.allreduce_scale)
+    text = markdown(args.recipe, args.global_batch, grad_bytes, rows, check, links, list(one_gpu), args.allreduce_scale)
     print(text)
     if args.output:
         args.output.mkdir(parents=True, exist_ok=True)
         (args.output / "projection.md").write_text(text + "\n")
         (args.output / "projection.json").write_text(json.dumps(
             {"recipe": args.recipe, "global_batch": args.global_batch, "params": params, "links": asdict(links),
+             "allreduce_scale": args.allreduce_scale, "grad_bytes": grad_bytes,
              "rows": rows, "two_gpu_check": check}, indent=2) + "\n")
     return 0
 

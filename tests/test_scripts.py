@@ -250,6 +250,26 @@ def test_the_scaling_projection_follows_its_stated_model(tmp_path):
 
 
 @pytest.mark.fast
+def test_the_projection_takes_the_measured_allreduce_scale_and_bf16_gradients(tmp_path):
+    from scripts.project_scaling import main
+
+    points = [_point(1, b, mode, ms) for b in (16, 64) for mode, ms in (("eager", 2.0), ("full", b / 100))]
+    (tmp_path / "sweep.json").write_text(json.dumps({"points": points}))
+    base = ["--sweep", str(tmp_path / "sweep.json"), "--recipe", "mnist", "--global-batch", "64", "--gpus", "2",
+            "--params", "1000000"]
+    assert main([*base, "--output", str(tmp_path / "model")]) == 0
+    assert main([*base, "--allreduce-scale", "3", "--grad-bytes-per-param", "2", "--output", str(tmp_path / "fit")]) == 0
+    [model] = json.loads((tmp_path / "model" / "projection.json").read_text())["rows"]
+    fit = json.loads((tmp_path / "fit" / "projection.json").read_text())
+    # a ring of 2 over NVLink: bandwidth term halves with bf16 gradients, the latency term stays; then x3
+    assert model["allreduce_ms"] == pytest.approx(1e3 * (4e6 / 360e9 + 2 * 5e-6), rel=1e-9)
+    assert fit["rows"][0]["allreduce_ms"] == pytest.approx(3e3 * (2e6 / 360e9 + 2 * 5e-6), rel=1e-9)
+    assert fit["rows"][0]["full_step_ms"] == pytest.approx(0.32 + fit["rows"][0]["allreduce_ms"])
+    assert (fit["allreduce_scale"], fit["grad_bytes"]) == (3.0, 2e6)
+    assert "all-reduce x3" in (tmp_path / "fit" / "projection.md").read_text()
+
+
+@pytest.mark.fast
 def test_the_projection_does_not_extrapolate_beyond_the_sweep(tmp_path):
     from scripts.project_scaling import main
 
@@ -398,3 +418,20 @@ def test_the_chunked_linear_cross_entropy_lever_equals_cross_entropy_in_value_an
     assert chunked.item() == pytest.approx(plain.item(), rel=1e-6)  # losses summed in fp32
     for mine, theirs in zip(torch.autograd.grad(chunked, (hidden, weight)), torch.autograd.grad(plain, (hidden, weight))):
         assert mine.dtype == theirs.dtype and torch.allclose(mine, theirs, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.fast
+def test_profile_steps_idle_gaps_are_the_time_no_stream_runs_an_op():
+    from types import SimpleNamespace
+
+    from scripts.profile_step import idle_gaps
+
+    def op(start, end, name):
+        return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end))
+
+    # b overlaps c on another stream (no gap between them); idle: a→b 2 us, c→d 10 us, d→b 2 us, over 2 steps
+    ops = [op(0, 10, "a"), op(12, 20, "b"), op(15, 30, "c"), op(40, 50, "d"), op(52, 60, "b")]
+    idle_ms, rows = idle_gaps(ops, steps=2, n=2)
+    assert idle_ms == pytest.approx(0.007)
+    assert [(r["after"], r["before"]) for r in rows] == [("c", "d"), ("a", "b")]
+    assert rows[0]["ms_per_step"] == pytest.approx(0.005) and rows[0]["per_step"] == 0.5

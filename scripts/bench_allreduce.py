@@ -1,0 +1,156 @@
+"""Two GPUs against one: how much of the graphed step is DDP's gradient all-reduce that
+backward does not hide, what `train.ddp` does about it, and strong scaling (issue 24, part 2).
+
+    python scripts/bench_allreduce.py                        # both parts, on a machine with 2 GPUs
+    python scripts/bench_allreduce.py --parts allreduce --batch-size 128
+    python scripts/bench_allreduce.py --parts scaling --global-batches 64,256 --modes eager,full,full_compiled
+
+``allreduce``: ``recipe`` (default cifar10_resnet18) with ``graph=full`` at ``--batch-size`` per
+GPU, once on one GPU in one process (no DDP), then on two GPUs under torchrun once per
+variant: DDP's defaults, ``train.ddp.bucket_cap_mb`` of each of ``--bucket-caps``,
+``train.ddp.grad_reduce=bf16`` and ``train.ddp.static_graph=true``. Each 2-GPU step over the
+1-GPU step (target: at most 1.05x), and the exposed all-reduce (their difference) against
+scripts/project_scaling.py's no-overlap model of it, as the ``--allreduce-scale`` that
+script takes. ``scaling``: the same recipe at each global batch on 1 and 2 GPUs in each
+mode: throughput and efficiency (throughput on 2 / twice that on 1).
+
+Synthetic data, evaluation off, ``--steps`` optimizer steps per run; step ms is the median after
+warm-up and capture. On machines with NVLink multicast, export NCCL_NVLS_ENABLE=0 first if
+your cluster asks for it. Prints markdown; writes JSON and markdown to --output (default
+scripts/results/allreduce_<recipe>.json and .md).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+COMMON = ["recipe.data.source=synthetic", "logger=none", "train.progress=false", "train.eval=false",
+          "checkpoint.keep=1", "train.log_every=20"]
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--recipe", default="cifar10_resnet18")
+    parser.add_argument("--parts", default="allreduce,scaling", help="allreduce, scaling, or both")
+    parser.add_argument("--batch-size", type=int, default=128, help="allreduce: samples per GPU")
+    parser.add_argument("--bucket-caps", default="5,2", help="allreduce: train.ddp.bucket_cap_mb values to try (MiB)")
+    parser.add_argument("--global-batches", default="64,256", help="scaling: samples per optimizer step")
+    parser.add_argument("--modes", default="eager,full,full_compiled", help="scaling: graph modes")
+    parser.add_argument("--steps", type=int, default=120, help="optimizer steps per run")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds one run may take")
+    parser.add_argument("--output", type=Path, default=None)
+    args = parser.parse_args(argv)
+    parts = set(args.parts.split(","))
+    if not parts <= {"allreduce", "scaling"}:
+        parser.error(f"--parts {args.parts}: choose from allreduce, scaling")
+
+    import torch  # after the command line: --help answers at once
+
+    if torch.cuda.device_count() < 2:
+        sys.exit(f"bench_allreduce.py compares 1 and 2 GPUs: this machine has {torch.cuda.device_count()}")
+    out: Dict[str, Any] = {"recipe": args.recipe, "device": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    text = []
+    with tempfile.TemporaryDirectory() as scratch:
+        runner = Runner(args, Path(scratch))
+        if "allreduce" in parts:
+            out["allreduce"] = allreduce_part(runner, args)
+            text.append(allreduce_markdown(out["allreduce"], args))
+        if "scaling" in parts:
+            out["scaling"] = scaling_part(runner, args)
+            text.append(scaling_markdown(out["scaling"]))
+    print("\n\n".join(text))
+    output = args.output or REPO / "scripts" / "results" / f"allreduce_{args.recipe}.json"
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(out, indent=2) + "\n")
+    output.with_suffix(".md").write_text("\n\n".join(text) + "\n")
+    return 0
+
+
+class Runner:
+    """Runs train.py on 1 GPU (one process, no DDP) or on N under torchrun; returns its results.json."""
+
+    def __init__(self, args, scratch: Path):
+        self.args, self.scratch, self.count = args, scratch, 0
+
+    def __call__(self, name: str, gpus: int, batch: int, *extra: str) -> Dict[str, Any]:
+        self.count += 1
+        run_dir = self.scratch / str(self.count)
+        launch = [sys.executable, "train.py"] if gpus == 1 else \
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}", "train.py"]
+        command = [*launch, f"recipe={self.args.recipe}", *COMMON, f"recipe.data.batch_size={batch}",
+                   f"train.max_steps={self.args.steps}", *extra, f"run_dir={run_dir}"]
+        print(f"bench_allreduce: {name}: {' '.join(command[1:])}", flush=True)
+        done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=self.args.timeout)
+        if done.returncode != 0:
+            sys.exit(f"bench_allreduce: '{name}' failed ({done.returncode}):\n{done.stderr[-3000:]}")
+        result = json.loads((run_dir / "results.json").read_text())
+        unit = "tokens" if "perf/tokens_per_s" in result else "samples"
+        return {"name": name, "gpus": gpus, "batch_per_gpu": batch, "overrides": list(extra),
+                "step_ms": result["perf/step_ms_median"], "throughput": result[f"perf/{unit}_per_s"],
+                "unit": unit, "final_loss": result.get("final/loss")}
+
+
+def allreduce_part(run: Runner, args) -> Dict[str, Any]:
+    from scripts.project_scaling import Links, allreduce_s, parameter_count_of
+
+    batch = args.batch_size
+    one = run("1 GPU", 1, batch, "graph=full")
+    variants = {"2 GPUs, DDP defaults": [],
+                **{f"2 GPUs, bucket_cap_mb={c}": [f"train.ddp.bucket_cap_mb={c}"] for c in args.bucket_caps.split(",")},
+                "2 GPUs, grad_reduce=bf16": ["train.ddp.grad_reduce=bf16"],
+                "2 GPUs, static_graph": ["train.ddp.static_graph=true"]}
+    modeled_ms = 1e3 * allreduce_s(4.0 * parameter_count_of(args.recipe), 2, Links())
+    rows = []
+    for name, extra in variants.items():
+        two = run(name, 2, batch, "graph=full", *extra)
+        exposed = two["step_ms"] - one["step_ms"]
+        rows.append({**two, "over_one_gpu": two["step_ms"] / one["step_ms"], "exposed_allreduce_ms": exposed,
+                     "allreduce_scale": exposed / modeled_ms})
+    return {"one_gpu": one, "two_gpus": rows, "modeled_allreduce_ms": modeled_ms}
+
+
+def allreduce_markdown(part: Dict[str, Any], args) -> str:
+    one = part["one_gpu"]
+    lines = [f"### graph=full at {args.batch_size} per GPU: 1 GPU {one['step_ms']:.3f} ms", "",
+             "| run | step ms | over 1 GPU | exposed all-reduce ms | over the model's | final loss |",
+             "|---|---|---|---|---|---|"]
+    for r in part["two_gpus"]:
+        lines.append(f"| {r['name']} | {r['step_ms']:.3f} | {r['over_one_gpu']:.3f}x | {r['exposed_allreduce_ms']:.3f} | "
+                     f"{r['allreduce_scale']:.2f} | {r['final_loss']:.4f} |")
+    lines += ["", f"No-overlap model of one fp32 all-reduce on 2 GPUs (scripts/project_scaling.py): "
+                  f"{part['modeled_allreduce_ms']:.3f} ms; pass the measured ratio to it as --allreduce-scale."]
+    return "\n".join(lines)
+
+
+def scaling_part(run: Runner, args) -> List[Dict[str, Any]]:
+    rows = []
+    for global_batch in (int(b) for b in args.global_batches.split(",")):
+        for mode in args.modes.split(","):
+            one = run(f"{mode}, global {global_batch}, 1 GPU", 1, global_batch, f"graph={mode}")
+            two = run(f"{mode}, global {global_batch}, 2 GPUs", 2, global_batch // 2, f"graph={mode}")
+            rows.append({"global_batch": global_batch, "mode": mode, "one_gpu": one, "two_gpus": two,
+                         "efficiency": two["throughput"] / (2 * one["throughput"])})
+    return rows
+
+
+def scaling_markdown(rows: List[Dict[str, Any]]) -> str:
+    unit = rows[0]["one_gpu"]["unit"] if rows else "samples"
+    lines = ["### Strong scaling: 1 vs 2 GPUs at a fixed global batch", "",
+             f"| global batch | mode | 1 GPU {unit}/s | 2 GPUs {unit}/s | speedup | efficiency |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        one, two = r["one_gpu"]["throughput"], r["two_gpus"]["throughput"]
+        lines.append(f"| {r['global_batch']} | {r['mode']} | {one:,.0f} | {two:,.0f} | {two / one:.2f}x | "
+                     f"{r['efficiency']:.2f} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
