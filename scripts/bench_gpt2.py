@@ -14,8 +14,9 @@ accuracy on, with LayerNorm biases, as ``graph=full`` (model not compiled) and `
 ``--autotune`` adds the project with ``graph.compile_mode=max_autotune_no_cudagraphs`` twice,
 sharing one inductor cache (``--inductor-cache``, default a fresh directory): the first run
 fills it unless it was carried in, the second finds it. Milliseconds are the median step
-(after warm-up and capture); tokens/s = micro-batch x 1024 / that. Prints a markdown table;
-writes it and the numbers to --output (default scripts/results/gpt2_vs_reference.json and .md).
+(after warm-up and capture), both over runs of ``--steps``; tokens/s = micro-batch x 1024 / that.
+Prints a markdown table; writes it and the numbers to --output (default
+scripts/results/gpt2_vs_reference.json and .md).
 """
 from __future__ import annotations
 
@@ -36,14 +37,19 @@ from trainer.cli import script_config  # noqa: E402
 
 CONTEXT = 1024
 PROJECT = ["recipe=gpt2_small", "graph=full_compiled", "recipe.accuracy=false", "recipe.data.source=synthetic",
-           "logger=none", "train.progress=false", "train.eval=false", "checkpoint.keep=1"]
+           "logger=none", "train.progress=false", "train.eval=false", "checkpoint.keep=1",
+           "train.epochs=1000", "checkpoint.every_epochs=0", "checkpoint.every_minutes=0"]  # --steps alone ends a run
 SETS = ("recipe.data.batch_size", "graph", "run_dir", "train.max_steps")  # the script's, per run
+WARMUP = 12  # the reference's untimed steps: train.py's 11 warm-up steps and its capture
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch-sizes", default="16,32", help="micro-batches (sequences of 1024 tokens)")
-    parser.add_argument("--steps", type=int, default=80, help="train.py's optimizer steps per run")
+    parser.add_argument("--steps", type=int, default=200,
+                        help="steps per run, the reference's included (its first 12 untimed, as train.py's warm-up "
+                             "and capture): under sustained load an H200's step slows by up to 4%%, so runs of "
+                             "different lengths are not comparable")
     parser.add_argument("--levers", action="store_true", help="one run per lever at the first micro-batch")
     parser.add_argument("--autotune", action="store_true",
                         help="graph.compile_mode=max_autotune_no_cudagraphs twice, sharing an inductor cache")
@@ -89,8 +95,8 @@ def main() -> int:
 
 def run_reference(name: str, batch: int, args, *extra: str) -> Dict[str, Any]:
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        command = [sys.executable, "scripts/reference_gpt2.py", "--batch-size", str(batch), "--output", out.name,
-                   *extra]
+        command = [sys.executable, "scripts/reference_gpt2.py", "--batch-size", str(batch), "--warmup", str(WARMUP),
+                   "--steps", str(args.steps - WARMUP), "--output", out.name, *extra]
         wall = _run(name, command, args.timeout)
         result = json.loads(Path(out.name).read_text())
     return {"name": name, "batch_size": batch, "step_ms": result["step_ms_median"],
