@@ -41,11 +41,17 @@ def unwrap_ddp(model: torch.nn.Module) -> Tuple[torch.nn.Module, Dict[str, Any],
         "output_device": model.output_device,
         "dim": model.dim,
         "process_group": model.process_group,
-        "bucket_cap_mb": model.bucket_bytes_cap / 2**20,
         "find_unused_parameters": model.find_unused_parameters,
         "gradient_as_bucket_view": model.gradient_as_bucket_view,
         "static_graph": model.static_graph,
     }
+    # Bucket sizes as the user gave them: none given, torch's default keeps a small first bucket
+    # (the all-reduce starts early in backward), which any explicit size would replace.
+    caps = getattr(model, "bucket_bytes_cap_list", None)
+    if caps and "bucket_cap_mb_list" in accepted:
+        kwargs["bucket_cap_mb_list"] = [cap / 2**20 for cap in caps]
+    elif not getattr(model, "bucket_bytes_cap_default", False):
+        kwargs["bucket_cap_mb"] = model.bucket_bytes_cap / 2**20
     # Buffer broadcasting before each forward: `broadcast_buffers` in older torch, then
     # `forward_sync_buffers`; the wrapper keeps it under the name its torch takes.
     for name in ("forward_sync_buffers", "broadcast_buffers"):

@@ -229,6 +229,27 @@ def test_optimizers_are_made_graph_safe_before_their_first_step_or_refused_with_
 
 
 @pytest.mark.fast
+def test_a_users_ddp_with_default_buckets_is_rewrapped_with_torchs_small_first_bucket():
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from conftest import free_port
+    from graphing.ddp import unwrap_ddp
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        defaults = DDP(torch.nn.Linear(4, 1))
+        module, kwargs, _ = unwrap_ddp(defaults)
+        assert "bucket_cap_mb" not in kwargs  # passed at all, any size would replace the small first bucket
+        again = DDP(module, **kwargs)
+        assert again.bucket_bytes_cap_default and again.bucket_bytes_cap == defaults.bucket_bytes_cap
+        sized = DDP(torch.nn.Linear(4, 1), bucket_cap_mb=1)
+        assert unwrap_ddp(sized)[1]["bucket_cap_mb"] == 1
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.fast
 def test_a_model_the_user_wrapped_in_ddp_is_rewrapped_once_with_its_settings():
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
