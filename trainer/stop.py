@@ -7,6 +7,9 @@
   step (``StopAgreement``), write a checkpoint and exit with 143; the same command
   resumes. A rank that cannot get there within ``TERM_GRACE_S`` exits hard, well inside
   the 30 s that torchrun and SLURM give before SIGKILL. A second signal stops at once.
+  Both need the GIL; a rank stuck in a C call that holds it (seen once in a gloo rank's
+  teardown after SIGTERM, under load) gets neither, so faulthandler's watchdog, a thread of
+  C that needs no GIL, prints where every thread is and exits with 1 after ``BACKSTOP_S`` more.
 
 Both signals are blocked in every thread but one, which takes them with ``sigwait``: a
 Python signal handler runs only when the main thread returns to the interpreter, which
@@ -16,6 +19,7 @@ since threads inherit the signal mask of the thread that starts them.
 """
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import sys
@@ -24,6 +28,7 @@ import time
 
 EXIT_INTERRUPTED, EXIT_PREEMPTED = 130, 143
 TERM_GRACE_S = 15.0  # SIGTERM to exit at the latest; torchrun and SLURM send SIGKILL after 30 s
+BACKSTOP_S = 5.0  # then, without the GIL: the stacks printed and exit 1, still before SIGKILL
 
 _stop_requested = threading.Event()
 _unfinished: set = set()  # temp files being written (checkpoints, results): removed before a hard exit
@@ -89,6 +94,10 @@ def _take_signals(signals) -> None:
             _exit_now(EXIT_INTERRUPTED if sig == signal.SIGINT else EXIT_PREEMPTED)
         _stop_requested.set()  # said once the ranks have stopped (trainer/errors.py Preempted)
         threading.Thread(target=_exit_after_grace, name="stop-deadline", daemon=True).start()
+        try:
+            faulthandler.dump_traceback_later(TERM_GRACE_S + BACKSTOP_S, exit=True)
+        except (ValueError, RuntimeError, OSError):  # no usable stderr: the deadline above is all there is
+            pass
 
 
 def _exit_after_grace() -> None:
