@@ -32,6 +32,8 @@ from typing import Any, Dict, List, Optional
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from scripts.compare import throughput_unit  # noqa: E402
+
 COMMON = ["recipe.data.source=synthetic", "logger=none", "train.progress=false", "train.eval=false",
           "checkpoint.keep=1", "train.log_every=20"]
 
@@ -92,7 +94,7 @@ class Runner:
         if done.returncode != 0:
             sys.exit(f"bench_allreduce: '{name}' failed ({done.returncode}):\n{done.stderr[-3000:]}")
         result = json.loads((run_dir / "results.json").read_text())
-        unit = "tokens" if "perf/tokens_per_s" in result else "samples"
+        unit = throughput_unit(result).removesuffix("/s")
         return {"name": name, "gpus": gpus, "batch_per_gpu": batch, "overrides": list(extra),
                 "step_ms": result["perf/step_ms_median"], "throughput": result[f"perf/{unit}_per_s"],
                 "unit": unit, "final_loss": result.get("final/loss")}

@@ -33,6 +33,7 @@ from typing import Any, Dict, List, Optional
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from scripts.compare import check_overrides  # noqa: E402
 from trainer.cli import script_config  # noqa: E402
 
 CONTEXT = 1024
@@ -58,9 +59,7 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take")
     parser.add_argument("--output", type=Path, default=None)
     args, cfg = script_config(parser, defaults=PROJECT)
-    taken = [o for o in args.overrides if o.lstrip("+~").split("=")[0] in SETS]
-    if taken:
-        sys.exit(f"bench_gpt2.py: {', '.join(taken)}: the script sets {', '.join(SETS)} itself; drop them")
+    check_overrides(args.overrides, SETS, "bench_gpt2.py")
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     rows: List[Dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as scratch:

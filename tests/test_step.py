@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainer.data import StepLayout
+from trainer.data import StepLayout, micro_slice
 from trainer.recipe import PADDING_MASK, Datasets, Recipe, Split, top1_correct
 from trainer.schedules import Constant, Cosine
 from trainer.step import EvalStep, ModelAndLoss, TrainStep, mean_loss, model_call, per_sample_loss, takes_reduction
@@ -27,7 +27,7 @@ class FixedBatches:
         return dict(self.batch)
 
     def tail_batch(self, layout, micro):
-        rows = slice(sum(layout.rows[:micro]), sum(layout.rows[:micro + 1]))
+        rows = micro_slice(layout, micro)
         return {"x": self.batch["x"][rows], "y": self.batch["y"][rows], PADDING_MASK: self.mask[rows]}
 
 

@@ -141,7 +141,7 @@ class TrainStep:
         self.recipe, self.model, self.optimizer, self.schedule, self.loader = recipe, model, optimizer, schedule, loader
         self.grad_accum, self.grad_clip, self.autocast = grad_accum, grad_clip, autocast
         # graph.compile_model compiles these with the model
-        self.loss = wrap_output_fn(mean_loss(recipe.criterion))
+        self.loss = None if fused_loss else wrap_output_fn(mean_loss(recipe.criterion))  # fused: ModelAndLoss has it
         self.correct = wrap_output_fn(recipe.correct) if accuracy else None  # recipe.accuracy=false: none
         self.per_sample_loss = per_sample_loss(recipe.criterion)  # a tail step's: masked, summed
         self.world_size = world_size
@@ -183,7 +183,7 @@ class TrainStep:
                 if tail:
                     loss, joined = self._masked_loss(output, batch, layout)
                 else:
-                    loss = self.loss(output, batch["y"]) if loss is None else loss
+                    loss = loss if self.fused_loss else self.loss(output, batch["y"])
                     joined = self._count(loss, output, batch["y"])
                     loss = loss / self.grad_accum if self.grad_accum > 1 else loss
                 del output  # what the metrics read, _Join holds; the rest is backward's to free
