@@ -134,6 +134,9 @@ class DDPConfig:
     bucket_cap_mb: Optional[float] = None
     grad_reduce: GradReduce = GradReduce.fp32
     static_graph: bool = False  # DDP's static_graph: the same parameters get gradients in every step
+    # DDP's broadcast_buffers: rank 0's buffers (BatchNorm's running statistics) copied to every
+    # rank before each forward. false: not; evaluation takes rank 0's first either way
+    broadcast_buffers: bool = True
 
 
 @dataclass

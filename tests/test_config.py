@@ -52,7 +52,8 @@ def test_defaults_are_the_readme_defaults():
     assert cfg.train.epochs == 10 and cfg.device.value == "auto"
     assert cfg.logger.backend.value == "wandb" and cfg.logger.wandb.mode is None  # offline unless told
     ddp = cfg.train.ddp  # bucket_cap_mb null: torch's own buckets (a 1 MiB first one, then 25 MiB)
-    assert (ddp.bucket_cap_mb, ddp.grad_reduce.value, ddp.static_graph) == (None, "fp32", False)
+    assert (ddp.bucket_cap_mb, ddp.grad_reduce.value, ddp.static_graph, ddp.broadcast_buffers) == \
+        (None, "fp32", False, True)
 
 
 @pytest.mark.fast
@@ -88,9 +89,10 @@ def test_a_typo_or_a_wrong_type_fails_at_compose_time():
 @pytest.mark.fast
 def test_ddp_settings_compose_with_any_recipe_and_are_typed():
     cfg = compose(["recipe=gpt2_small", "train.ddp.bucket_cap_mb=1.5", "train.ddp.grad_reduce=bf16",
-                   "train.ddp.static_graph=true"])
+                   "train.ddp.static_graph=true", "train.ddp.broadcast_buffers=false"])
     ddp = cfg.train.ddp
-    assert (ddp.bucket_cap_mb, ddp.grad_reduce.value, ddp.static_graph) == (1.5, "bf16", True)
+    assert (ddp.bucket_cap_mb, ddp.grad_reduce.value, ddp.static_graph, ddp.broadcast_buffers) == \
+        (1.5, "bf16", True, False)
     assert cfg.train.precision.value == "bf16" and cfg.train.grad_clip == 1.0  # the recipe's train settings stay
     assert compose(["train.ddp.bucket_cap_mb=4"]).train.ddp.bucket_cap_mb == 4.0
     for bad, needle in (("train.ddp.bucket_cap_mb=big", "could not be converted to Float"),

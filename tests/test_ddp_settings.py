@@ -1,12 +1,14 @@
-"""A user tunes DDP's gradient all-reduce with train.ddp: the bucket size, bf16 reduction and
-static_graph reach the DDP the run builds, and two gloo ranks reducing in bf16 train as one
-replica, with a loss that differs from fp32 reduction only by bf16's rounding of the gradients.
+"""A user tunes DDP with train.ddp: the bucket size, bf16 reduction, static_graph and
+broadcast_buffers reach the DDP the run builds; two gloo ranks reducing in bf16 train as one
+replica, with a loss that differs from fp32 reduction only by bf16's rounding of the gradients;
+and two ranks evaluate rank 0's model, whichever way buffers are kept.
 
 The refusals (a bucket that is not a positive size, static_graph with gradient accumulation
 under DDP) are in tests/test_bad_input.py; the keys' composition in tests/test_config.py.
 """
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -80,7 +82,7 @@ def gradients(run) -> list:
 @pytest.mark.fast
 def test_train_ddp_settings_reach_the_ddp_the_run_builds(process_group, tmp_path):
     tuned = built_run(tmp_path, ["train.ddp.bucket_cap_mb=1", "train.ddp.grad_reduce=bf16",
-                                 "train.ddp.static_graph=true"])
+                                 "train.ddp.static_graph=true", "train.ddp.broadcast_buffers=false"])
     default = built_run(tmp_path, [])
     try:
         for run in (tuned, default):
@@ -88,6 +90,7 @@ def test_train_ddp_settings_reach_the_ddp_the_run_builds(process_group, tmp_path
             assert run.model.gradient_as_bucket_view
         assert tuned.model.bucket_bytes_cap == 2**20 and tuned.model.static_graph
         assert default.model.bucket_bytes_cap == 25 * 2**20 and not default.model.static_graph
+        assert not tuned.model.broadcast_buffers and default.model.broadcast_buffers  # torch 2.11 and 2.14 alike
         # Reduced through bf16, every gradient element is a bf16 number; reduced in fp32, not.
         assert all(bf16_representable(g) for g in gradients(tuned))
         assert not all(bf16_representable(g) for g in gradients(default))
@@ -131,3 +134,22 @@ def test_two_ranks_reducing_in_bf16_stay_identical_and_lose_only_rounding(tmp_pa
     # 8 SGD steps from the same weights: the losses differ only by bf16's rounding (~0.4%) of the gradients.
     assert rounded["final/loss"] == pytest.approx(exact["final/loss"], rel=1e-3)
     assert "grad_reduce: bf16" in (bf16.run_dir / "config.yaml").read_text()
+
+
+@pytest.mark.parametrize("broadcast_buffers", ["true", "false"])
+def test_two_ranks_evaluate_the_model_their_checkpoint_holds(tmp_path, broadcast_buffers):
+    """BatchNorm's running statistics differ between ranks, with DDP's per-forward broadcast
+    (one batch apart) or without it (each rank's own): evaluation takes rank 0's first, so the
+    two ranks' evaluation is that of the checkpoint, which holds rank 0's."""
+    args = ["recipe=cifar10_resnet18", "recipe.data.source=synthetic", "recipe.data.train_size=128",
+            "recipe.data.batch_size=16", "recipe.data.test_size=64", "recipe.data.eval_batch_size=16",
+            "train.epochs=1", "logger=none", "train.progress=false", f"train.ddp.broadcast_buffers={broadcast_buffers}"]
+    two = launch(args, tmp_path, nproc=2, timeout=180)
+    assert two.returncode == 0, two.stderr[-4000:]
+    trained = two.results()
+    assert trained["world_size"] == 2 and trained["steps"] == 4  # one epoch of 128 samples, 2 ranks x 16
+    assert f"broadcast_buffers: {broadcast_buffers}" in (two.run_dir / "config.yaml").read_text()
+    evaluated = launch([*args, f"run_dir={two.run_dir}", "train.eval_only=true"], tmp_path, timeout=120)
+    assert evaluated.returncode == 0, evaluated.stderr[-4000:]
+    alone = json.loads((two.run_dir / "eval.json").read_text())
+    assert alone["final/eval_loss"] == pytest.approx(trained["final/eval_loss"], rel=1e-6, abs=0)

@@ -168,6 +168,8 @@ class Trainer:
     def evaluate(self) -> Dict[str, float]:
         run = self.run
         executor, loader = run.executor, run.eval_loader
+        if self.rt.distributed:
+            take_rank0_buffers(executor.eval_model)
         executor.eval_model.eval()
         loader.start_epoch(0)
         run.eval_step.metrics.zero_()
@@ -227,6 +229,18 @@ class Trainer:
         if self.comparison:
             out.update(self.comparison)
         return out
+
+
+def take_rank0_buffers(model: torch.nn.Module) -> None:
+    """Every rank evaluates the model checkpoints hold, rank 0's, running statistics included.
+
+    In training, BatchNorm reads batch statistics; its running ones are only read in evaluation.
+    Without DDP's per-forward broadcast (train.ddp.broadcast_buffers=false) each rank keeps its
+    own, and with it a rank's are rank 0's of one forward ago updated by its own batch. Copied
+    in place: a captured evaluation graph reads the same memory.
+    """
+    for buffer in model.buffers():
+        dist.broadcast(buffer, src=0)
 
 
 def param_digest(model: torch.nn.Module) -> str:
