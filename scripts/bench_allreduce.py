@@ -8,7 +8,9 @@ backward does not hide, what `train.ddp` does about it, and strong scaling (issu
 ``allreduce``: ``recipe`` (default cifar10_resnet18) with ``graph=full`` at ``--batch-size`` per
 GPU, once on one GPU in one process (no DDP), then on two GPUs under torchrun once per
 variant: DDP's defaults, ``train.ddp.bucket_cap_mb`` of each of ``--bucket-caps``,
-``train.ddp.grad_reduce=bf16`` and ``train.ddp.static_graph=true``. Each 2-GPU step over the
+``train.ddp.grad_reduce=bf16``, ``train.ddp.static_graph=true`` and
+``train.ddp.broadcast_buffers=false`` (and once on one GPU under torchrun: DDP with one rank,
+its own work without communication). Each 2-GPU step over the
 1-GPU step (target: at most 1.05x), and the exposed all-reduce (their difference) against
 scripts/project_scaling.py's no-overlap model of it, as the ``--allreduce-scale`` that
 script takes. ``scaling``: the same recipe at each global batch on 1 and 2 GPUs in each
@@ -82,10 +84,10 @@ class Runner:
     def __init__(self, args, scratch: Path):
         self.args, self.scratch, self.count = args, scratch, 0
 
-    def __call__(self, name: str, gpus: int, batch: int, *extra: str) -> Dict[str, Any]:
+    def __call__(self, name: str, gpus: int, batch: int, *extra: str, torchrun: bool = False) -> Dict[str, Any]:
         self.count += 1
         run_dir = self.scratch / str(self.count)
-        launch = [sys.executable, "train.py"] if gpus == 1 else \
+        launch = [sys.executable, "train.py"] if gpus == 1 and not torchrun else \
             [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}", "train.py"]
         command = [*launch, f"recipe={self.args.recipe}", *COMMON, f"recipe.data.batch_size={batch}",
                    f"train.max_steps={self.args.steps}", *extra, f"run_dir={run_dir}"]
@@ -95,9 +97,13 @@ class Runner:
             sys.exit(f"bench_allreduce: '{name}' failed ({done.returncode}):\n{done.stderr[-3000:]}")
         result = json.loads((run_dir / "results.json").read_text())
         unit = throughput_unit(result).removesuffix("/s")
-        return {"name": name, "gpus": gpus, "batch_per_gpu": batch, "overrides": list(extra),
-                "step_ms": result["perf/step_ms_median"], "throughput": result[f"perf/{unit}_per_s"],
-                "unit": unit, "final_loss": result.get("final/loss")}
+        row = {"name": name, "gpus": gpus, "batch_per_gpu": batch, "overrides": list(extra),
+               "step_ms": result["perf/step_ms_median"], "throughput": result[f"perf/{unit}_per_s"],
+               "unit": unit, "final_loss": result.get("final/loss")}
+        # Each run's numbers as they come, so a machine taken away mid-benchmark still leaves them.
+        print(f"bench_allreduce: {name}: {row['step_ms']:.3f} ms/step, {row['throughput']:,.0f} {unit}/s, "
+              f"loss {row['final_loss']}", flush=True)
+        return row
 
 
 def allreduce_part(run: Runner, args) -> Dict[str, Any]:
@@ -105,10 +111,13 @@ def allreduce_part(run: Runner, args) -> Dict[str, Any]:
 
     batch = args.batch_size
     one = run("1 GPU", 1, batch, "graph=full")
+    # One rank under torchrun: DDP's own work in the step with nothing to exchange.
+    one_ddp = run("1 GPU, DDP with 1 rank", 1, batch, "graph=full", torchrun=True)
     variants = {"2 GPUs, DDP defaults": [],
                 **{f"2 GPUs, bucket_cap_mb={c}": [f"train.ddp.bucket_cap_mb={c}"] for c in args.bucket_caps.split(",")},
                 "2 GPUs, grad_reduce=bf16": ["train.ddp.grad_reduce=bf16"],
-                "2 GPUs, static_graph": ["train.ddp.static_graph=true"]}
+                "2 GPUs, static_graph": ["train.ddp.static_graph=true"],
+                "2 GPUs, broadcast_buffers=false": ["train.ddp.broadcast_buffers=false"]}
     modeled_ms = 1e3 * allreduce_s(4.0 * parameter_count_of(args.recipe), 2, Links())
     rows = []
     for name, extra in variants.items():
@@ -116,12 +125,14 @@ def allreduce_part(run: Runner, args) -> Dict[str, Any]:
         exposed = two["step_ms"] - one["step_ms"]
         rows.append({**two, "over_one_gpu": two["step_ms"] / one["step_ms"], "exposed_allreduce_ms": exposed,
                      "allreduce_scale": exposed / modeled_ms})
-    return {"one_gpu": one, "two_gpus": rows, "modeled_allreduce_ms": modeled_ms}
+    return {"one_gpu": one, "one_rank_ddp": one_ddp, "two_gpus": rows, "modeled_allreduce_ms": modeled_ms}
 
 
 def allreduce_markdown(part: Dict[str, Any], args) -> str:
     one = part["one_gpu"]
-    lines = [f"### graph=full at {args.batch_size} per GPU: 1 GPU {one['step_ms']:.3f} ms", "",
+    one_ddp = part["one_rank_ddp"]
+    lines = [f"### graph=full at {args.batch_size} per GPU: 1 GPU {one['step_ms']:.3f} ms; the same under torchrun "
+             f"(DDP, 1 rank, nothing sent) {one_ddp['step_ms']:.3f} ms ({one_ddp['step_ms'] / one['step_ms']:.3f}x)", "",
              "| run | step ms | over 1 GPU | exposed all-reduce ms | over the model's | final loss |",
              "|---|---|---|---|---|---|"]
     for r in part["two_gpus"]:
