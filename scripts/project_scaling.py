@@ -38,7 +38,7 @@ import math
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -90,6 +90,15 @@ def step_ms_at(curve: Dict[int, float], batch: float) -> Optional[float]:
     lo = sizes[sizes.index(hi) - 1]
     t = (math.log(batch) - math.log(lo)) / (math.log(hi) - math.log(lo))
     return math.exp(math.log(curve[lo]) + t * (math.log(curve[hi]) - math.log(curve[lo])))
+
+
+def sweep_points(data: Any, recipe: str) -> List[dict]:
+    """The points of scripts/sweep.py's sweep.json (a list, or {"points": [...]}), or of
+    scripts/results/sweeps_h200.json ({"sweeps": {recipe: {"points": [...]}}}: one GPU each)."""
+    if isinstance(data, dict) and "sweeps" in data:
+        one = data["sweeps"].get(recipe, {}).get("points", [])
+        return [{"recipe": recipe, "nproc": 1, **p} for p in one]
+    return data["points"] if isinstance(data, dict) else data
 
 
 def curves(points: Sequence[dict], recipe: str, nproc: int) -> Dict[str, Dict[int, float]]:
@@ -188,8 +197,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args, cfg = script_config(parser, argv, defaults=lambda a: None if a.params else [
         f"recipe={a.recipe}", "recipe.data.source=synthetic", "recipe.data.train_size=64", "recipe.data.test_size=16"])
     links = Links(**{k: getattr(args, k) for k in asdict(Links())})
-    points = json.loads(args.sweep.read_text())
-    points = points["points"] if isinstance(points, dict) else points
+    points = sweep_points(json.loads(args.sweep.read_text()), args.recipe)
     one_gpu = curves(points, args.recipe, 1)
     if "eager" not in one_gpu or args.graph_mode not in one_gpu:
         sys.exit(f"{args.sweep} has no 1-GPU eager and {args.graph_mode} points for recipe {args.recipe}: "

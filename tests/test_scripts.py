@@ -439,3 +439,23 @@ def test_profile_steps_idle_gaps_are_the_time_no_stream_runs_an_op():
     assert idle_ms == pytest.approx(0.007)
     assert [(r["after"], r["before"]) for r in rows] == [("c", "d"), ("a", "b")]
     assert rows[0]["ms_per_step"] == pytest.approx(0.005) and rows[0]["per_step"] == 0.5
+
+
+@pytest.mark.fast
+def test_the_projection_reads_the_committed_sweeps_file_layout(tmp_path):
+    """scripts/results/sweeps_h200.json keeps one-GPU sweeps by recipe, its points without recipe or nproc."""
+    from scripts.project_scaling import main
+
+    points = [_point(1, b, mode, ms) for b in (16, 64) for mode, ms in (("eager", 2.0), ("full", b / 100))]
+    bare = [{k: v for k, v in p.items() if k not in ("recipe", "nproc")} for p in points]
+    (tmp_path / "flat.json").write_text(json.dumps({"points": points}))
+    (tmp_path / "by_recipe.json").write_text(json.dumps({"sweeps": {"mnist": {"points": bare}, "gpt_tiny": {"points": []}}}))
+    rows = {}
+    for name in ("flat", "by_recipe"):
+        assert main(["--sweep", str(tmp_path / f"{name}.json"), "--recipe", "mnist", "--global-batch", "64",
+                     "--gpus", "1,2", "--params", "1000000", "--output", str(tmp_path / name)]) == 0
+        rows[name] = json.loads((tmp_path / name / "projection.json").read_text())["rows"]
+    assert rows["by_recipe"] == rows["flat"] and len(rows["flat"]) == 2
+    with pytest.raises(SystemExit, match="no 1-GPU eager"):
+        main(["--sweep", str(tmp_path / "by_recipe.json"), "--recipe", "gpt_tiny", "--global-batch", "64",
+              "--params", "1000000"])
