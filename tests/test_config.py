@@ -54,6 +54,9 @@ def test_defaults_are_the_readme_defaults():
     ddp = cfg.train.ddp  # bucket_cap_mb null: torch's own buckets (a 1 MiB first one, then 25 MiB)
     assert (ddp.bucket_cap_mb, ddp.grad_reduce.value, ddp.static_graph, ddp.broadcast_buffers) == \
         (None, "fp32", False, True)
+    # A BatchNorm recipe turns the per-forward buffer broadcast off (BatchNorm trains on batch statistics)
+    assert compose(["recipe=cifar10_resnet18"]).train.ddp.broadcast_buffers is False
+    assert compose(["recipe=cifar10_resnet18", "train.ddp.broadcast_buffers=true"]).train.ddp.broadcast_buffers
 
 
 @pytest.mark.fast

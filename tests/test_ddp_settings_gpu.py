@@ -1,6 +1,6 @@
 """``train.ddp`` on GPUs over NCCL: DDP's bucket size, bf16 gradient all-reduce, static graph
-and no per-forward buffer broadcast are captured in the whole-step graph and train as the
-defaults do; without the broadcast, two ranks still evaluate rank 0's model.
+and the per-forward buffer broadcast are captured in the whole-step graph and train as the
+recipe's settings do; without the broadcast, two ranks still evaluate rank 0's model.
 
 Runs under torchrun on every GPU of the machine, up to two (one rank still builds DDP and its
 NCCL all-reduce). ``pytest -m gpu tests/test_ddp_settings_gpu.py``; skipped without CUDA.
@@ -24,8 +24,8 @@ REL_TOLERANCE = 2e-2
 
 
 @pytest.mark.parametrize("settings", [["train.ddp.grad_reduce=bf16", "train.ddp.bucket_cap_mb=2"],
-                                      ["train.ddp.static_graph=true"], ["train.ddp.broadcast_buffers=false"]],
-                         ids=["bf16-buckets-2mb", "static-graph", "no-buffer-broadcast"])
+                                      ["train.ddp.static_graph=true"], ["train.ddp.broadcast_buffers=true"]],
+                         ids=["bf16-buckets-2mb", "static-graph", "buffer-broadcast"])  # the recipe has it off
 def test_ddp_settings_are_captured_and_train_like_the_defaults(out, settings):
     nproc = min(cuda_count(), 2)
     default = launch(CIFAR, out / "default", nproc=nproc, timeout=300)
