@@ -7,9 +7,9 @@ backward does not hide, what `train.ddp` does about it, and strong scaling (issu
 
 ``allreduce``: ``recipe`` (default cifar10_resnet18) with ``graph=full`` at ``--batch-size`` per
 GPU, once on one GPU in one process (no DDP), then on two GPUs under torchrun once per
-variant: DDP's defaults, ``train.ddp.bucket_cap_mb`` of each of ``--bucket-caps``,
+variant: the recipe's settings, ``train.ddp.bucket_cap_mb`` of each of ``--bucket-caps``,
 ``train.ddp.grad_reduce=bf16``, ``train.ddp.static_graph=true`` and
-``train.ddp.broadcast_buffers=false`` (and once on one GPU under torchrun: DDP with one rank,
+``train.ddp.broadcast_buffers`` true and false (and once on one GPU under torchrun: DDP with one rank,
 its own work without communication). Each 2-GPU step over the
 1-GPU step (target: at most 1.05x), and the exposed all-reduce (their difference) against
 scripts/project_scaling.py's no-overlap model of it, as the ``--allreduce-scale`` that
@@ -113,11 +113,11 @@ def allreduce_part(run: Runner, args) -> Dict[str, Any]:
     one = run("1 GPU", 1, batch, "graph=full")
     # One rank under torchrun: DDP's own work in the step with nothing to exchange.
     one_ddp = run("1 GPU, DDP with 1 rank", 1, batch, "graph=full", torchrun=True)
-    variants = {"2 GPUs, DDP defaults": [],
+    variants = {"2 GPUs, the recipe's settings": [],
                 **{f"2 GPUs, bucket_cap_mb={c}": [f"train.ddp.bucket_cap_mb={c}"] for c in args.bucket_caps.split(",")},
                 "2 GPUs, grad_reduce=bf16": ["train.ddp.grad_reduce=bf16"],
                 "2 GPUs, static_graph": ["train.ddp.static_graph=true"],
-                "2 GPUs, broadcast_buffers=false": ["train.ddp.broadcast_buffers=false"]}
+                **{f"2 GPUs, broadcast_buffers={b}": [f"train.ddp.broadcast_buffers={b}"] for b in ("true", "false")}}
     modeled_ms = 1e3 * allreduce_s(4.0 * parameter_count_of(args.recipe), 2, Links())
     rows = []
     for name, extra in variants.items():
