@@ -21,9 +21,9 @@ it, while the gradient all-reduce stays. The model, with every assumption a flag
 - no overlap of the all-reduce with backward (DDP overlaps buckets with backward, so
   this is an upper bound on the exposed time), and the same all-reduce time in both modes;
   ``--allreduce-scale`` multiplies it by what was measured (scripts/bench_allreduce.py: the
-  2-GPU step minus the 1-GPU step, over this model's 2-GPU all-reduce; by default 2.62, CIFAR
-  ResNet-18 on two H200s with DDP's defaults, which also charges DDP's own per-parameter work
-  to the wire; 1: the model alone), and
+  2-GPU step minus the 1-GPU step, over this model's 2-GPU all-reduce; by default 1.73, CIFAR
+  ResNet-18 on two H200s, which also charges DDP's own per-parameter work to the wire; 1: the
+  model alone), and
   ``--grad-bytes-per-param 2`` models ``train.ddp.grad_reduce=bf16``.
 - step(N, mode) = compute + all-reduce; graph speedup = step(N, eager) / step(N, graph).
 
@@ -48,9 +48,10 @@ from trainer.cli import script_config  # noqa: E402
 
 
 # The exposed all-reduce measured on 2x H200 over NVLink (2026-11-24, torch 2.11, CIFAR ResNet-18,
-# graph=full, 128 per GPU, DDP defaults): 3.556 ms on two GPUs against 3.205 on one, 0.351 ms,
-# 2.62x this model's 0.134 ms. scripts/results/RESULTS.md, "Issue 24, part 2".
-MEASURED_ALLREDUCE_SCALE = 2.62
+# graph=full, 128 per GPU, without DDP's per-forward buffer broadcast, which buffer-free models
+# do not have): 3.416 ms on two GPUs against 3.183 on one, 0.233 ms, 1.73x this model's 0.134 ms.
+# scripts/results/RESULTS.md, "Issue 24, part 2".
+MEASURED_ALLREDUCE_SCALE = 1.73
 
 
 @dataclass
