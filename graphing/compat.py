@@ -11,3 +11,13 @@ import torch
 def make_graphed_callables_takes_capture_error_mode() -> bool:
     """torch 2.15 passes ``capture_error_mode`` through ``make_graphed_callables``; 2.11 has no such argument."""
     return "capture_error_mode" in inspect.signature(torch.cuda.make_graphed_callables).parameters
+
+
+@functools.lru_cache(maxsize=None)
+def ddp_buffer_sync_argument() -> str:
+    """The name DDP's constructor takes for its per-forward buffer broadcast: torch 2.14 renamed
+    ``broadcast_buffers`` (2.11) to ``forward_sync_buffers``, and warns on the old name."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    accepted = inspect.signature(DistributedDataParallel.__init__).parameters
+    return "forward_sync_buffers" if "forward_sync_buffers" in accepted else "broadcast_buffers"

@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from graphing.compat import ddp_buffer_sync_argument
 from graphing.options import GraphConfigError, literal
 
 
@@ -52,12 +53,10 @@ def unwrap_ddp(model: torch.nn.Module) -> Tuple[torch.nn.Module, Dict[str, Any],
         kwargs["bucket_cap_mb_list"] = [cap / 2**20 for cap in caps]
     elif not getattr(model, "bucket_bytes_cap_default", False):
         kwargs["bucket_cap_mb"] = model.bucket_bytes_cap / 2**20
-    # Buffer broadcasting before each forward: `broadcast_buffers` in older torch, then
-    # `forward_sync_buffers`; the wrapper keeps it under the name its torch takes.
-    for name in ("forward_sync_buffers", "broadcast_buffers"):
-        if name in accepted and hasattr(model, name):
-            kwargs[name] = getattr(model, name)
-            break
+    # Buffer broadcasting before each forward, under the name this torch takes.
+    sync_buffers = ddp_buffer_sync_argument()
+    if hasattr(model, sync_buffers):
+        kwargs[sync_buffers] = getattr(model, sync_buffers)
     if getattr(model, "mixed_precision", None) is not None:
         kwargs["mixed_precision"] = model.mixed_precision
     if getattr(model, "skip_all_reduce_unused_params", False):

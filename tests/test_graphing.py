@@ -229,11 +229,12 @@ def test_optimizers_are_made_graph_safe_before_their_first_step_or_refused_with_
 
 
 @pytest.mark.fast
-def test_a_users_ddp_with_default_buckets_is_rewrapped_with_torchs_small_first_bucket():
+def test_a_users_ddp_is_rewrapped_with_torchs_small_first_bucket_and_its_buffer_broadcast_setting():
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from conftest import free_port
+    from graphing.compat import ddp_buffer_sync_argument
     from graphing.ddp import unwrap_ddp
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
@@ -245,6 +246,12 @@ def test_a_users_ddp_with_default_buckets_is_rewrapped_with_torchs_small_first_b
         assert again.bucket_bytes_cap_default and again.bucket_bytes_cap == defaults.bucket_bytes_cap
         sized = DDP(torch.nn.Linear(4, 1), bucket_cap_mb=1)
         assert unwrap_ddp(sized)[1]["bucket_cap_mb"] == 1
+        # The per-forward buffer broadcast, off, is carried under the name this torch's DDP takes
+        sync_buffers = ddp_buffer_sync_argument()
+        quiet = DDP(torch.nn.BatchNorm1d(4), **{sync_buffers: False})
+        module, kwargs, _ = unwrap_ddp(quiet)
+        assert kwargs[sync_buffers] is False and not DDP(module, **kwargs).will_sync_module_buffers()
+        assert unwrap_ddp(defaults)[1][sync_buffers] is True
     finally:
         dist.destroy_process_group()
 

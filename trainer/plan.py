@@ -24,6 +24,7 @@ import torch
 from omegaconf import OmegaConf
 
 from graphing import GraphConfigError, GraphMode, GraphOptions, closure_problem
+from graphing.compat import ddp_buffer_sync_argument
 from trainer.data import choose_loader
 from trainer.errors import ConfigError
 from trainer.schedules import LRSchedule
@@ -165,9 +166,8 @@ def ddp_spec(cfg, world_size: int) -> DDPSpec:
     kwargs: Dict[str, Any] = {"gradient_as_bucket_view": True, "static_graph": cfg_ddp.static_graph}
     if cfg_ddp.bucket_cap_mb is not None:  # passed at all, it also replaces torch's 1 MiB first bucket
         kwargs["bucket_cap_mb"] = cfg_ddp.bucket_cap_mb
-    if not cfg_ddp.broadcast_buffers:  # torch 2.14 renamed the per-forward broadcast; 2.11 has the old name
-        renamed = "forward_sync_buffers" in inspect.signature(torch.nn.parallel.DistributedDataParallel).parameters
-        kwargs["forward_sync_buffers" if renamed else "broadcast_buffers"] = False
+    if not cfg_ddp.broadcast_buffers:
+        kwargs[ddp_buffer_sync_argument()] = False
     comm_hook = None
     if cfg_ddp.grad_reduce.value == "bf16":
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
