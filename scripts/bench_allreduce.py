@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -34,7 +33,7 @@ from typing import Any, Dict, List, Optional
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from scripts.compare import throughput_unit  # noqa: E402
+from scripts.compare import run_or_exit, throughput_unit, train_launcher  # noqa: E402
 
 COMMON = ["recipe.data.source=synthetic", "logger=none", "train.progress=false", "train.eval=false",
           "checkpoint.keep=1", "train.log_every=20"]
@@ -87,14 +86,9 @@ class Runner:
     def __call__(self, name: str, gpus: int, batch: int, *extra: str, torchrun: bool = False) -> Dict[str, Any]:
         self.count += 1
         run_dir = self.scratch / str(self.count)
-        launch = [sys.executable, "train.py"] if gpus == 1 and not torchrun else \
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}", "train.py"]
-        command = [*launch, f"recipe={self.args.recipe}", *COMMON, f"recipe.data.batch_size={batch}",
-                   f"train.max_steps={self.args.steps}", *extra, f"run_dir={run_dir}"]
-        print(f"bench_allreduce: {name}: {' '.join(command[1:])}", flush=True)
-        done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=self.args.timeout)
-        if done.returncode != 0:
-            sys.exit(f"bench_allreduce: '{name}' failed ({done.returncode}):\n{done.stderr[-3000:]}")
+        command = [*train_launcher(gpus, torchrun), f"recipe={self.args.recipe}", *COMMON,
+                   f"recipe.data.batch_size={batch}", f"train.max_steps={self.args.steps}", *extra, f"run_dir={run_dir}"]
+        run_or_exit("bench_allreduce", name, command, self.args.timeout)
         result = json.loads((run_dir / "results.json").read_text())
         unit = throughput_unit(result).removesuffix("/s")
         row = {"name": name, "gpus": gpus, "batch_per_gpu": batch, "overrides": list(extra),

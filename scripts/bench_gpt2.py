@@ -22,18 +22,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from scripts.compare import check_overrides  # noqa: E402
+from scripts.compare import check_overrides, run_or_exit  # noqa: E402
 from trainer.cli import script_config  # noqa: E402
 
 CONTEXT = 1024
@@ -96,7 +93,7 @@ def run_reference(name: str, batch: int, args, *extra: str) -> Dict[str, Any]:
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         command = [sys.executable, "scripts/reference_gpt2.py", "--batch-size", str(batch), "--warmup", str(WARMUP),
                    "--steps", str(args.steps - WARMUP), "--output", out.name, *extra]
-        wall = _run(name, command, args.timeout)
+        wall = run_or_exit("bench_gpt2", name, command, args.timeout)
         result = json.loads(Path(out.name).read_text())
     return {"name": name, "batch_size": batch, "step_ms": result["step_ms_median"],
             "tokens_per_s": result["tokens_per_s"], "mfu_pct": result.get("mfu_pct"),
@@ -107,22 +104,12 @@ def run_project(name: str, batch: int, args, extra: List[str], run_dir: Path,
                 env: Optional[Dict[str, str]]) -> Dict[str, Any]:
     command = [sys.executable, "train.py", *args.train_options, *PROJECT, *args.overrides, *extra,
                f"recipe.data.batch_size={batch}", f"train.max_steps={args.steps}", f"run_dir={run_dir}"]
-    wall = _run(name, command, args.timeout, env)
+    wall = run_or_exit("bench_gpt2", name, command, args.timeout, env)
     result = json.loads((run_dir / "results.json").read_text())
     ms = result["perf/step_ms_median"]
     return {"name": name, "batch_size": batch, "step_ms": ms, "tokens_per_s": batch * CONTEXT * 1e3 / ms,
             "mfu_pct": result.get("perf/mfu_pct"), "peak_allocated_mib": result.get("perf/peak_allocated_mib"),
             "wall_s": wall, "command": " ".join(c for c in command[1:-1])}
-
-
-def _run(name: str, command: List[str], timeout: float, env: Optional[Dict[str, str]] = None) -> float:
-    print(f"bench_gpt2: {name}: {' '.join(command[1:])}", flush=True)
-    started = time.time()
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
-    if done.returncode != 0:
-        sys.exit(f"bench_gpt2: '{name}' failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    return time.time() - started
 
 
 def markdown(rows: List[Dict[str, Any]]) -> str:

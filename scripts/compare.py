@@ -76,18 +76,33 @@ def check_overrides(overrides: Sequence[str], reserved: Sequence[str], script: s
                      f"and use the script's options instead (see {script} --help)")
 
 
+def train_launcher(nproc: int, torchrun: bool = False) -> List[str]:
+    """How train.py starts: torchrun for nproc > 1 (or when asked: DDP with one rank), plain python otherwise."""
+    if nproc > 1 or torchrun:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "train.py"]
+    return [sys.executable, "train.py"]
+
+
+def run_or_exit(script: str, name: str, command: Sequence[str], timeout: float,
+                env: Optional[Dict[str, str]] = None) -> float:
+    """A benchmark's one run: says the command, runs it in the repo, exits naming the run and the
+    end of its stderr if it fails; returns its wall time in seconds."""
+    print(f"{script}: {name}: {' '.join(command[1:])}", flush=True)
+    started = time.time()
+    done = subprocess.run(list(command), cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+    if done.returncode != 0:
+        sys.exit(f"{script}: '{name}' failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return time.time() - started
+
+
 def command(mode: str, nproc: int, train_args: Sequence[str], output_root: Path, group: str,
             run_name: str) -> List[str]:
-    """The train.py command line of one run: torchrun for nproc > 1, plain python otherwise.
+    """The train.py command line of one run (``train_launcher``).
 
     ``train_args``: train.py's ``--config-dir``/``--config-name`` (first), then the overrides.
     """
-    if nproc > 1:
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                    f"--nproc_per_node={nproc}", "train.py"]
-    else:
-        launcher = [sys.executable, "train.py"]
-    return [*launcher, *train_args, f"graph={mode}", f"output_root={hydra_value(str(output_root))}",
+    return [*train_launcher(nproc), *train_args, f"graph={mode}", f"output_root={hydra_value(str(output_root))}",
             f"logger.wandb.group={hydra_value(group)}", f"logger.wandb.job_type={mode}",
             f"logger.wandb.name={hydra_value(f'{run_name}-{mode}')}"]
 
