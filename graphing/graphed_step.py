@@ -32,10 +32,13 @@ A failed capture that stops the run is followed by one more eager step with the 
 doctor's checks on, so that the error names the line in your code that broke it.
 
 What your loop does around the step is carried or refused, never silently frozen: the
-optimizer is made capturable if it was not (before its first step), the lr you write
-between calls is copied into the graph (graphing/hyperparams.py), a change to another
-hyperparameter after capture raises, and a model you wrapped in DDP yourself is re-wrapped
-with the same settings on the capture stream (graphing/ddp.py).
+optimizer is made capturable if it was not (before its first step), the lr you write or a
+torch scheduler steps between calls is copied into the graph (graphing/hyperparams.py; Adam's
+betas too, where its step reads them as tensors), an lr changed inside the step function (a
+scheduler stepped there, or a value assigned) is refused at the first call, naming the line
+(found by one more eager call of the step, traced), a change to another hyperparameter
+after capture raises, and a model you wrapped in DDP yourself is re-wrapped with the same
+settings on the capture stream (graphing/ddp.py).
 """
 from __future__ import annotations
 
@@ -152,7 +155,10 @@ class GraphedStep:
                 hyperparams.restore()
             raise
         if hyperparams is not None:
-            hyperparams.after_call(getattr(self.step_fn, "__qualname__", "the step function"))
+            change = hyperparams.after_call()
+            if change:
+                raise hyperparams.refusal(getattr(self.step_fn, "__qualname__", "the step function"), change,
+                                          hyperparams.line_of_change(self._run))
             if self.report.graphs:
                 hyperparams.freeze_the_rest()
         return slot.outputs

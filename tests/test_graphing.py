@@ -5,6 +5,8 @@ and test_own_loop.py.
 """
 from __future__ import annotations
 
+import linecache
+import os
 import re
 import subprocess
 import sys
@@ -184,9 +186,11 @@ def test_a_step_that_sets_its_own_lr_or_a_hyperparameter_changed_after_capture_i
     carry = CarriedHyperparameters(optimizer, torch.device("cpu"))
     carry.before_call()
     optimizer.param_groups[0]["lr"] = 0.3  # inside the step: a replay would never run this
+    change = carry.after_call()
+    assert change == "sets optimizer.param_groups[0]['lr'] (to 0.3)"
     with pytest.raises(GraphConfigError, match=r"train_step sets optimizer.param_groups\[0\]\['lr'\] \(to 0.3\) "
-                                               r"inside the step.*Set the lr in your loop before calling the step"):
-        carry.after_call("train_step")
+                                               r"inside the step.*set the lr, in your loop between calls"):
+        raise carry.refusal("train_step", change, None)
     assert optimizer.param_groups[0]["lr"] == 0.1  # the loop's value is back
     carry.before_call()
     carry.after_call()
@@ -202,6 +206,63 @@ def test_a_step_that_sets_its_own_lr_or_a_hyperparameter_changed_after_capture_i
     optimizer.add_param_group({"params": [torch.nn.Parameter(torch.zeros(1))]})
     with pytest.raises(GraphConfigError, match="had 1 param groups at the first call and has 2 now"):
         carry.before_call()
+
+
+@pytest.mark.fast
+def test_a_scheduler_stepped_inside_the_step_is_refused_naming_its_line():
+    # A torch scheduler fills the lr tensor in place: the capture would record that fill with the
+    # value of the moment, and every replay would write it again (the lr frozen, silently).
+    from graphing.hyperparams import CarriedHyperparameters
+
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, foreach=False)
+    carry = CarriedHyperparameters(optimizer, torch.device("cpu"))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: 0.5 ** t)
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+
+    def train_step():
+        _linear_step(optimizer)(model, x, y)
+        schedule.step()  # the write a replay would never make
+        return None
+
+    carry.before_call()
+    train_step()
+    change = carry.after_call()
+    assert change is not None and "writes into optimizer.param_groups[0]['lr'] in place" in change
+    assert not isinstance(optimizer.param_groups[0]["lr"], torch.Tensor)  # the loop's own float is back
+    file, line = carry.line_of_change(train_step)
+    assert os.path.samefile(file, __file__)
+    assert "schedule.step()" in linecache.getline(file, line)
+    message = str(carry.refusal("train_step", change, (file, line)))
+    assert f"at {file}:{line}" in message and "Step the scheduler" in message
+    carry.before_call()  # a step that leaves the lr alone passes
+    _linear_step(optimizer)(model, x, y)
+    assert carry.after_call() is None
+
+
+@pytest.mark.fast
+def test_one_cycle_cycling_momentum_is_refused_after_capture_naming_betas_and_the_setting():
+    # Every Adam/AdamW path that captures reads betas on the host (checked on torch 2.11): the
+    # cycled beta1 cannot reach a graph, so the first call after capture refuses it.
+    from graphing.hyperparams import CarriedHyperparameters
+
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, foreach=False)
+    carry = CarriedHyperparameters(optimizer, torch.device("cpu"))
+    cycle = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=8, cycle_momentum=True)
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    carry.before_call()
+    _linear_step(optimizer)(model, x, y)
+    assert carry.after_call() is None
+    carry.freeze_the_rest()  # as after capture
+    cycle.step()  # between calls: the lr (carried) and beta1 (not) both move
+    with pytest.raises(GraphConfigError, match=r"param_groups\[0\]\['betas'\] changed from \(0.95, 0.999\) to "
+                                               r"\(0\.8\d+, 0.999\) after the step was captured.*read betas as host "
+                                               r"numbers.*set cycle_momentum=False"):
+        carry.before_call()
+    cycle_without_momentum = torch.optim.lr_scheduler.OneCycleLR(
+        torch.optim.AdamW(model.parameters(), lr=0.1), max_lr=0.1, total_steps=8, cycle_momentum=False)
+    assert "max_momentum" not in cycle_without_momentum.optimizer.param_groups[0]  # the fix leaves betas alone
 
 
 @pytest.mark.fast
