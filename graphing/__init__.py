@@ -42,12 +42,27 @@ Graph-safety rules, stated once (PyTorch's CUDA graph notes, torch/cuda/graphs.p
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
 from graphing.options import (DDP_MIN_WARMUP, CaptureErrorMode, CompileMode, GraphConfigError, GraphMode,
                               GraphOptions, OnCaptureFailure, SettingMessage)
 
 # The rest loads torch: imported on first use, so that `graphing.options` (the choices,
-# which conf/schema.py types its settings with) stays free of torch.
+# which conf/schema.py types its settings with) stays free of torch. The same names are
+# imported under TYPE_CHECKING, so that tools and go-to-definition see where they live.
+if TYPE_CHECKING:
+    from graphing.accumulation import micro_batches, no_sync_except_last
+    from graphing.capture import CaptureError
+    from graphing.doctor import diagnose
+    from graphing.doctor.report import DoctorReport
+    from graphing.executor import ExecutionReport, Executor, StepRole
+    from graphing.factory import build_executor
+    from graphing.graphed_step import GraphedStep
+    from graphing.metrics import RunningMeans
+    from graphing.optimizers import (closure_problem, float_learning_rate, graph_safe_optimizer_kwargs,
+                                     optimizer_capture_problem)
+    from graphing.timing import StepTimer
+
 _LAZY = {
     "CaptureError": "graphing.capture",
     "DoctorReport": "graphing.doctor.report",

@@ -24,7 +24,7 @@ rank stops with the reason (``on_failure="fail"``) or goes on eagerly (``"eager"
 
 Inputs of another shape (a last partial batch, a few sequence lengths) get a graph of
 their own, after ``shape_warmup_iters`` eager calls at that shape, up to ``max_graphs``;
-all graphs share one memory pool (graphing/whole_step.py says why that is safe). Under
+all graphs share one memory pool (graphing/full.py says why that is safe). Under
 DDP every rank must bring the same shapes at the same call: when a shape first appears
 the ranks check that they agree (one collective then, none per step; set
 ``check_shapes_every_step=True`` to check every call while debugging a loop).
@@ -184,7 +184,7 @@ class GraphedStep:
 
     def _run(self) -> None:
         # Each graph's outputs stay referenced by its slot for the graph's life: no later
-        # capture in the shared pool is given their memory (graphing/whole_step.py).
+        # capture in the shared pool is given their memory (graphing/full.py).
         self._slot.outputs = self.step_fn(self.model, *self._slot.static)
 
     def close(self) -> None:

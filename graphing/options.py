@@ -12,7 +12,7 @@ from typing import Callable, Optional
 
 DDP_MIN_WARMUP = 11  # DDP samples stats with host syncs and rebuilds buckets in its first 10 iterations
 # ... and again around every 100th forward it runs from Python (graph replays do not count):
-# a capture is never made at such a forward (graphing/whole_step.py, ``ddp_samples_next``).
+# a capture is never made at such a forward (graphing/full.py, ``ddp_samples_next``).
 DDP_STATS_EVERY = 100
 
 

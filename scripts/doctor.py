@@ -68,7 +68,7 @@ def doctor_job(session, overrides: List[str]) -> int:
     from graphing.doctor import COLUMNS
     from trainer.results import write_json
     from trainer.runtime import print_once
-    from trainer.session import tell_torchrun
+    from trainer.process import tell_torchrun
 
     cfg, run = session.cfg, session.build()
     rt = run.rt

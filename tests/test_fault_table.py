@@ -183,7 +183,7 @@ def in_process(args: List[str], output_root: Path) -> Observed:
     import io
 
     from conf.schema import compose
-    from trainer.session import run as train
+    from trainer.training import train
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):

@@ -26,9 +26,9 @@ SYNTH = ["recipe.data.source=synthetic", "recipe.data.train_size=16384", "recipe
 
 
 def in_session(overrides, tmp_path, job):
-    """``job(trainer)`` on a Trainer built in this process (one rank) by train.py's session, which
+    """``job(trainer)`` on a TrainingLoop built in this process (one rank) by train.py's session, which
     then closes it; returns what the job returned."""
-    from trainer.loop import Trainer
+    from trainer.loop import TrainingLoop
     from trainer.metrics_logger import MetricsLogger
     from trainer.session import Session
 
@@ -38,7 +38,7 @@ def in_session(overrides, tmp_path, job):
     def train_job(session):
         run = session.build()
         quiet = MetricsLogger(cfg.logger, run.rt.run_dir, {}, rank=0, job_type="", enabled=False)
-        out.append(job(Trainer(run, quiet)))
+        out.append(job(TrainingLoop(run, quiet)))
         return 0
 
     assert Session(cfg).execute(train_job) == 0

@@ -2,8 +2,6 @@
 what it counts, and when it advances its device step counter."""
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,7 +9,19 @@ import torch.nn.functional as F
 from trainer.data import StepLayout, micro_slice
 from trainer.recipe import PADDING_MASK, Datasets, Recipe, Split, top1_correct
 from trainer.schedules import Constant, Cosine
-from trainer.step import EvalStep, ModelAndLoss, TrainStep, mean_loss, model_call, per_sample_loss, takes_reduction
+from graphing import GraphOptions
+from graphing.executor import Executor
+from trainer.step import (EvalStep, StepSettings, TrainStep, build_step_model, mean_loss, per_sample_loss,
+                          takes_reduction)
+
+CPU = StepSettings(device=torch.device("cpu"))
+
+
+def step_model(recipe, with_loss=False, accuracy=True):
+    """The step's view of ``recipe.model`` as assembly builds it, around an eager executor;
+    ``with_loss``: the model and its loss as one ModelAndLoss, as graph.compile_model builds it."""
+    executor = Executor(GraphOptions(mode="eager").resolved("cpu", 1, False), torch.device("cpu"))
+    return build_step_model(recipe, recipe.model, executor, CPU, with_loss=with_loss, accuracy=accuracy)
 
 pytestmark = pytest.mark.fast
 
@@ -32,19 +42,16 @@ class FixedBatches:
 
 
 def make_step(criterion, schedule, grad_accum=1, rows=8, real=None, fused_loss=False, accuracy=True):
-    """A step over a linear model; ``fused_loss``: the model handed over is a ModelAndLoss, as
-    graph.compile_model builds it."""
+    """A step over a linear model; ``fused_loss``: the model and its loss wrapped as one
+    ModelAndLoss, as graph.compile_model builds it."""
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
     x, y = torch.randn(8, 4)[:rows], torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])[:rows]
     recipe = Recipe(name="t", model=model, data=Datasets(Split(x, y), Split(x, y), "t"),
                     preprocess=lambda batch, train: batch, criterion=criterion, correct=top1_correct)
     optimizer = torch.optim.SGD(model.parameters(), lr=torch.tensor(0.1))
-    called = ModelAndLoss(model, model_call(recipe, torch.contiguous_format), mean_loss(criterion), "cpu") \
-        if fused_loss else model
-    step = TrainStep(recipe, called, optimizer, schedule, FixedBatches(x, y, real), grad_accum=grad_accum,
-                     grad_clip=0.0, autocast=contextlib.nullcontext, device=torch.device("cpu"),
-                     fused_loss=fused_loss, accuracy=accuracy)
+    step = TrainStep(recipe, step_model(recipe, fused_loss, accuracy), optimizer, schedule,
+                     FixedBatches(x, y, real), StepSettings(device=torch.device("cpu"), grad_accum=grad_accum))
     return step, model, x, y
 
 
@@ -141,14 +148,14 @@ def test_a_recipes_forward_gives_the_model_a_second_input_in_training_and_evalua
         without = F.cross_entropy(model(x, torch.ones_like(keep)), y).item()
     assert expected != pytest.approx(without)  # the second input changes the output
     optimizer = torch.optim.SGD(model.parameters(), lr=torch.tensor(0.0))
-    step = TrainStep(recipe, model, optimizer, Constant(base_lr=0.0, total_steps=1), loader, grad_accum=1,
-                     grad_clip=0.0, autocast=contextlib.nullcontext, device=torch.device("cpu"))
+    steps_view = step_model(recipe)
+    step = TrainStep(recipe, steps_view, optimizer, Constant(base_lr=0.0, total_steps=1), loader, CPU)
     step()
     loss_sum, _, items = step.totals().tolist()
     assert loss_sum / items == pytest.approx(expected, rel=1e-6)
 
     loader.batch = {**batch, "mask": torch.ones(8, dtype=torch.bool)}  # evaluation's padding mask: all real
-    evaluation = EvalStep(recipe, lambda: model, loader, autocast=contextlib.nullcontext, device=torch.device("cpu"))
+    evaluation = EvalStep(recipe, steps_view, loader, CPU)
     evaluation()
     assert evaluation.metrics[0].item() / 8 == pytest.approx(expected, rel=1e-6)
 
@@ -163,8 +170,7 @@ def test_the_model_compiled_with_its_loss_trains_and_counts_as_the_model_and_los
                                       real=real, fused_loss=fused, accuracy=accuracy)
         for _ in range(3):
             step(StepLayout((8,), tail=True, real=real) if real is not None else None)
-        evaluation = EvalStep(step.recipe, lambda: step.model, step.loader, autocast=contextlib.nullcontext,
-                              device=torch.device("cpu"), fused_loss=fused, accuracy=accuracy)
+        evaluation = EvalStep(step.recipe, step.model, step.loader, CPU)
         step.loader.batch = {**step.loader.batch, PADDING_MASK: torch.ones(8, dtype=torch.bool)}
         evaluation()
         return [p.detach().clone() for p in model.parameters()], step.totals(), evaluation.metrics.clone()

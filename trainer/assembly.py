@@ -29,7 +29,7 @@ from trainer.runtime import Runtime, seed_rank_streams
 from trainer.schedules import LRSchedule
 from trainer.seq_len import SeqLenSchedule, seq_len_schedule
 from trainer.state import TrainingState
-from trainer.step import (EvalStep, ModelAndLoss, TrainStep, autocast_factory, mean_loss, model_call,
+from trainer.step import (EvalStep, StepSettings, TrainStep, autocast_factory, build_step_model, model_call,
                           model_call_arguments)
 
 
@@ -102,17 +102,14 @@ def build_run(plan: RunPlan, rt: Runtime) -> Run:
         train_loader.start_epoch(0)
         return inputs
 
-    # A compiled model is compiled with its loss, as one function (trainer/step.py ModelAndLoss).
-    fused_loss = plan.graph.compile_model
-    wrapped = executor.wrap_model(ModelAndLoss(model, model_call(recipe, plan.memory_format),
-                                               mean_loss(recipe.criterion), device.type) if fused_loss else model,
-                                  sample_inputs, autocast)
-    train_step = TrainStep(recipe, wrapped, optimizer, schedule, train_loader, grad_accum=loop.grad_accum,
-                           grad_clip=loop.grad_clip, autocast=autocast, device=device,
-                           memory_format=plan.memory_format, wrap_output_fn=executor.wrap_output_fn, scaler=scaler,
-                           world_size=rt.world_size, accuracy=cfg.recipe.accuracy, fused_loss=fused_loss)
-    eval_step = EvalStep(recipe, lambda: executor.eval_model, eval_loader, autocast=autocast, device=device,
-                         memory_format=plan.memory_format, accuracy=cfg.recipe.accuracy, fused_loss=fused_loss)
+    settings = StepSettings(device=device, grad_accum=loop.grad_accum, grad_clip=loop.grad_clip, autocast=autocast,
+                            world_size=rt.world_size)
+    # What the step computes, chosen once: under graph.compile_model the model is compiled with its loss.
+    step_model = build_step_model(recipe, model, executor, settings, with_loss=plan.graph.compile_model,
+                                  memory_format=plan.memory_format, sample_inputs=sample_inputs,
+                                  accuracy=cfg.recipe.accuracy)
+    train_step = TrainStep(recipe, step_model, optimizer, schedule, train_loader, settings, scaler)
+    eval_step = EvalStep(recipe, step_model, eval_loader, settings)
     global_batch = data_cfg.batch_size * loop.grad_accum * rt.world_size
     perf = Perf(device, units_per_step=global_batch * recipe.units_per_sample, unit=recipe.unit,
                 world_size=rt.world_size, flops_per_unit=recipe.flops_per_unit, precision=plan.precision,
@@ -121,7 +118,7 @@ def build_run(plan: RunPlan, rt: Runtime) -> Run:
     state = TrainingState(rt, model=model, optimizer=optimizer, step_counter=train_step.step, scaler=scaler,
                           recipe_name=recipe.name, config=config, seed=cfg.seed, keep=cfg.checkpoint.keep,
                           steps_per_epoch=steps_per_epoch)
-    return Run(plan=plan, rt=rt, recipe=recipe, raw_model=model, model=wrapped, executor=executor,
+    return Run(plan=plan, rt=rt, recipe=recipe, raw_model=model, model=step_model.module, executor=executor,
                optimizer=optimizer, schedule=schedule, train_loader=train_loader, eval_loader=eval_loader,
                train_step=train_step, eval_step=eval_step, perf=perf, state=state, config=config,
                steps_per_epoch=steps_per_epoch, total_steps=total_steps, seq_lens=seq_lens,

@@ -32,3 +32,9 @@ class StorageError(Exception):
     def __init__(self, message: str, path=None, needed=None, free=None):
         super().__init__(message)
         self.path, self.needed, self.free = path, needed, free
+
+
+def first_line(e: BaseException) -> str:
+    """``Kind: the first line of the message`` (at most 160 characters), for a one-line report."""
+    line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return f"{type(e).__name__}: {line[:160]}"

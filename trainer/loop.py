@@ -8,6 +8,7 @@ trainer/policies.py, when to stop early of the ranks' agreement (trainer/stop.py
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import time
 from collections import deque
@@ -28,10 +29,12 @@ from trainer.process_clock import process_started_at
 from trainer.runtime import print_once
 from trainer.stop import StopAgreement
 
+log = logging.getLogger("train")
+
 HISTORY_ROWS = 1000  # logged rows kept in memory (for tests and scripts); metrics.jsonl has them all
 
 
-class Trainer:
+class TrainingLoop:
     def __init__(self, run: Run, logger: MetricsLogger, start_step: int = 0):
         self.run, self.logger, self.start_step = run, logger, start_step
         self.rt, self.device = run.rt, run.plan.device
@@ -60,16 +63,17 @@ class Trainer:
         if loop.eval_only:  # the restored (or init_from) weights, evaluated once
             self._evaluate_and_log(step, epoch=step // run.steps_per_epoch)
         else:
-            step = self._train(step, began)
+            step = self._train_epochs(step, began)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         wall = time.perf_counter() - began
         self.clock["total_s"] = time.time() - process_started_at()  # to the end of training, as results are written
         summary = self._summary(step, wall)
+        log.info("summary: %s", summary)
         self.logger.summary(summary)
         return summary
 
-    def _train(self, step: int, began: float) -> int:
+    def _train_epochs(self, step: int, began: float) -> int:
         run, epochs = self.run, self.cfg.train.epochs
         first_epoch, position = divmod(step, run.steps_per_epoch)
         for epoch in range(first_epoch, epochs):

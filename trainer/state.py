@@ -53,8 +53,8 @@ class TrainingState:
         every rank raises the same StorageError: the run stops together (trainer/storage.py).
         """
         rng = self._all_rng_states()
-        failed = None
-        if self.rt.is_main:
+
+        def write() -> None:
             state = {
                 "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "step": step, "epoch": epoch, "steps_per_epoch": self.steps_per_epoch, "rng": rng,
@@ -64,10 +64,19 @@ class TrainingState:
             }
             if self.scaler is not None:
                 state["scaler"] = self.scaler.state_dict()  # scale and growth tracker: the next steps depend on them
+            if before is not None:
+                before()
+            self.last_saved = self.last_good = save_checkpoint(self.rt.run_dir, step, state, self.keep)
+
+        self.on_rank0(write)
+
+    def on_rank0(self, write: Callable[[], None]) -> None:
+        """Rank 0 writes; then every rank learns the outcome (the broadcast ends the write): a storage
+        failure raises the same StorageError, with the last good checkpoint and what to do, on every rank."""
+        failed = None
+        if self.rt.is_main:
             try:
-                if before is not None:
-                    before()
-                self.last_saved = self.last_good = save_checkpoint(self.rt.run_dir, step, state, self.keep)
+                write()
             except StorageError as e:
                 failed = self.storage_advice(str(e))
         self.agree_on_storage(failed)
@@ -158,14 +167,9 @@ class TrainingState:
         if self.best is not None and (value >= self.best["value"] if lower_is_better else value <= self.best["value"]):
             return False
         self.best = {"metric": metric, "value": value, "step": step}
-        failed = None
-        if self.rt.is_main:
-            try:
-                save_best(self.rt.run_dir, {"model": self.model.state_dict(), "step": step, "best": self.best,
-                                            "recipe": self.recipe_name, "config": self.config})
-            except StorageError as e:
-                failed = self.storage_advice(str(e))
-        self.agree_on_storage(failed)
+        self.on_rank0(lambda: save_best(self.rt.run_dir, {"model": self.model.state_dict(), "step": step,
+                                                           "best": self.best, "recipe": self.recipe_name,
+                                                           "config": self.config}))
         return True
 
 

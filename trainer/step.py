@@ -1,17 +1,21 @@
-"""The device work of one training step and one evaluation step.
+"""The device work of one training step and one evaluation step: the step order, on one screen.
 
-Written once for every mode: run eagerly, captured whole into a CUDA graph, or around
-partially graphed / compiled models. Everything here is graph-safe (no host syncs);
-results land in device accumulators that the loop reads at its log interval.
+One path for every mode: what the step computes (the model and its loss, compiled together or
+not) is chosen once at assembly (``build_step_model``), and the step runs the same code whether
+it runs eagerly, is captured whole into a CUDA graph, or calls partially graphed / compiled
+models. Everything here is graph-safe (no host syncs); results land in device accumulators
+that the loop reads at its log interval.
 """
 from __future__ import annotations
 
 import contextlib
 import inspect
-from typing import Any, Callable, Dict, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Dict, Optional, Tuple
 
 import torch
 
+from graphing import Executor, no_sync_except_last
 from trainer.data import StepLayout
 from trainer.errors import ConfigError
 from trainer.recipe import PADDING_MASK, Batch, Recipe
@@ -47,12 +51,13 @@ def model_call(recipe: Recipe, memory_format: torch.memory_format) -> Callable[[
 
 
 class ModelAndLoss(torch.nn.Module):
-    """The model and its mean loss as one module, built for ``graph.compile_model`` so that
-    torch.compile sees them as one function. ``forward(batch, output)`` returns (the model's
-    output, mean loss), or (None, mean loss) with ``output=False``: the output is then never a
-    result of the compiled function, so its memory (a language model's logits) is the
-    compiler's to free once backward no longer needs it. The loss is computed outside
-    autocast, as the step computes it when the two are apart, so every mode computes the same loss."""
+    """The model and its mean loss as one callable: what the training step calls, in every mode.
+
+    ``forward(batch, output)`` returns (the model's output, mean loss), or (None, mean loss)
+    with ``output=False``. Under ``graph.compile_model`` the executor wraps it whole, so that
+    torch.compile sees one function and the output, never one of its results, is the compiler's
+    to free once backward no longer needs it (a language model's logits); otherwise it holds the
+    executor's wrapped model. The loss is computed outside autocast either way."""
 
     def __init__(self, model: torch.nn.Module, call: Callable[[torch.nn.Module, Batch], Any],
                  loss: Callable[[Any, torch.Tensor], torch.Tensor], device_type: str):
@@ -65,6 +70,56 @@ class ModelAndLoss(torch.nn.Module):
         with torch.autocast(self.device_type, enabled=False):
             loss = self.loss(out, batch["y"])
         return (out if output else None), loss
+
+
+@dataclass(frozen=True)
+class StepModel:
+    """What the steps compute, chosen once at assembly: ``train(batch, output)`` returns (the model's
+    output, or None when ``output`` is False, the micro-batch's mean loss); ``evaluate(batch)`` the
+    output; ``correct(output, target)`` per-item correctness (None: recipe.accuracy=false).
+    ``module`` is what DDP wraps (``no_sync``) and what the optimizer's parameters belong to."""
+    module: torch.nn.Module
+    train: Callable[..., Tuple[Optional[Any], torch.Tensor]]
+    evaluate: Callable[[Batch], Any]
+    correct: Optional[Callable[[Any, torch.Tensor], torch.Tensor]]
+
+
+def build_step_model(recipe: Recipe, model: torch.nn.Module, executor: Executor, settings: "StepSettings", *,
+                     with_loss: bool, memory_format: torch.memory_format = torch.contiguous_format,
+                     sample_inputs: Optional[Callable[[], tuple]] = None, accuracy: bool = True) -> StepModel:
+    """The model wrapped by ``executor`` (DDP, graphs, compile) and the step's view of it.
+
+    ``with_loss`` (graph.compile_model): the executor wraps the model and its loss as one
+    ModelAndLoss, compiled as one function; otherwise it wraps the model and the loss is
+    applied to its output (``executor.wrap_output_fn``)."""
+    call, loss = model_call(recipe, memory_format), mean_loss(recipe.criterion)
+    device_type, autocast = settings.device.type, settings.autocast
+    if with_loss:
+        module = executor.wrap_model(ModelAndLoss(model, call, loss, device_type), sample_inputs, autocast)
+        train = module
+        eval_model = executor.eval_model
+
+        def evaluate(batch):
+            return eval_model(batch)[0]
+    else:
+        module = executor.wrap_model(model, sample_inputs, autocast)
+        train = ModelAndLoss(module, call, executor.wrap_output_fn(loss), device_type)
+        eval_model = executor.eval_model
+
+        def evaluate(batch):
+            return call(eval_model, batch)
+    correct = executor.wrap_output_fn(recipe.correct) if accuracy else None
+    return StepModel(module, train, evaluate, correct)
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    """How the steps run, from the plan: micro-batches per step, clipping, precision, ranks."""
+    device: torch.device
+    grad_accum: int = 1
+    grad_clip: float = 0.0  # > 0: clip the global gradient norm (and record it)
+    autocast: Callable[[], ContextManager] = contextlib.nullcontext
+    world_size: int = 1
 
 
 class _Recorded(Exception):
@@ -124,28 +179,21 @@ def per_sample_loss(criterion: Callable) -> Callable[[torch.Tensor, torch.Tensor
 
 
 class TrainStep:
-    def __init__(self, recipe: Recipe, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 schedule: LRSchedule, loader, *, grad_accum: int, grad_clip: float,
-                 autocast: Callable, device: torch.device,
-                 memory_format: torch.memory_format = torch.contiguous_format,
-                 wrap_output_fn: Callable[[Callable], Callable] = lambda fn: fn,
-                 scaler: Optional["torch.amp.GradScaler"] = None, world_size: int = 1, accuracy: bool = True,
-                 fused_loss: bool = False):
-        # fused_loss: ``model`` is a ModelAndLoss (wrapped): it takes the batch and returns (output, mean loss)
-        self.fused_loss = fused_loss
-        self.forward = model_call(recipe, memory_format)
+    """One optimizer step: micro-batches (DDP all-reduces on the last), clipping, the device-side
+    schedule, the optimizer, the step counter; the metrics counted on their own stream."""
+
+    def __init__(self, recipe: Recipe, model: StepModel, optimizer: torch.optim.Optimizer, schedule: LRSchedule,
+                 loader, settings: StepSettings, scaler: Optional["torch.amp.GradScaler"] = None):
+        self.recipe, self.model, self.optimizer, self.schedule, self.loader = recipe, model, optimizer, schedule, loader
+        self.settings = settings
         # fp16's dynamic loss scale. All of it runs on the device when the optimizer takes the scale
         # itself (fused: ``_step_supports_amp_scaling``), so it is captured with the step: scaling,
         # unscaling before clipping, skipping a step whose gradients overflowed, and the scale update.
         self.scaler = scaler
-        self.recipe, self.model, self.optimizer, self.schedule, self.loader = recipe, model, optimizer, schedule, loader
-        self.grad_accum, self.grad_clip, self.autocast = grad_accum, grad_clip, autocast
-        # graph.compile_model compiles these with the model
-        self.loss = None if fused_loss else wrap_output_fn(mean_loss(recipe.criterion))  # fused: ModelAndLoss has it
-        self.correct = wrap_output_fn(recipe.correct) if accuracy else None  # recipe.accuracy=false: none
+        self.correct = model.correct
         self.per_sample_loss = per_sample_loss(recipe.criterion)  # a tail step's: masked, summed
-        self.world_size = world_size
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.params = [p for p in model.module.parameters() if p.requires_grad]
+        device = settings.device
         # Kept lean, since these kernels run every step, off the critical path (metrics
         # stream): the sum of losses, the loss terms counted (samples or tokens) and a
         # correct count per item position, one per shape of recipe.correct's output (one
@@ -160,39 +208,34 @@ class TrainStep:
         # they are a parallel branch, off the step's critical path.
         self.metrics_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         # The last step's global gradient norm before clipping; only computed when clipping.
-        self.grad_norm = torch.zeros((), dtype=torch.float32, device=device) if grad_clip > 0 else None
+        self.grad_norm = torch.zeros((), dtype=torch.float32, device=device) if settings.grad_clip > 0 else None
 
     def __call__(self, layout: Optional[StepLayout] = None) -> None:
         """One optimizer step over ``layout``'s micro-batches (None: a full step of grad_accum)."""
-        micro_batches = len(layout.rows) if layout is not None else self.grad_accum
+        grad_accum, grad_clip = self.settings.grad_accum, self.settings.grad_clip
         tail = layout is not None and layout.tail
+        want_output = tail or self.correct is not None  # a full step that counts no accuracy takes the loss alone
         self.optimizer.zero_grad(set_to_none=True)
-        for micro in range(micro_batches):
+        micro_batches = range(len(layout.rows) if layout is not None else grad_accum)
+        for micro in no_sync_except_last(self.model.module, micro_batches):  # DDP all-reduces on the last only
             raw = self.loader.tail_batch(layout, micro) if tail else self.loader.next_batch()
             batch = self.recipe.preprocess(raw, True)
             if layout is not None and layout.seq_len is not None:
                 batch = truncate(batch, layout.seq_len)  # a static slice: each length its own graph
-            last = micro == micro_batches - 1
-            # DDP all-reduces only on the last micro-batch.
-            sync = contextlib.nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync()
-            with sync:
-                with self.autocast():
-                    # A full step whose metrics read no output (recipe.accuracy=false) takes the loss alone
-                    output, loss = self.model(batch, output=tail or self.correct is not None) if self.fused_loss \
-                        else (self.forward(self.model, batch), None)
-                if tail:
-                    loss, joined = self._masked_loss(output, batch, layout)
-                else:
-                    loss = loss if self.fused_loss else self.loss(output, batch["y"])
-                    joined = self._count(loss, output, batch["y"])
-                    loss = loss / self.grad_accum if self.grad_accum > 1 else loss
-                del output  # what the metrics read, _Join holds; the rest is backward's to free
-                (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+            with self.settings.autocast():
+                output, loss = self.model.train(batch, output=want_output)  # the loss itself outside autocast
+            if tail:
+                loss, joined = self._masked_loss(output, batch, layout)
+            else:
+                joined = self._count(loss, output, batch["y"])
+                loss = loss / grad_accum if grad_accum > 1 else loss
+            del output  # what the metrics read, _Join holds; the rest is backward's to free
+            (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
             joined()  # before output and labels can be freed and their memory reused
-        if self.grad_clip > 0:
+        if grad_clip > 0:
             if self.scaler is not None:
                 self.scaler.unscale_(self.optimizer)  # clip the true gradients; the step then skips re-scaling
-            norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip, foreach=True)
+            norm = torch.nn.utils.clip_grad_norm_(self.params, grad_clip, foreach=True)
             self.grad_norm.copy_(norm)
         self.schedule.apply(self.step, self.optimizer)
         if self.scaler is not None:
@@ -216,7 +259,7 @@ class TrainStep:
         summed = torch.where(per_term(batch[PADDING_MASK], per_sample), per_sample, 0.0).sum()
         terms_per_sample = per_sample[0].numel()  # 1, or the tokens of a sequence
         joined = self._count(summed, output, batch["y"], mask=batch[PADDING_MASK])
-        return summed * (self.world_size / (layout.real * terms_per_sample)), joined
+        return summed * (self.settings.world_size / (layout.real * terms_per_sample)), joined
 
     def _count(self, loss: torch.Tensor, output: torch.Tensor, target: torch.Tensor,
                mask: Optional[torch.Tensor] = None) -> Callable[[], None]:
@@ -281,23 +324,19 @@ class _Join:
 
 
 class EvalStep:
-    def __init__(self, recipe: Recipe, model_fn: Callable[[], torch.nn.Module], loader, *,
-                 autocast: Callable, device: torch.device,
-                 memory_format: torch.memory_format = torch.contiguous_format, accuracy: bool = True,
-                 fused_loss: bool = False):
-        self.forward = model_call(recipe, memory_format)
-        self.fused_loss = fused_loss  # the model is a ModelAndLoss: its mean loss is computed and left unused
-        self.accuracy = accuracy
-        self.recipe, self.model_fn, self.loader, self.autocast = recipe, model_fn, loader, autocast
+    """One evaluation batch: per-sample losses and correctness, masked to the real samples, summed on the device."""
+
+    def __init__(self, recipe: Recipe, model: StepModel, loader, settings: StepSettings):
+        self.recipe, self.model, self.loader, self.settings = recipe, model, loader, settings
         self.loss = per_sample_loss(recipe.criterion)
-        self.metrics = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, samples
+        self.metrics = torch.zeros(3, dtype=torch.float64, device=settings.device)  # loss sum, correct, samples
 
     @torch.no_grad()
     def __call__(self) -> None:
         batch = self.recipe.preprocess(self.loader.next_batch(), False)
-        with self.autocast():
-            output = self.model_fn()(batch)[0] if self.fused_loss else self.forward(self.model_fn(), batch)
+        with self.settings.autocast():
+            output = self.model.evaluate(batch)
         per_sample = self.loss(output, batch["y"])
-        correct = self.recipe.correct(output, batch["y"]) if self.accuracy else \
+        correct = self.recipe.correct(output, batch["y"]) if self.model.correct is not None else \
             torch.zeros(per_sample.shape, dtype=torch.bool, device=per_sample.device)
         accumulate(self.metrics, per_sample, correct, batch[PADDING_MASK])
