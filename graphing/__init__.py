@@ -44,6 +44,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+__version__ = "0.2.0"  # pyproject.toml reads it from here; CHANGELOG.md says what each version changed
+
 from graphing.options import (DDP_MIN_WARMUP, CaptureErrorMode, CompileMode, GraphConfigError, GraphMode,
                               GraphOptions, OnCaptureFailure, SettingMessage)
 

@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from graphing.ddp import forward_through, merge_ddp_kwargs, release_reducer, unwrap_ddp
+from graphing.deprecation import warn_renamed_once
 from graphing.executor import ExecutionReport, Executor, StepRole, is_main_rank
 from graphing.factory import build_executor
 from graphing.hyperparams import CarriedHyperparameters
@@ -131,6 +132,23 @@ class GraphedStep:
     def report(self) -> ExecutionReport:
         """Mode in force, capture seconds, graph pool MiB, the fallback reason if any."""
         return self.executor.report
+
+    @property
+    def info(self) -> Dict[str, Any]:
+        """Deprecated since graphing 0.2: use ``report`` (an ``ExecutionReport``). The dict ``info``
+        returned before: mode, capture_error_mode, compile_model (full mode), ``train_capture_s``,
+        ``graph_pool_mib`` and ``fallback`` where they exist."""
+        warn_renamed_once("GraphedStep.info", "GraphedStep.report (an ExecutionReport)")
+        report = self.report
+        info: Dict[str, Any] = {"mode": report.mode, "capture_error_mode": report.capture_error_mode}
+        if self.options.mode is GraphMode.full:
+            info["compile_model"] = self.options.compile_model
+        info.update({f"{role.value}_capture_s": seconds for role, seconds in report.capture_s.items()})
+        if report.graph_pool_mib is not None:
+            info["graph_pool_mib"] = report.graph_pool_mib
+        if report.fallback:
+            info["fallback"] = report.fallback
+        return info
 
     def __call__(self, *inputs: Any) -> Any:
         shape = shapes_of(inputs)

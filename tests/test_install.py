@@ -158,6 +158,7 @@ def test_pip_install_puts_graphing_alone_into_site_packages(tmp_path):
     assert {f.split("/")[0] for f in files} == {"graphing", f"graphing-{probe['version']}.dist-info"}, files
     assert sorted(f for f in files if f.endswith(".py")) == graphing_modules()
     assert [re.split(r"[<>=!~ ;\[]", r)[0] for r in probe["requires"]] == ["torch"], probe["requires"]
+    assert probe["version"] == re.search(r'__version__ = "([^"]+)"', (ROOT / "graphing" / "__init__.py").read_text())[1]
     assert not unignored, f"the build left files that .gitignore does not ignore: {unignored}"
 
 
