@@ -6,7 +6,7 @@ without an errno (``RuntimeError: [enforce fail at inline_container.cc:...] ... 
 failed``), so the room is measured here, before a write (``check_room``), and again when one
 fails (``failure``), rather than read from the exception.
 
-The policy (stated in README, "Checkpoints and restarts"): rank 0 writes; the outcome travels
+The policy (stated in docs/checkpoints.md): rank 0 writes; the outcome travels
 to every rank in the collective that ends the write (trainer/state.py), so no rank waits for a
 write that failed nor trains on alone. A failed checkpoint stops the run with exit 5 and the
 last good checkpoint named: a full disk rarely frees itself, and training on without a
