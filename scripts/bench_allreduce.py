@@ -33,7 +33,8 @@ from typing import Any, Dict, List, Optional
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from scripts.compare import run_or_exit, throughput_unit, train_launcher  # noqa: E402
+from scripts.lib.comparison import throughput_unit  # noqa: E402
+from scripts.lib.launch import run_or_exit, train_launcher  # noqa: E402
 
 COMMON = ["recipe.data.source=synthetic", "logger=none", "train.progress=false", "train.eval=false",
           "checkpoint.keep=1", "train.log_every=20"]

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -171,22 +170,19 @@ def largest_fitting(fits: Callable[[int], Optional[bool]], known: int, known_fit
     """
     fitting, failing = (known, None) if known_fits else (None, known)
     guess = start if start is not None and start > known and start <= limit else None
-    while failing is None and fitting < limit:  # up
-        size = guess or min(2 * fitting, limit)
+
+    def next_size() -> Optional[int]:
+        if failing is None:  # up
+            return (guess or min(2 * fitting, limit)) if fitting < limit else None
+        if fitting is None:  # down
+            return failing // 2 if failing > 1 else None
+        if failing - fitting > granularity:  # between
+            middle = (fitting + failing) // 2
+            return middle - middle % granularity if middle - middle % granularity > fitting else middle
+        return None
+
+    while (size := next_size()) is not None:
         guess = None
-        verdict = fits(size)
-        if verdict is None:
-            return fitting, failing, False
-        fitting, failing = (size, failing) if verdict else (fitting, size)
-    while fitting is None and failing > 1:  # down
-        size = failing // 2
-        verdict = fits(size)
-        if verdict is None:
-            return fitting, failing, False
-        fitting, failing = (size, failing) if verdict else (fitting, size)
-    while fitting is not None and failing is not None and failing - fitting > granularity:  # between
-        middle = (fitting + failing) // 2
-        size = middle - middle % granularity if middle - middle % granularity > fitting else middle
         verdict = fits(size)
         if verdict is None:
             return fitting, failing, False
@@ -222,27 +218,21 @@ def trial_job(session, steps: int) -> int:
     one report line, also when memory ran out (which does not fit)."""
     import torch
 
-    from graphing import StepRole
+    from scripts.lib.steps import run_train_step, train_phase, warm_up
 
     phase = "build"
     try:
         run = session.build()
-        ex, loader, step = run.executor, run.train_loader, run.train_step
-
-        def one_step():
-            ex.run(StepRole.train, loader.stage, step)
-
-        loader.start_epoch(0)
+        ex = run.executor
         phase = "warm-up and capture"
-        while ex.phase(StepRole.train) in ("warmup", "capture"):
-            one_step()
+        warm_up(run)
         if ex.report.fallback is not None:  # the capture failed: the trial ends here, whatever the reason
             phase = "capture"
             raise RuntimeError(ex.report.fallback)
         phase = "steps"
         for _ in range(min(steps, 3)):  # settle
-            one_step()
-        step_ms = sorted(timed_steps(one_step, steps, cuda=run.rt.device.type == "cuda"))
+            run_train_step(run)
+        step_ms = sorted(timed_steps(lambda: run_train_step(run), steps, cuda=run.rt.device.type == "cuda"))
     except Exception as error:
         if not out_of_memory(error):
             raise
@@ -252,7 +242,7 @@ def trial_job(session, steps: int) -> int:
     else:
         median, cuda = statistics.median(step_ms), run.rt.device.type == "cuda"
         report = {
-            "fits": True, "mode": ex.report.mode, "phase_timed": ex.phase(StepRole.train),
+            "fits": True, "mode": ex.report.mode, "phase_timed": train_phase(run),
             "precision": run.plan.precision, "step_ms_median": median,
             "step_ms_p90": step_ms[min(len(step_ms) - 1, int(0.9 * len(step_ms)))],
             f"{run.recipe.unit}_per_s": run.global_batch * run.recipe.units_per_sample * 1e3 / median,

@@ -30,7 +30,7 @@ from typing import Any, Dict, List, Optional
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from scripts.compare import check_overrides, run_or_exit  # noqa: E402
+from scripts.lib.launch import check_overrides, run_or_exit  # noqa: E402
 from trainer.cli import script_config  # noqa: E402
 
 CONTEXT = 1024

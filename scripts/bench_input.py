@@ -41,26 +41,20 @@ def timed_steps(run, steps: int):
     """(seconds per step, seconds per step the host loader waited for its workers) over ``steps`` graphed steps."""
     import torch
 
-    from graphing import StepRole
+    from scripts.lib.steps import run_train_step, warm_up
 
-    ex, loader, step = run.executor, run.train_loader, run.train_step
-
-    def one_step():
-        ex.run(StepRole.train, loader.stage, step)
-
-    loader.start_epoch(0)
+    ex, loader = run.executor, run.train_loader
     if loader.plan.full_steps < steps + 2 * ex.warmup_iters:
         sys.exit(f"the folder gives {loader.plan.full_steps} steps per epoch: lower --steps to at most "
                  f"{loader.plan.full_steps - 2 * ex.warmup_iters}")
-    while ex.phase(StepRole.train) in ("warmup", "capture"):
-        one_step()
+    warm_up(run)
     for _ in range(ex.warmup_iters):  # settle (the workers' queues fill)
-        one_step()
+        run_train_step(run)
     torch.cuda.synchronize()
     waited = getattr(loader, "waited_s", 0.0)
     began = time.perf_counter()
     for _ in range(steps):
-        one_step()
+        run_train_step(run)
     torch.cuda.synchronize()
     return (time.perf_counter() - began) / steps, (getattr(loader, "waited_s", 0.0) - waited) / steps
 

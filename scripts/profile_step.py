@@ -45,35 +45,29 @@ def profile_job(session, args) -> int:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    from graphing import StepRole
+    from scripts.lib.steps import run_train_step, warm_up
 
     run = session.build()
-    ex, loader, step = run.executor, run.train_loader, run.train_step
-
-    def one_step():
-        ex.run(StepRole.train, loader.stage, step)
-
-    loader.start_epoch(0)
+    ex, loader = run.executor, run.train_loader
     needed = args.steps * 2 + run.plan.graph.warmup_iters + 1
     if loader.plan.full_steps < needed:
         sys.exit(f"need {needed} steps in one epoch, the data gives {loader.plan.full_steps}: lower --steps")
-    while ex.phase(StepRole.train) in ("warmup", "capture"):
-        one_step()
+    warm_up(run)
     for _ in range(args.steps):  # settle
-        one_step()
+        run_train_step(run)
     torch.cuda.synchronize()
 
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     begin.record()
     for _ in range(args.steps):
-        one_step()
+        run_train_step(run)
     end.record()
     end.synchronize()
     wall_ms = begin.elapsed_time(end) / args.steps
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(args.steps):
-            one_step()
+            run_train_step(run)
         torch.cuda.synchronize()
     gpu_events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
     busy_ms = sum(e.device_time for e in gpu_events) / 1e3 / args.steps

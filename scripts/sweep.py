@@ -26,9 +26,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from scripts.compare import (  # noqa: E402
-    MISSING, RESERVED, check_overrides, cuda_device_count, exit_on_sigterm, failed, format_cell, graph_names,
-    log_to_wandb, parse_list, run_modes, save_comparison, save_figure, timestamp,
+from scripts.lib.comparison import MISSING, format_cell, log_to_wandb, save_comparison, save_figure  # noqa: E402
+from scripts.lib.launch import (  # noqa: E402
+    RESERVED, check_overrides, cuda_device_count, exit_on_sigterm, failed, graph_names, parse_list, run_modes,
+    timestamp,
 )
 from trainer.cli import script_config  # noqa: E402
 from trainer.results import markdown_table, write_json  # noqa: E402

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, cuda_count
-from scripts.compare import NOT_AVAILABLE, comparison_rows, markdown_table, plot_comparison
+from scripts.lib.comparison import comparison_rows, markdown_table, plot_comparison
+from scripts.lib.launch import NOT_AVAILABLE
 from scripts.sweep import plot_sweep, sweep_table
 from test_external_recipe import RECIPE
 from wandb_offline import find_runs, read_run
@@ -106,7 +107,7 @@ def test_compare_groups_its_runs_in_wandb(comparison):
 def test_a_scripts_wandb_run_honours_an_explicit_logger_wandb_mode(tmp_path, capsys):
     # The mode comes from the config as an Enum; W&B must get its value, not the Enum.
     from conf.schema import compose
-    from scripts.compare import log_to_wandb
+    from scripts.lib.comparison import log_to_wandb
 
     cfg = compose(["logger.wandb.mode=offline"])
     run_dir = log_to_wandb(cfg.logger, tmp_path, group="g", job_type="compare", name="n", config={},

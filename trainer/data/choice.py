@@ -1,0 +1,54 @@
+"""Which loader a split gets (``recipe.data.loader``), and building it: the device loader
+when the data fits in a share of free memory (the host then pays nothing per step), the host
+loader otherwise.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from trainer.data.device_loader import DeviceLoader
+from trainer.data.host_loader import HostLoader
+from trainer.data.items import read_all, sample_item
+from trainer.errors import ConfigError
+from trainer.recipe import SplitLike
+from trainer.runtime import Runtime
+
+DEVICE_MEMORY_SHARE = 0.3  # loader=auto keeps a split on the device when it takes at most this share of free memory
+
+
+def split_bytes(dataset: SplitLike) -> int:
+    return len(dataset) * sum(v.numel() * v.element_size() for v in sample_item(dataset).values())
+
+
+def fits_on_device(nbytes: int, device: torch.device) -> bool:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+    else:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 2**33
+    return nbytes <= DEVICE_MEMORY_SHARE * free
+
+
+def choose_loader(kind: str, train: SplitLike, test: SplitLike, device: torch.device) -> str:
+    """``device`` or ``host`` for ``recipe.data.loader`` (auto: device when both splits fit)."""
+    if kind == "host":
+        return kind
+    nbytes = split_bytes(train) + split_bytes(test)
+    if fits_on_device(nbytes, device):
+        return "device"
+    if kind == "auto":
+        return "host"
+    raise ConfigError(f"the data takes {nbytes / 2**30:.1f} GiB, more than {DEVICE_MEMORY_SHARE:.0%} of the "
+                      f"{device.type} memory that is free: set recipe.data.loader=host (or auto) to stream it "
+                      "through DataLoader workers")
+
+
+def make_loader(dataset: SplitLike, batch_size: int, rt: Runtime, *, kind: str, train: bool, seed: int,
+                batches_per_step: int = 1, num_workers: int = 0, drop_last: bool = False):
+    """A loader of ``kind`` (``device`` or ``host``, as ``choose_loader`` decided)."""
+    if kind == "device":
+        return DeviceLoader(read_all(dataset, num_workers), batch_size, rt, train=train, seed=seed,
+                            batches_per_step=batches_per_step, drop_last=drop_last)
+    return HostLoader(dataset, batch_size, rt, train=train, seed=seed,
+                      batches_per_step=batches_per_step, num_workers=num_workers, drop_last=drop_last)
