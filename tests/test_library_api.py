@@ -13,6 +13,7 @@ import torch
 
 import graphing
 from conftest import ROOT
+from test_graphing import _linear_step as linear_step
 
 pytestmark = pytest.mark.fast
 
@@ -47,15 +48,7 @@ def test_graphed_step_info_still_returns_its_dict_from_report_and_warns_once(mon
     monkeypatch.setattr(deprecation, "_warned", set())
     model = torch.nn.Linear(4, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-
-    def train_step(module, x, y):
-        optimizer.zero_grad(set_to_none=True)
-        loss = torch.nn.functional.mse_loss(module(x), y)
-        loss.backward()
-        optimizer.step()
-        return loss.detach()
-
-    step = graphing.GraphedStep(train_step, model, optimizer, mode="eager")
+    step = graphing.GraphedStep(linear_step(optimizer), model, optimizer, mode="eager")
     step(torch.randn(8, 4), torch.randn(8, 1))
     with pytest.warns(DeprecationWarning, match=r"GraphedStep.info is deprecated: use GraphedStep.report"):
         info = step.info
