@@ -64,7 +64,8 @@ class Session:
 
     def __exit__(self, kind, error, _trace) -> bool:
         if error is None or not isinstance(error, Exception):  # done, or Ctrl-C / SystemExit: teardown only
-            self._close(logger_code=self.exit_code if error is None else 1, clean=error is None)
+            # a job's own verdict (the doctor's non-zero code) is a clean end for its W&B run
+            self._close(logger_code=0, clean=error is None)
             return False
         code, clean, failed_together = self._report(error)
         self.exit_code = code
