@@ -7,9 +7,12 @@
 ``step_fn(model, *inputs)`` is the step as ``GraphedStep`` takes it. The doctor runs it eagerly
 for ``warmup_iters`` steps with its checks on (eager_checks.py gathers them: the torch calls the
 step makes, its learning rate, its optimizers, the memory it keeps, what differs between steps),
-then, on CUDA, tries a capture of one more step in isolation (capture_attempt.py) and measures
-how launch-bound the eager step is (step_timing.py). Every finding names the line that causes it
-(the innermost frame outside torch: attribution.py) and the fix.
+then, on CUDA, tries a capture of one more step in isolation (capture_attempt.py), whose replays
+it compares with eager steps, and measures how launch-bound the eager step is (step_timing.py).
+A host sync or copy that the eager steps make and the trial capture does not (a library that skips
+it while capturing) is a note, not a finding (capture_judgement.py). Every finding names the line
+that causes it (the innermost frame outside torch: attribution.py), the line of the library it was
+made in when the user's line called into one, and the fix.
 
 It reports only what blocks a capture, or what captures without error and then replays a frozen
 or wrong step, on the installed torch. Seen on torch 2.11 (H200), and so left out: autocast's
@@ -31,11 +34,12 @@ from typing import Any, Callable, Dict, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from graphing.doctor.capture_attempt import laxest, recommended_mode, try_captures
+from graphing.doctor.capture_attempt import recommended_mode, try_captures
+from graphing.doctor.capture_judgement import judge
 from graphing.doctor.eager_checks import EagerChecks
 from graphing.doctor.findings import BLOCKS, in_report_order
 from graphing.doctor.outer_autocast import outer_autocast_site, report_outer_autocast
-from graphing.doctor.ranks import merge_ranks
+from graphing.doctor.ranks import laxest, merge_ranks
 from graphing.doctor.report import COLUMNS, SKIPPED_WITHOUT_CUDA, DoctorReport, verdict_of
 from graphing.doctor.step_runner import Inputs, StepRunner, on_side_stream
 from graphing.doctor.step_timing import gpu_busy_ms, median_step_ms
@@ -50,7 +54,8 @@ def diagnose(step_fn: Callable[..., Any], model: torch.nn.Module,
              inputs: Inputs = (), *, warmup_iters: int = DDP_MIN_WARMUP,
              ddp_kwargs: Optional[Dict[str, Any]] = None, device: Optional[torch.device] = None,
              stream: Optional["torch.cuda.Stream"] = None, timing_steps: int = 5,
-             check_optimizer: bool = True, max_graphs: int = GraphOptions.max_graphs) -> DoctorReport:
+             check_optimizer: bool = True, max_graphs: int = GraphOptions.max_graphs,
+             replays: int = 3) -> DoctorReport:
     """Runs ``step_fn(model, *inputs)`` eagerly with checks, then (on CUDA) tries a capture; returns the report.
 
     ``inputs``: the example inputs of every step (a tuple), or a callable (or iterator) that makes
@@ -66,7 +71,9 @@ def diagnose(step_fn: Callable[..., Any], model: torch.nn.Module,
     ``timing_steps``: unchecked steps timed for the expected gain (0: none).
     ``check_optimizer=False`` leaves the optimizer's capturability to the caller (the trainer
     builds it graph-safe on CUDA itself). ``max_graphs``: how many sets of input shapes may
-    come (GraphedStep's bound: a graph per set); more is a finding.
+    come (GraphedStep's bound: a graph per set); more is a finding. ``replays``: how many replays of the
+    trial capture are compared with as many eager steps from the same state (0: none; each needs a
+    copy of the model's and optimizers' state on the device).
 
     The model and optimizer take real steps: diagnose a copy if their state matters.
     """
@@ -124,13 +131,13 @@ def diagnose(step_fn: Callable[..., Any], model: torch.nn.Module,
     eager_ms = median_step_ms(runner.run_next, timing_steps, device, side) if timing_steps > 0 else None
     busy_ms = gpu_busy_ms(runner.run_next, device) if cuda and timing_steps > 0 else None
     findings = in_report_order(checks.findings)
-    mode, capture = recommended_mode(), "skipped (needs CUDA)"
+    mode, capture, notes = recommended_mode(), "skipped (needs CUDA)", []
     if cuda:
-        captured_with, capture, failure = try_captures(runner, optimizers)
-        mode = laxest([captured_with, mode])  # a loader thread may be idle during one capture
-        if failure is not None and not any(f.effect == BLOCKS for f in findings):
-            findings.insert(0, failure)
-    notes = []
+        trial = try_captures(runner, optimizers, replays, checks.calls.mutated_tensors())
+        mode, capture = laxest([trial.mode, mode]), trial.summary  # a loader thread may be idle during one capture
+        findings, notes = judge(findings, trial, checks.findings.seen_by_cuda)
+        if trial.failure is not None and not any(f.effect == BLOCKS for f in findings):
+            findings.insert(0, trial.failure)
     if checks.learning_rates.carried and "lr_frozen" not in [f.kind for f in findings]:
         notes.append("the lr changes between steps, set by the loop: GraphedStep carries it into the graph (copied "
                      "into the device tensor the step reads before every call)")

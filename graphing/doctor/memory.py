@@ -32,8 +32,9 @@ class MemoryWatch:
         if step < 1 or len(self.made) > _MAX_REMEMBERED:
             return
         outs = out if isinstance(out, (tuple, list)) else (out,)
+        given = {id(t) for a in args for t in (a if isinstance(a, (tuple, list)) else (a,))}  # foreach ops' lists
         for o in outs:
-            if isinstance(o, torch.Tensor) and not any(o is a for a in args):
+            if isinstance(o, torch.Tensor) and id(o) not in given:
                 try:
                     self.made.append((weakref.ref(o), step, file, line))
                 except TypeError:

@@ -3,11 +3,29 @@ from __future__ import annotations
 
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
+import torch
 import torch.distributed as dist
 
-from graphing.doctor.capture_attempt import laxest
 from graphing.doctor.findings import Finding, in_report_order
 from graphing.doctor.report import DoctorReport, verdict_of
+from graphing.executor import distributed
+from graphing.options import CaptureErrorMode
+
+_STRICT_FIRST = [m.value for m in CaptureErrorMode]  # global, thread_local, relaxed
+
+
+def laxest(modes: Iterable[str]) -> str:
+    return max(modes, key=_STRICT_FIRST.index)
+
+
+def all_ranks_agree(flag: bool, device: torch.device) -> bool:
+    """True on every rank iff ``flag`` is true on every rank (a collective under a process group)."""
+    if not distributed():
+        return flag
+    on = device if dist.get_backend() == "nccl" else torch.device("cpu")
+    votes = torch.tensor([0 if flag else 1], device=on)
+    dist.all_reduce(votes)
+    return int(votes.item()) == 0
 
 
 def merge_findings(per_rank: Iterable[Iterable[Finding]]) -> List[Finding]:

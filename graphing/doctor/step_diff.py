@@ -25,6 +25,11 @@ class CallRecord:
     line: int
     shapes: Tuple
     scalars: Tuple
+    library: Tuple[str, int] = ("", 0)  # the line inside an installed package, when the call was made in one
+
+    @property
+    def site(self) -> Tuple[str, int, str, int]:
+        return (self.file, self.line, *self.library)
 
 
 class StepRecords:
@@ -41,8 +46,9 @@ class StepRecords:
         self.calls.append([])
         self.inputs.append([_describe(x) for x in inputs])
 
-    def record_call(self, name: str, file: str, line: int, out, args, kwargs) -> None:
-        self.calls[-1].append(CallRecord(name, file, line, _shapes(out), _scalars(args, kwargs)))
+    def record_call(self, name: str, file: str, line: int, out, args, kwargs,
+                    library: Tuple[str, int] = ("", 0)) -> None:
+        self.calls[-1].append(CallRecord(name, file, line, _shapes(out), _scalars(args, kwargs), library))
 
     def compare_steps(self) -> None:
         """Findings from differences between steps, each dated with the later step."""
@@ -63,13 +69,13 @@ class StepRecords:
         self.findings.step = -1
 
     def _too_many_shapes(self, i: int) -> None:
-        site = next(((d.file, d.line) for c, d in zip(self.calls[0], self.calls[i]) if c.shapes != d.shapes), None)
-        site = site or next(((c.file, c.line) for c in self.calls[i]), ("", 0))
+        site = next((d.site for c, d in zip(self.calls[0], self.calls[i]) if c.shapes != d.shapes), None)
+        site = site or next((c.site for c in self.calls[i]), ("", 0, "", 0))
         self.findings.step = i
-        self.findings.add("shape_change", BLOCKS, *site,
+        self.findings.add("shape_change", BLOCKS, *site[:2],
                           f"the inputs came in a {len(self.input_shapes)}th set of shapes at step {i} "
                           f"({_show_inputs(self.inputs[i])}), more than max_graphs={self.max_graphs} graphs, one "
-                          "per shape")
+                          "per shape", library=site[2:])
 
     def _input_change(self, i: int) -> None:
         """An input that is not a tensor changed (or stopped or started being one): captured as it was."""
@@ -78,24 +84,26 @@ class StepRecords:
         changed = next(k for k in range(max(len(vb), len(va))) if k >= len(vb) or k >= len(va) or vb[k] != va[k])
         was = before[changed] if changed < len(before) else "nothing"
         now = after[changed] if changed < len(after) else "nothing"
-        site = next(((c.file, c.line) for c in self.calls[i]), ("", 0))
-        self.findings.add("shape_change", BLOCKS, *site,
+        site = next((c.site for c in self.calls[i]), ("", 0, "", 0))
+        self.findings.add("shape_change", BLOCKS, *site[:2],
                           f"input {changed} changed from {_show(was)} to {_show(now)} at step {i}; a graph replays "
                           "the Python values it was captured with",
-                          "Pass values that change as tensors (GraphedStep copies tensors into its buffers).")
+                          "Pass values that change as tensors (GraphedStep copies tensors into its buffers).",
+                          library=site[2:])
 
     def _call_change(self, a: List[CallRecord], b: List[CallRecord], i: int) -> None:
-        sites_a = {(c.file, c.line) for c in a}
-        sites_b = {(c.file, c.line) for c in b}
-        if [(c.name, c.file, c.line) for c in a] != [(c.name, c.file, c.line) for c in b]:
-            only = [c for c in b if (c.file, c.line) not in sites_a] + [c for c in a if (c.file, c.line) not in sites_b]
+        sites_a = {c.site for c in a}
+        sites_b = {c.site for c in b}
+        if [(c.name, c.site) for c in a] != [(c.name, c.site) for c in b]:
+            only = [c for c in b if c.site not in sites_a] + [c for c in a if c.site not in sites_b]
             if not only:
-                only = [d for c, d in zip(a, b) if (c.name, c.file, c.line) != (d.name, d.file, d.line)] or b[len(a):]
+                only = [d for c, d in zip(a, b) if (c.name, c.site) != (d.name, d.site)] or b[len(a):]
             first = only[0] if only else (b or a)[0]
-            if (first.file, first.line) not in self.findings.places():
+            if first.site not in self.findings.sites():
                 self.findings.add("control_flow", WRONG, first.file, first.line,
                                   f"steps {i - 1} and {i} ran different torch calls from here: a Python-side branch "
-                                  "or loop that changes between steps (the graph replays the path taken at capture)")
+                                  "or loop that changes between steps (the graph replays the path taken at capture)",
+                                  library=first.library)
             return
         for c, d in zip(a, b):
             if c.shapes != d.shapes:
@@ -103,14 +111,16 @@ class StepRecords:
                                   f"{d.name} made shape {_show_shapes(c.shapes)} at step {i - 1} and "
                                   f"{_show_shapes(d.shapes)} at step {i} with the same inputs: a shape decided by "
                                   "Python state",
-                                  "Keep shapes fixed: compute sizes from values that never change between steps.")
+                                  "Keep shapes fixed: compute sizes from values that never change between steps.",
+                                  library=d.library)
                 return
         for c, d in zip(a, b):
             if c.scalars != d.scalars:
                 changed = [(x, y) for x, y in zip(c.scalars, d.scalars) if x != y][:1]
                 value = f" ({changed[0][0]!r} then {changed[0][1]!r})" if changed else ""
                 self.findings.add("python_scalar", WRONG, d.file, d.line,
-                                  f"a Python number passed to {d.name} here changes between steps{value}")
+                                  f"a Python number passed to {d.name} here changes between steps{value}",
+                                  library=d.library)
                 return
 
 

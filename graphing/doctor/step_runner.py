@@ -49,12 +49,12 @@ class StepRunner:
                 staged.append(x.to(self.device) if isinstance(x, torch.Tensor) else x)
         return staged
 
-    def call(self, staged: Sequence[Any]) -> None:
-        """The step on the current stream (a capture's)."""
-        self.step_fn(self.model, *staged)
+    def call(self, staged: Sequence[Any]) -> Any:
+        """The step on the current stream (a capture's); what it returned."""
+        return self.step_fn(self.model, *staged)
 
-    def run(self, staged: Sequence[Any]) -> None:
-        on_side_stream(lambda: self.call(staged), self.side)
+    def run(self, staged: Sequence[Any]) -> Any:
+        return on_side_stream(lambda: self.call(staged), self.side)
 
     def run_next(self) -> None:
         """One more step with the next inputs, unchecked."""
