@@ -7,7 +7,8 @@
             loss.backward()                       # sums into .grad; DDP all-reduces after the last only
         optimizer.step()
 
-Under DDP, ``model.no_sync()`` is active while each micro-batch but the last is yielded, so its
+Under DDP, ``model.no_sync()`` (FSDP2: ``set_requires_gradient_sync(False)``) is active while
+each micro-batch but the last is yielded, so its
 forward and backward (the loop body) add to the local ``.grad`` without communication; the last
 backward all-reduces the sum once. A plain module (no ``no_sync``) gets the same micro-batches.
 
@@ -31,14 +32,29 @@ T = TypeVar("T")
 
 
 def no_sync_except_last(model: torch.nn.Module, items: Iterable[T]) -> Iterator[T]:
-    """Yields each of ``items`` (your micro-batches, any kind), with ``model.no_sync()`` active
-    while all but the last are yielded, when the model has it (DDP, FSDP)."""
+    """Yields each of ``items`` (your micro-batches, any kind), with gradient communication off
+    while all but the last are yielded: DDP's ``model.no_sync()``, or for a model sharded with
+    FSDP2's ``fully_shard``, ``set_requires_gradient_sync(False)`` (its unsharded gradients are
+    kept between micro-batches, and reduce-scattered once, after the last)."""
     items = list(items)  # to know which one is last
     no_sync = getattr(model, "no_sync", None)
+    if no_sync is None and callable(getattr(model, "set_requires_gradient_sync", None)):
+        no_sync = _fsdp_no_sync(model)
     for i, item in enumerate(items):
         last = i == len(items) - 1
         with contextlib.nullcontext() if last or no_sync is None else no_sync():
             yield item
+
+
+def _fsdp_no_sync(model: torch.nn.Module):
+    @contextlib.contextmanager
+    def no_sync():
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    return no_sync
 
 
 def micro_batches(model: torch.nn.Module, count: int, *tensors: torch.Tensor

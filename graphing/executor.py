@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from graphing.capture import CaptureError
+from graphing.deprecation import warn_renamed_once
 from graphing.options import GraphOptions, literal, own_name
 
 log = logging.getLogger(__name__)
@@ -58,15 +59,23 @@ class ExecutionReport:
     ``capture_error_mode``: the one a capture of ours used (None: no capture of ours,
     "inductor": torch.compile's own graphs); ``capture_s``: seconds each role's capture took;
     ``graph_pool_mib``: the graphs' memory pool; ``fallback``: why capture was given up.
+    Whether the model is compiled is the executor's ``options.compile_model`` (``GraphOptions``).
     """
     mode: str
     capture_error_mode: Optional[str] = None
-    compile_model: bool = False
     capture_s: Dict[StepRole, float] = field(default_factory=dict)
     graph_pool_mib: Optional[float] = None
     graphs: List[GraphRecord] = field(default_factory=list)
     eager_shapes: List[str] = field(default_factory=list)
     fallback: Optional[str] = None
+    _compile_model: bool = field(default=False, init=False, repr=False, compare=False)  # for the alias only
+
+    @property
+    def compile_model(self) -> bool:
+        """Deprecated (CHANGELOG.md): read ``options.compile_model`` of the executor (or of the
+        ``GraphedStep``), the setting itself; this copy of it was written by full mode only."""
+        warn_renamed_once("ExecutionReport.compile_model", "the executor's options.compile_model (GraphOptions)")
+        return self._compile_model
 
     def as_results(self) -> Dict[str, Any]:
         """The graph numbers of a run's results: ``train_capture_s``, ``graph_pool_mib``, and
@@ -88,6 +97,15 @@ class ExecutionReport:
 
 def distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether ``model`` was sharded with FSDP2's ``fully_shard`` (its root is an ``FSDPModule``)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return False
+    return isinstance(model, FSDPModule)
 
 
 def is_main_rank() -> bool:
@@ -141,7 +159,7 @@ class Executor:
         return fn
 
     def _ddp(self, model: torch.nn.Module) -> torch.nn.Module:
-        if not distributed():
+        if not distributed() or is_sharded(model):  # FSDP2 communicates itself: no DDP around it
             return model
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         ddp = DDP(model, **{"device_ids": device_ids, **self.ddp_kwargs})  # a re-wrapped DDP brings its own

@@ -44,7 +44,7 @@ class WholeStepGraphExecutor(Executor):
         self.train_model: Optional[torch.nn.Module] = None  # what the captured step calls (DDP-wrapped)
         self.pool = None
         self.fallen_back = False
-        self.report.compile_model = options.compile_model
+        self.report._compile_model = options.compile_model  # only for ExecutionReport.compile_model, deprecated
         self.report.capture_error_mode = options.capture_error_mode
 
     def wrap_model(self, model, sample_inputs=None, autocast=None):

@@ -1,0 +1,79 @@
+"""FSDP2 models in graphing's own-loop tools, on the CPU (a gloo process group of one, in process):
+``micro_batches`` turns FSDP2's gradient sync off for all but the last micro-batch and the
+accumulated gradient is the whole batch's; GraphedStep takes a user's ``fully_shard`` model as it
+is (no DDP around it). The graphed step itself is tests/test_fsdp_graphed_step_gpu.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import graphing
+
+pytestmark = pytest.mark.fast
+
+
+@pytest.fixture
+def one_rank_group():
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def sharded_mlp(seed: int = 0) -> torch.nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    mesh = init_device_mesh("cpu", (1,))
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def test_micro_batches_turn_fsdp2_gradient_sync_off_but_for_the_last_and_sum_the_whole_batch(one_rank_group):
+    x, y = torch.randn(12, 8), torch.randn(12, 1)
+    whole = sharded_mlp()
+    F.mse_loss(whole(x), y).backward()
+    accumulated = sharded_mlp()
+    synced = []
+    original = type(accumulated).set_requires_gradient_sync
+
+    def spy(self, value, **kw):
+        if self is accumulated:
+            synced.append(value)
+        return original(self, value, **kw)
+
+    type(accumulated).set_requires_gradient_sync = spy
+    try:
+        for xm, ym in graphing.micro_batches(accumulated, 3, x, y):
+            (F.mse_loss(accumulated(xm), ym) / 3).backward()
+    finally:
+        type(accumulated).set_requires_gradient_sync = original
+    assert synced == [False, True, False, True]  # off for micro-batches 1 and 2, on again for the last
+    for a, b in zip(whole.parameters(), accumulated.parameters()):
+        torch.testing.assert_close(b.grad.full_tensor(), a.grad.full_tensor(), rtol=1e-5, atol=1e-6)
+
+
+def test_graphed_step_takes_a_fully_shard_model_as_it_is(one_rank_group):
+    model = sharded_mlp()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+
+    def train_step(module, x, y):
+        optimizer.zero_grad(set_to_none=True)
+        loss = F.mse_loss(module(x), y)
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+    step = graphing.GraphedStep(train_step, model, optimizer, mode="eager")
+    assert step.model is model  # FSDP2 communicates itself: no DistributedDataParallel around it
+    x, y = torch.randn(8, 8), torch.randn(8, 1)
+    losses = [step(x, y).item() for _ in range(5)]
+    assert losses[-1] < losses[0]
+    step.close()
