@@ -13,6 +13,8 @@ Data (``recipe.data.source``):
 - ``synthetic``: a language generated from the seed; bytes of made-up words for vocab 256,
   otherwise a Markov chain over token ids spread across the vocabulary;
 - ``auto``: text when a path is given, else synthetic.
+``recipe.data.train_size``/``test_size`` count windows: how many to draw of the synthetic
+language, a seeded subset of a file's or token directory's; null: all of them.
 A sample is a window of ``context + 1`` tokens, stored as ``x = window[:-1]`` and
 ``y = window[1:]``, so the loaders gather whole windows by row like any other dataset.
 """
@@ -28,6 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from recipes.subset import seeded_subset
 from recipes.tokens import dtype_for_vocab, input_dtype, token_splits, windows
 from trainer.activation_checkpointing import checkpointed
 from trainer.errors import ConfigError
@@ -282,32 +285,46 @@ def next_token_criterion(label_smoothing: float = 0.0):
     return criterion
 
 
-def build(cfg, rt: Runtime) -> Recipe:
-    config = model_config(cfg.recipe.model)
-    data_cfg = cfg.recipe.data
-    source, context, vocab = data_cfg.source, config.context, config.vocab
+def language_data(data_cfg, seed: int, context: int, vocab: int, vocab_key: str = "recipe.model.vocab") -> Datasets:
+    """The windows of ``context + 1`` tokens that ``recipe.data`` names (its source: text, tokens, synthetic
+    or auto), for a model of ``vocab`` tokens; ``vocab_key`` is the setting that sizes it, named in messages.
+
+    Every window is whole: no sample is ever padded."""
+    source = data_cfg.source
     if source not in SOURCES:
         raise ConfigError(f"recipe.data.source={source!r} is not one of {', '.join(SOURCES)}: "
                           "set recipe.data.source=auto")
     if source == "auto":  # a file given: read it; none: the synthetic language, quietly
         source = "synthetic" if data_cfg.path is None else "text"
+    if data_cfg.path is not None and source != "text":
+        raise ConfigError(f"recipe.data.path={data_cfg.path!r} but recipe.data.source={source}: set "
+                          "recipe.data.source=text (or auto) to read the file, or recipe.data.path=null")
     if source == "tokens":
-        train, test = token_splits(data_cfg.root, context, vocab)
+        train, test = token_splits(data_cfg.root, context, vocab, vocab_key=vocab_key)
     elif source == "text":
         if data_cfg.path is None:
             raise ConfigError("recipe.data.source=text needs a file to read: set recipe.data.path=<text file> "
                               "(or recipe.data.source=synthetic)")
         check_text_file(data_cfg.path, context)
         if vocab < BYTES:
-            raise ConfigError(f"recipe.data.path is read as bytes (token ids 0 to 255) but recipe.model.vocab={vocab}: "
-                              f"set recipe.model.vocab={BYTES} or more")
+            raise ConfigError(f"recipe.data.path is read as bytes (token ids 0 to 255) but {vocab_key}={vocab}: "
+                              f"set {vocab_key}={BYTES} or more")
         train, test = text_file_splits(data_cfg.path, context)
     else:
         train_size = data_cfg.train_size or SYNTHETIC_TRAIN_TOKENS // context
         test_size = data_cfg.test_size or SYNTHETIC_TEST_TOKENS // context
-        train, test = synthetic_splits(cfg.seed, context, train_size, test_size, vocab)
+        return Datasets(*synthetic_splits(seed, context, train_size, test_size, vocab), source)
+    where = f"recipe.data.path={data_cfg.path!r}" if source == "text" else f"recipe.data.root={data_cfg.root!r}"
+    return Datasets(*(seeded_subset(dataset, size, split=split, seed=seed, where=f"the {split} split of {where}")
+                      for split, dataset, size in (("train", train, data_cfg.train_size),
+                                                   ("test", test, data_cfg.test_size))), source)
+
+
+def build(cfg, rt: Runtime) -> Recipe:
+    config = model_config(cfg.recipe.model)
+    data = language_data(cfg.recipe.data, cfg.seed, config.context, config.vocab)
     model = GPT(config, activation_checkpointing=cfg.train.activation_checkpointing)
-    return Recipe(name=cfg.recipe.name, model=model, data=Datasets(train, test, source), preprocess=preprocess,
+    return Recipe(name=cfg.recipe.name, model=model, data=data, preprocess=preprocess,
                   criterion=next_token_criterion(cfg.recipe.label_smoothing), correct=top1_correct,
-                  units_per_sample=context, unit="tokens", flops_per_unit=model.training_flops_per_token(),
-                  activation_checkpointing=model.activation_checkpointing)
+                  units_per_sample=config.context, unit="tokens", flops_per_unit=model.training_flops_per_token(),
+                  activation_checkpointing=model.activation_checkpointing, label_smoothing=cfg.recipe.label_smoothing)

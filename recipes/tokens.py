@@ -97,8 +97,10 @@ class TokenWindows(torch.utils.data.Dataset):
         return windows(torch.from_numpy(tokens), self.context)
 
 
-def read_header(root, context: int, vocab: int, data_key: str = "recipe.data.root") -> Dict:
-    """``root/meta.json``, checked against the files beside it and the model; ConfigError names what to fix.
+def read_header(root, context: int, vocab: int, data_key: str = "recipe.data.root",
+                vocab_key: str = "recipe.model.vocab") -> Dict:
+    """``root/meta.json``, checked against the files beside it and the model; ConfigError names what to fix
+    (``vocab_key``: the setting that sizes the model's vocabulary).
 
     Reads only the header and the files' sizes, so every rank can check before any trains.
     """
@@ -123,8 +125,8 @@ def read_header(root, context: int, vocab: int, data_key: str = "recipe.data.roo
     if not isinstance(vocab_size, int) or vocab_size < 1:
         raise ConfigError(f"{meta_path} says vocab_size={vocab_size!r}, not a positive integer: {prepare}")
     if vocab_size > vocab:
-        raise ConfigError(f"{meta_path} says vocab_size={vocab_size} but the model has recipe.model.vocab={vocab}: "
-                          f"set recipe.model.vocab={vocab_size} or more (a multiple of 64 runs faster)")
+        raise ConfigError(f"{meta_path} says vocab_size={vocab_size} but the model has {vocab_key}={vocab}: "
+                          f"set {vocab_key}={vocab_size} or more (a multiple of 64 runs faster)")
     itemsize = np.dtype(dtype).itemsize
     for name in SPLIT_FILES:
         size = (directory / name).stat().st_size
@@ -139,9 +141,9 @@ def read_header(root, context: int, vocab: int, data_key: str = "recipe.data.roo
     return meta
 
 
-def token_splits(root, context: int, vocab: int, data_key: str = "recipe.data.root") -> Tuple[TokenWindows,
-                                                                                              TokenWindows]:
+def token_splits(root, context: int, vocab: int, data_key: str = "recipe.data.root",
+                 vocab_key: str = "recipe.model.vocab") -> Tuple[TokenWindows, TokenWindows]:
     """(train, test) windows of the token files in ``root``, after ``read_header``'s checks."""
-    meta = read_header(root, context, vocab, data_key)
+    meta = read_header(root, context, vocab, data_key, vocab_key)
     directory = Path(root).expanduser()
     return tuple(TokenWindows(directory / name, meta["dtype"], context) for name in SPLIT_FILES)

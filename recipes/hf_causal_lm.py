@@ -1,0 +1,222 @@
+"""Any Hugging Face transformers causal language model, trained on the gpt recipe's data.
+
+The model, from exactly one of (``recipe.model``):
+- ``config``: a transformers config as a mapping, its ``model_type`` and settings
+  (``{model_type: llama, hidden_size: 64, num_hidden_layers: 2, ...}``), with random weights:
+  ``AutoConfig.for_model(**config)``, then ``AutoModelForCausalLM.from_config``;
+- ``path``: a local directory that ``save_pretrained`` wrote (config.json and the weights),
+  loaded with ``local_files_only=True``: nothing is ever downloaded.
+``recipe.model.context`` is the tokens per sample. Weights are held in fp32 (train.precision
+autocasts the step, as for every recipe).
+
+Data: the gpt recipe's own (``recipes.gpt.language_data``: a text file as bytes, token files,
+or the synthetic language), windows of ``context + 1`` token ids below the model's ``vocab_size``.
+Every window is whole, so nothing is padded and the model gets no attention mask, only its
+causal one. (An epoch's last evaluation batch is padded with whole samples, which the
+trainer's own mask leaves out of the metrics; they never meet a real token.)
+
+The step calls ``model(input_ids)``, the token ids positionally (graph.mode=partial replays
+positional tensors), with ``use_cache=False`` set in the model's config rather than passed,
+and the criterion reads the output's ``logits`` (``Recipe.forward``, trainer/recipe.py).
+``blocks(model)`` lists the model's repeated blocks, from its own ``_no_split_modules``.
+
+transformers is optional: ``pip install -r requirements-hf.txt``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import inspect
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from recipes.gpt import language_data, next_token_criterion, preprocess
+from trainer.errors import ConfigError, first_line
+from trainer.recipe import Batch, Recipe, top1_correct
+from trainer.runtime import Runtime
+
+REQUIREMENT = "transformers>=5.17,<6"  # as requirements-hf.txt says
+INSTALL = "pip install -r requirements-hf.txt"
+MODEL_KEYS = ("config", "path", "context")
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """``recipe.model``: exactly one of ``config`` (a mapping) and ``path``, and the context."""
+    config: Optional[Dict[str, Any]]
+    path: Optional[str]
+    context: int
+
+
+def transformers_module(recipe: str = "hf_causal_lm"):
+    """transformers, imported; a ConfigError that says what to install where it is missing or out of range."""
+    try:
+        import transformers
+    except ImportError as e:
+        raise ConfigError(f"recipe {recipe!r} needs Hugging Face transformers ({REQUIREMENT}), which this Python "
+                          f"cannot import ({e}): {INSTALL}") from None
+    from packaging.version import Version
+
+    found = Version(transformers.__version__)
+    if not Version("5.17") <= found < Version("6"):
+        raise ConfigError(f"recipe {recipe!r} needs Hugging Face {REQUIREMENT}, but transformers {found} is "
+                          f"installed: {INSTALL}")
+    return transformers
+
+
+def model_settings(settings) -> ModelSettings:
+    """``recipe.model``, checked: known keys, exactly one of config and path, a positive context."""
+    values = (OmegaConf.to_container(settings, resolve=True) if isinstance(settings, DictConfig)
+              else dict(settings or {}))
+    for key in values:
+        if key not in MODEL_KEYS:
+            raise ConfigError(f"recipe.model.{key} is not a setting of recipe.model: remove it, or use one of "
+                              f"{', '.join('recipe.model.' + k for k in MODEL_KEYS)} (the model's own settings "
+                              f"go in recipe.model.config.{key})")
+    config, path, context = values.get("config"), values.get("path"), values.get("context")
+    if config is not None and path is not None:
+        raise ConfigError("recipe.model.config and recipe.model.path are both set, but a model comes from one of "
+                          "them: set recipe.model.config=null to load the model in recipe.model.path, or "
+                          "recipe.model.path=null to build recipe.model.config with random weights")
+    if config is None and path is None:
+        raise ConfigError("neither recipe.model.config nor recipe.model.path is set: set recipe.model.config to a "
+                          "transformers config ({model_type: llama, hidden_size: ..., ...}) for random weights, "
+                          "or recipe.model.path to a directory that save_pretrained wrote")
+    if config is not None and not (isinstance(config, dict) and isinstance(config.get("model_type"), str)):
+        raise ConfigError(f"recipe.model.config={config!r} must be a mapping with a model_type: set "
+                          "recipe.model.config.model_type=llama (or qwen2, gpt2, any transformers causal LM)")
+    if isinstance(context, bool) or not isinstance(context, int) or context < 1:
+        raise ConfigError(f"recipe.model.context={context!r} must be a positive integer: the tokens per sample, "
+                          "e.g. recipe.model.context=512")
+    return ModelSettings(config, path, context)
+
+
+def model_config(settings: ModelSettings, transformers):
+    """The transformers config the model is built from: recipe.model.config's, or the one in recipe.model.path."""
+    if settings.path is not None:
+        directory = Path(settings.path).expanduser()
+        if not (directory / "config.json").is_file():
+            raise ConfigError(f"recipe.model.path={settings.path!r} is not a directory holding a model's config.json "
+                              "(what save_pretrained writes): models are read from disk only, never downloaded. "
+                              "Download one first (`hf download <repo> --local-dir <dir>`) and set "
+                              "recipe.model.path=<dir>, or build one: recipe.model.path=null recipe.model.config=...")
+        try:
+            return transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"recipe.model.path={settings.path!r}: transformers cannot read its config.json "
+                              f"({first_line(e)})") from None
+    given = dict(settings.config)
+    try:
+        config = transformers.AutoConfig.for_model(**given)
+    except Exception as e:  # an unknown model_type, a value its class validates and refuses
+        raise ConfigError(f"recipe.model.config is not a transformers config ({first_line(e)}): fix "
+                          "recipe.model.config") from None
+    unread = unread_keys(config, given)
+    if unread:
+        key = unread[0]
+        close = difflib.get_close_matches(key, known_keys(type(config)), n=1)
+        hint = f"did you mean recipe.model.config.{close[0]}?" if close else "remove it"
+        raise ConfigError(f"recipe.model.config.{key} is not a setting of {type(config).__name__} (model_type "
+                          f"{config.model_type}): transformers would keep it unread; {hint} (a config of another "
+                          "model_type replaces the default whole: recipe.model.config=null "
+                          "'+recipe.model.config={model_type: ..., ...}')")
+    return config
+
+
+def known_keys(cls) -> List[str]:
+    """The settings a transformers config class declares: its fields, its arguments and their aliases."""
+    names = set(inspect.signature(cls.__init__).parameters) | set(getattr(cls, "attribute_map", {}))
+    if dataclasses.is_dataclass(cls):
+        names |= {f.name for f in dataclasses.fields(cls)}
+    return sorted(names - {"self", "kwargs"})
+
+
+def unread_keys(config, given: Dict[str, Any]) -> List[str]:
+    """Keys of ``given`` that ``config`` keeps verbatim as extra attributes (a typo, say). Legacy keys the
+    class converts (``rope_theta`` into ``rope_parameters``) are read, and not kept."""
+    known = set(known_keys(type(config)))
+    return [k for k in given if k != "model_type" and k not in known and k in vars(config)]
+
+
+def check_config(config, settings: ModelSettings) -> None:
+    """What would train a wrong model without a word: a bidirectional encoder, a context past the positions."""
+    source = "recipe.model.config" if settings.path is None else f"recipe.model.path={settings.path!r}"
+    if getattr(config, "is_decoder", None) is False and "is_decoder" in config.to_dict():
+        fix = "Set recipe.model.config.is_decoder=true, or choose" if settings.path is None else "Choose"
+        raise ConfigError(f"{source} is a {type(config).__name__} with is_decoder=false: its tokens attend both "
+                          f"ways, so it would see the tokens it predicts. {fix} a decoder (llama, qwen2, gpt2, ...)")
+    limit = getattr(config, "max_position_embeddings", None)
+    if isinstance(limit, int) and settings.context > limit:
+        raise ConfigError(f"recipe.model.context={settings.context} is longer than the model's "
+                          f"max_position_embeddings={limit} ({source}): set recipe.model.context={limit} or less"
+                          + (", or raise it in recipe.model.config" if settings.path is None else ""))
+
+
+def build_model(config, settings: ModelSettings, transformers) -> torch.nn.Module:
+    auto = transformers.AutoModelForCausalLM
+    try:
+        if settings.path is None:
+            model = auto.from_config(config, dtype=torch.float32)
+        else:
+            model = auto.from_pretrained(Path(settings.path).expanduser(), config=config, local_files_only=True,
+                                         dtype=torch.float32)
+    except ValueError as e:  # a config class that has no causal LM
+        raise ConfigError(f"model_type {config.model_type} has no causal language model in transformers "
+                          f"(AutoModelForCausalLM: {first_line(e)}): choose a decoder such as llama, qwen2 or gpt2"
+                          ) from None
+    except OSError as e:  # weights missing or unreadable
+        raise ConfigError(f"recipe.model.path={settings.path!r}: transformers cannot load its weights "
+                          f"({first_line(e)})") from None
+    model.config.use_cache = False  # training keeps no key/value cache; set here, the call passes tensors only
+    return model.train()  # from_pretrained returns it in eval mode
+
+
+def blocks(model: torch.nn.Module) -> List[torch.nn.Module]:
+    """The model's repeated blocks, in order: the modules of the classes its ``_no_split_modules`` names
+    (``LlamaDecoderLayer``, ``GPT2Block``, ...), which FSDP2 wraps one by one and activation checkpointing
+    recomputes. Empty for a model that names none."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
+def training_flops_per_token(model: torch.nn.Module, context: int) -> float:
+    """6 FLOPs per matmul parameter per token (forward + backward), plus attention's 12·L·d·T.
+
+    Embedding lookups are left out; the output head is a matmul, counted once even when tied to the
+    token embedding. 0 (unknown) for a config without num_hidden_layers and hidden_size."""
+    config = model.config
+    layers, width = getattr(config, "num_hidden_layers", None), getattr(config, "hidden_size", None)
+    if not (isinstance(layers, int) and isinstance(width, int)):
+        return 0.0
+    lookups = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    head = model.get_output_embeddings()
+    if head is not None:
+        lookups.discard(id(head.weight))
+    n_params = sum(p.numel() for p in model.parameters() if id(p) not in lookups)
+    return 6.0 * n_params + 12.0 * layers * width * context
+
+
+def logits(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+    """``Recipe.forward``: the token ids, positionally and without an attention mask (no window is padded);
+    the output object's logits [B, T, vocab] are what the criterion reads."""
+    return model(batch["x"]).logits
+
+
+def build(cfg, rt: Runtime) -> Recipe:
+    transformers = transformers_module(cfg.recipe.name)
+    settings = model_settings(cfg.recipe.model)
+    config = model_config(settings, transformers)
+    check_config(config, settings)
+    vocab_key = ("recipe.model.config.vocab_size" if settings.path is None
+                 else f"vocab_size (in recipe.model.path={settings.path!r})")
+    data = language_data(cfg.recipe.data, cfg.seed, settings.context, config.vocab_size, vocab_key)
+    model = build_model(config, settings, transformers)
+    return Recipe(name=cfg.recipe.name, model=model, data=data, preprocess=preprocess,
+                  criterion=next_token_criterion(cfg.recipe.label_smoothing), correct=top1_correct,
+                  units_per_sample=settings.context, unit="tokens",
+                  flops_per_unit=training_flops_per_token(model, settings.context), forward=logits,
+                  label_smoothing=cfg.recipe.label_smoothing)

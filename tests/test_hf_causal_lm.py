@@ -1,0 +1,123 @@
+"""recipe=hf_causal_lm: a Hugging Face transformers causal LM, from a config or a local directory.
+
+Skipped where transformers is not installed (CI installs requirements-hf.txt). The GPU checks
+(graph=full against graph=eager for llama, qwen2 and gpt2) are tests/test_hf_causal_lm_gpu.py.
+"""
+from __future__ import annotations
+
+import math
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import launch
+
+transformers = pytest.importorskip("transformers")
+
+# experiment=debug's tiny llama (conf/experiment_recipe/debug_hf_causal_lm.yaml) on fewer windows.
+DEBUG = ["recipe=hf_causal_lm", "experiment=debug", "logger=none", "recipe.data.train_size=64",
+         "recipe.data.test_size=32"]
+TINY_LLAMA = dict(model_type="llama", hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, intermediate_size=64, vocab_size=256, max_position_embeddings=64)
+
+
+@pytest.mark.fast
+def test_debug_experiment_trains_a_tiny_llama(train_here):
+    done = train_here([*DEBUG, "train.max_steps=8", "train.log_every=4"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    res = done.results()
+    assert (res["mode"], res["steps"]) == ("eager", 8) and "perf/tokens_per_s" in res
+    assert math.isfinite(res["final/eval_loss"]) and res["final/eval_tokens"] == 32 * 64
+    losses = [row["train/loss"] for row in done.metrics() if "train/loss" in row]
+    assert len(losses) == 2 and losses[1] < losses[0] < math.log(256) + 0.2, losses  # it learns from chance
+    config = (done.run_dir / "config.yaml").read_text()
+    assert "model_type: llama" in config and "source_used: synthetic" in config
+
+
+def test_two_gloo_ranks_train_and_a_second_launch_resumes_from_the_checkpoint(out):
+    args = [*DEBUG, "recipe.data.train_size=128", "train.log_every=2", "train.progress=false"]  # 8 steps an epoch
+    first = launch([*args, "train.max_steps=4"], out, nproc=2, timeout=180)
+    assert first.returncode == 0, first.output[-4000:]
+    run_dir = first.run_dir
+    assert first.results()["steps"] == 4 and (run_dir / "checkpoints" / "step_00000004.pt").is_file()
+
+    again = launch([*args, "train.max_steps=6", f"run_dir={run_dir}"], out, nproc=2, timeout=180)
+    assert again.returncode == 0, again.output[-4000:]
+    assert f"resumed from {run_dir / 'checkpoints' / 'step_00000004.pt'} at step 4" in again.output
+    assert again.results()["steps"] == 6
+    assert [row["step"] for row in again.metrics() if "train/loss" in row] == [2, 4, 6]  # appended, not restarted
+
+
+@pytest.mark.fast
+def test_a_local_pretrained_directory_loads_with_its_weights(train_here, tmp_path):
+    from conf.schema import compose
+    from recipes.gpt import language_data
+
+    torch.manual_seed(1234)  # weights no run of seed 0 draws by itself
+    saved = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**TINY_LLAMA))
+    saved.save_pretrained(tmp_path / "tiny_llama")
+
+    # One step over a train split of exactly one batch: its mean loss is the whole split's, in any order.
+    args = [*DEBUG, "recipe.model.config=null", f"recipe.model.path={tmp_path / 'tiny_llama'}",
+            "recipe.data.train_size=8", "recipe.data.batch_size=8", "train.precision=fp32", "train.max_steps=1",
+            "train.log_every=1"]
+    done = train_here(args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    first_loss = next(row["train/loss"] for row in done.metrics() if "train/loss" in row)
+
+    cfg = compose(args)
+    train = language_data(cfg.recipe.data, cfg.seed, context=64, vocab=256).train
+    with torch.no_grad():
+        logits = saved.eval()(train.x.long()).logits
+    own = F.cross_entropy(logits.flatten(0, 1), train.y.flatten()).item()
+    assert first_loss == pytest.approx(own, rel=1e-5)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("overrides,message", [
+    (["recipe.model.path=/some/model"], "recipe.model.config and recipe.model.path are both set"),
+    (["recipe.model.config=null"], "neither recipe.model.config nor recipe.model.path is set"),
+])
+def test_config_and_path_together_or_neither_are_refused(train_here, overrides, message):
+    done = train_here([*DEBUG, *overrides])
+    assert done.returncode == 2 and message in done.stderr, done.stderr[-3000:]
+
+
+@pytest.mark.fast
+def test_without_transformers_the_recipe_says_what_to_install(train_here, monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` raises ImportError
+    done = train_here(DEBUG)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.count("pip install -r requirements-hf.txt") == 1, done.stderr
+    assert "needs Hugging Face transformers" in done.stderr
+
+
+@pytest.mark.fast
+def test_settings_the_model_would_not_read_are_refused():
+    from recipes.hf_causal_lm import ModelSettings, check_config, model_config, model_settings
+    from trainer.errors import ConfigError
+
+    long_context = ModelSettings(TINY_LLAMA, None, 128)
+    with pytest.raises(ConfigError, match=r"recipe\.model\.config\.num_hiden_layers is not a setting of LlamaConfig.*"
+                                        r"did you mean recipe\.model\.config\.num_hidden_layers\?"):
+        model_config(ModelSettings({**TINY_LLAMA, "num_hiden_layers": 2}, None, 64), transformers)
+    with pytest.raises(ConfigError, match=r"recipe\.model\.context=128 is longer than the model's "
+                                        r"max_position_embeddings=64"):
+        check_config(model_config(long_context, transformers), long_context)
+    with pytest.raises(ConfigError, match=r"BertConfig with is_decoder=false"):
+        check_config(transformers.AutoConfig.for_model("bert"), ModelSettings({"model_type": "bert"}, None, 64))
+    with pytest.raises(ConfigError, match=r"recipe\.model\.width is not a setting of recipe\.model"):
+        model_settings({"config": TINY_LLAMA, "context": 64, "width": 3})
+    # A legacy key that the config class converts (rope_theta into rope_parameters) is read, not refused.
+    model_config(ModelSettings({**TINY_LLAMA, "rope_theta": 5e5}, None, 64), transformers)
+
+
+@pytest.mark.fast
+def test_blocks_are_the_classes_the_model_names_unsplittable():
+    from recipes.hf_causal_lm import blocks
+
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**TINY_LLAMA))
+    assert [type(b).__name__ for b in blocks(model)] == ["LlamaDecoderLayer"] * 2
+    assert blocks(model)[0] is model.model.layers[0]
