@@ -1,6 +1,8 @@
 """Typed schema of the training config.
 
-Hydra merges conf/train.yaml and the chosen group files into these dataclasses, so a
+Each setting's default and its comment live here, once: conf/train.yaml holds only the
+defaults list (which group files compose) and Hydra's own settings, and a group file only
+what its choice changes. Hydra merges them into these dataclasses, so a
 mistyped key, a value of the wrong type or a choice outside an Enum fails at compose
 time with Hydra's own message (``Key 'epochz' is not in struct``, ``Value 'abc' could
 not be converted to Integer``, ``Invalid value 'tpu', expected one of [auto, cpu,
@@ -9,9 +11,12 @@ choices of graphing come from graphing/options.py. Checks that need more than a 
 (ranges, combinations, the machine) live in trainer/plan.py. Choices a recipe owns
 (its data sources, its model options) are the recipe's to check when it is built.
 
-Components come in by ``_target_``: the recipe's builder, the optimizer class
-(``_partial_: true``: the trainer adds the parameters and a device learning rate) and the
-learning-rate schedule (a device-side schedule from trainer/schedules.py, or your own).
+Components come in by ``_target_``: the recipe's builder, the optimizer class and the
+learning-rate schedule (a device-side schedule from trainer/schedules.py, or your own). The
+optimizer and the schedule are partial, as in lightning-hydra-template (``_partial_: true``,
+which may be left out): the trainer completes the call, adding the parameters and a device
+learning rate to the optimizer's keys, and base_lr and total_steps to the schedule's. Any other
+``_partial_`` is refused, naming the key. Every setting is read or refused (trainer/plan.py).
 """
 from __future__ import annotations
 
@@ -71,8 +76,8 @@ class WandbMode(Enum):
 
 @dataclass
 class DataConfig:
-    source: str = "auto"  # each recipe lists what it accepts (mnist: auto|mnist|synthetic)
-    root: str = "data"
+    source: str = "auto"  # what to train on: each recipe's config lists what it accepts
+    root: str = "data"  # where a recipe's files are (real sets, image folders, token files)
     loader: LoaderKind = LoaderKind.device
     batch_size: int = 64  # per rank
     eval_batch_size: int = 1000  # per rank; the last batch is padded and masked
@@ -83,9 +88,11 @@ class DataConfig:
     # the steps (trainer/seq_len.py); empty: the whole window always
     seq_len_buckets: List[int] = field(default_factory=list)
     num_workers: int = 0  # DataLoader worker processes (host loader; device loader: for reading the data once)
-    train_size: Optional[int] = None  # synthetic: how many to draw; folder: a seeded subset; None: all
+    # samples (language models: windows): synthetic data draws this many; real data, folders and files
+    # give a seeded random subset; None: the recipe's synthetic size, all of real data
+    train_size: Optional[int] = None
     test_size: Optional[int] = None
-    path: Optional[str] = None  # text recipes: a file to tokenize
+    path: Optional[str] = None  # text recipes: a file to tokenize; refused by recipes that read none
 
 
 @dataclass
@@ -96,9 +103,12 @@ class RecipeConfig:
     # Any torch.optim class (or yours) by _target_; its other keys are its arguments.
     optim: Dict[str, Any] = field(default_factory=lambda: {"_target_": "torch.optim.SGD", "_partial_": True,
                                                            "lr": 0.01})
-    # A device-side schedule; called with base_lr and total_steps added to these keys.
-    schedule: Dict[str, Any] = field(default_factory=lambda: {"_target_": "trainer.schedules.Constant"})
+    # A device-side schedule (trainer/schedules.py: Constant, Cosine, or yours); its other keys are its arguments.
+    schedule: Dict[str, Any] = field(default_factory=lambda: {"_target_": "trainer.schedules.Constant",
+                                                              "_partial_": True})
     model: Dict[str, Any] = field(default_factory=dict)  # checked by the recipe's model
+    # 0: off. The recipe's loss applies it and its Recipe says so (trainer/recipe.py): set for a recipe
+    # that does not apply it, the run is refused
     label_smoothing: float = 0.0
     # top-1 accuracy in the train and eval metrics; a language model pays for it with an argmax
     # over the vocabulary in every step (gpt2_small: 0.7 ms of a 34 ms step); false: loss only
@@ -114,7 +124,7 @@ class GraphConfig:
     compile_mode: CompileMode = CompileMode.default  # or max-autotune-no-cudagraphs (minutes of autotuning)
     on_failure: OnCaptureFailure = OnCaptureFailure.fail
     compare: bool = False  # time eager steps, then graph steps, in this process
-    compare_steps: int = 100
+    compare_steps: int = 100  # steps timed in each mode; with compare=true only (refused without)
     max_graphs: int = 8  # graphs per step role, one per input shape (a last partial batch, sequence-length buckets)
     shape_warmup_iters: int = 1  # eager steps at each further shape before its capture
 
@@ -149,7 +159,7 @@ class TrainLoopConfig:
     grad_clip: float = 0.0  # max global grad norm; 0 disables
     grad_accum: int = 1  # micro-batches per optimizer step, all inside one graph
     precision: Precision = Precision.fp32
-    loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)  # fp16 only
+    loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)  # fp16 only (refused with another)
     memory_format: MemoryFormat = MemoryFormat.auto  # of the model and its 4-D inputs (set inside the step)
     # Recompute each block's forward in backward instead of keeping its activations: less memory, about
     # one more forward of compute. The recipe applies it (Recipe.activation_checkpointing) or is refused.
@@ -197,11 +207,15 @@ class TrainConfig:
     train: TrainLoopConfig = field(default_factory=TrainLoopConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     seed: int = 0
-    deterministic: bool = False
+    deterministic: bool = False  # torch's deterministic algorithms, where it has them (a warning where not)
     device: Device = Device.auto
     output_root: str = "outputs"
-    run_dir: Optional[str] = None  # default: <output_root>/<date>/<time>_<recipe>_<mode>
-    take_over_run_dir: bool = False  # only where locks are refused: claim a run_dir whose owner record names another host
+    # One directory per job, shared by all ranks (decided by rank 0). Default:
+    # <output_root>/<date>/<time>_<recipe>_<mode>
+    run_dir: Optional[str] = None
+    # One owner per run_dir, held by a lock (trainer/run_lock.py). true: where the filesystem refuses
+    # locks, take over a run_dir whose owner record names another host
+    take_over_run_dir: bool = False
 
 
 def register_configs() -> None:

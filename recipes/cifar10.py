@@ -142,10 +142,9 @@ def build(cfg, rt: Runtime) -> Recipe:
     data = image_datasets(cfg, rt, recipe="cifar10_resnet18", real_name="cifar10", sizes=(TRAIN_SIZE, TEST_SIZE),
                           image_shape=(3, SIZE, SIZE), num_classes=10,
                           load_real=load_torchvision_cifar10, make_synthetic=synthetic_cifar10)
-    checkpointing = cfg.train.activation_checkpointing
-    return Recipe(name="cifar10_resnet18", model=ResNet18Cifar(checkpointing), data=data,
+    checkpointing, smoothing = cfg.train.activation_checkpointing, cfg.recipe.label_smoothing
+    return Recipe(name=cfg.recipe.name, model=ResNet18Cifar(checkpointing), data=data,
                   preprocess=make_preprocess(rt.device),
-                  criterion=classification_criterion(log_probs_given=False,
-                                                     label_smoothing=cfg.recipe.label_smoothing),
+                  criterion=classification_criterion(log_probs_given=False, label_smoothing=smoothing),
                   correct=top1_correct, flops_per_unit=training_flops_per_sample(ResNet18Cifar),
-                  activation_checkpointing=checkpointing)
+                  activation_checkpointing=checkpointing, label_smoothing=smoothing)

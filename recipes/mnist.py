@@ -84,5 +84,7 @@ def build(cfg, rt: Runtime) -> Recipe:
     data = image_datasets(cfg, rt, recipe="mnist", real_name="mnist", sizes=(TRAIN_SIZE, TEST_SIZE),
                           image_shape=(1, 28, 28), num_classes=10,
                           load_real=load_torchvision_mnist, make_synthetic=synthetic_mnist)
-    return Recipe(name="mnist", model=Net(), data=data, preprocess=preprocess,
-                  criterion=classification_criterion(log_probs_given=True), correct=top1_correct)
+    smoothing = cfg.recipe.label_smoothing
+    return Recipe(name=cfg.recipe.name, model=Net(), data=data, preprocess=preprocess,
+                  criterion=classification_criterion(log_probs_given=True, label_smoothing=smoothing),
+                  correct=top1_correct, label_smoothing=smoothing)

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from recipes.image_folder import folder_datasets
+from recipes.subset import seeded_subset
 from trainer.errors import ConfigError
 from trainer.recipe import Datasets, Split
 from trainer.runtime import Runtime
@@ -14,11 +15,13 @@ from trainer.sources import resolve_source
 
 
 def classification_criterion(log_probs_given: bool, label_smoothing: float = 0.0):
-    """The classifier's loss (of logits or log-probabilities), computed in fp32."""
+    """The classifier's loss (of logits or log-probabilities), computed in fp32, with ``label_smoothing``
+    (torch's: the target puts ``1 - label_smoothing`` on the label and spreads the rest evenly)."""
 
     def criterion(output: torch.Tensor, target: torch.Tensor, reduction: str = "none") -> torch.Tensor:
-        if log_probs_given:
+        if log_probs_given and not label_smoothing:
             return F.nll_loss(output.float(), target, reduction=reduction)
+        # log_softmax leaves log-probabilities as they are, so cross_entropy smooths them as it does logits
         return F.cross_entropy(output.float(), target, reduction=reduction, label_smoothing=label_smoothing)
 
     return criterion
@@ -32,21 +35,31 @@ def image_datasets(cfg, rt: Runtime, *, recipe: str, real_name: str, sizes: Tupl
 
     ``load_real(root, download)`` reads the real set; ``make_synthetic(seed, train_size,
     test_size)`` draws the stand-in, at the real set's ``sizes`` unless
-    ``recipe.data.train_size``/``test_size`` say otherwise. ``source=folder`` reads images
-    of ``image_shape`` (C, H, W) and at most ``num_classes`` classes from ``recipe.data.root``
-    (recipes/image_folder.py); train_size/test_size then pick a seeded subset.
+    ``recipe.data.train_size``/``test_size`` say otherwise; of the real set they pick a seeded
+    subset. ``source=folder`` reads images of ``image_shape`` (C, H, W) and at most
+    ``num_classes`` classes from ``recipe.data.root`` (recipes/image_folder.py); train_size/test_size
+    then pick a seeded subset too.
     """
     data_cfg = cfg.recipe.data
     if cfg.recipe.model:
         raise ConfigError(f"recipe.model has keys {sorted(cfg.recipe.model)} but the {recipe} model takes "
                           "none: remove them")
+    if data_cfg.path is not None:
+        raise ConfigError(f"recipe.data.path={data_cfg.path!r} is read by the text recipes only, and the {recipe} "
+                          "recipe reads images: set recipe.data.path=null (images of your own: "
+                          "recipe.data.source=folder recipe.data.root=<folder>)")
     if data_cfg.source == "folder":
         return folder_datasets(data_cfg.root, recipe=recipe, shape=image_shape, num_classes=num_classes,
                                seed=cfg.seed, train_size=data_cfg.train_size, test_size=data_cfg.test_size)
     train_size = data_cfg.train_size or sizes[0]
     test_size = data_cfg.test_size or sizes[1]
-    return resolve_source(
+    data = resolve_source(
         rt, data_cfg.source, real_name, "recipe.data", handled_before=("folder",),
         load_real=lambda download: load_real(data_cfg.root, download),
         make_synthetic=lambda: make_synthetic(cfg.seed, train_size, test_size),
     )
+    if data.source != real_name:
+        return data
+    return Datasets(*(seeded_subset(dataset, size, split=split, seed=cfg.seed, where=f"{real_name}'s {split} split")
+                      for split, dataset, size in (("train", data.train, data_cfg.train_size),
+                                                   ("test", data.test, data_cfg.test_size))), data.source)

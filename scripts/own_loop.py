@@ -255,7 +255,7 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
     losses = torch.zeros(args.steps, device=device)  # rank 0's loss of every step, read once at the end
     lrs = [math.nan] * args.steps  # the lr written into every param group, each step
 
-    # >>> README: the loop (tests/test_own_loop.py checks that README.md shows this part verbatim)
+    # >>> README: the loop (tests/test_own_loop.py checks that docs/own_loop.md shows this part verbatim)
     optimizer = torch.optim.AdamW(param_groups, lr=args.lr, betas=(0.9, 0.95), fused=cuda)
     autocast = (lambda: torch.autocast("cuda", torch.bfloat16, cache_enabled=False)) if cuda else contextlib.nullcontext
     metrics = graphing.RunningMeans(["loss", "grad_norm"], device)  # sums on the device, read every log interval

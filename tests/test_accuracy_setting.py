@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import launch
-
 pytestmark = pytest.mark.fast
 TINY = ["recipe=gpt_tiny", "experiment=debug", "logger=none", "recipe.model.n_layer=1", "recipe.model.d_model=32",
         "recipe.model.n_head=2", "recipe.model.context=32", "recipe.data.train_size=256", "recipe.data.test_size=40",
         "recipe.data.batch_size=8", "recipe.data.eval_batch_size=16", "train.max_steps=12", "train.log_every=4"]
 
 
-def test_without_accuracy_the_same_training_logs_the_loss_alone(out):
-    runs = {flag: launch([*TINY, f"recipe.accuracy={flag}"], out / flag) for flag in ("true", "false")}
+def test_without_accuracy_the_same_training_logs_the_loss_alone(train_here, out):
+    runs = {flag: train_here([*TINY, f"recipe.accuracy={flag}"], out / flag) for flag in ("true", "false")}
     for done in runs.values():
         assert done.returncode == 0, done.stderr[-3000:]
     on, off = runs["true"], runs["false"]

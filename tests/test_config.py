@@ -24,7 +24,7 @@ def options(group: str):
 def test_every_group_combination_composes_with_its_own_recipe_and_mode():
     # Every recipe × mode × experiment; the loggers (independent of the rest) alternate.
     combos = list(itertools.product(options("recipe"), options("graph"), [None, *options("experiment")]))
-    assert len(combos) == 4 * 6 * 3  # mnist, cifar10_resnet18, gpt_tiny, gpt2_small
+    assert len(combos) == 5 * 6 * 3  # mnist, cifar10_resnet18, gpt_tiny, gpt2_small, hf_causal_lm
     loggers = itertools.cycle(options("logger"))
     for (recipe, graph, experiment), logger in zip(combos, loggers):
         overrides = [f"recipe={recipe}", f"graph={graph}", f"logger={logger}"]
@@ -48,7 +48,7 @@ def test_defaults_are_the_readme_defaults():
     assert cfg.graph.capture_error_mode.value == "global" and cfg.graph.on_failure.value == "fail"
     assert cfg.recipe.data.source == "auto" and cfg.recipe.data.batch_size == 64
     assert dict(cfg.recipe.optim) == {"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.01, "momentum": 0.5}
-    assert dict(cfg.recipe.schedule) == {"_target_": "trainer.schedules.Constant", "warmup_steps": 0}
+    assert dict(cfg.recipe.schedule) == {"_target_": "trainer.schedules.Constant", "_partial_": True, "warmup_steps": 0}
     assert cfg.train.epochs == 10 and cfg.device.value == "auto"
     assert cfg.logger.backend.value == "wandb" and cfg.logger.wandb.mode is None  # offline unless told
     ddp = cfg.train.ddp  # bucket_cap_mb null: torch's own buckets (a 1 MiB first one, then 25 MiB)
@@ -110,7 +110,7 @@ def test_components_are_swapped_by_target():
     cfg = compose(["recipe.optim._target_=torch.optim.AdamW", "~recipe.optim.momentum",
                    "recipe.schedule._target_=trainer.schedules.Cosine", "recipe.schedule.warmup_steps=5"])
     assert dict(cfg.recipe.optim) == {"_target_": "torch.optim.AdamW", "_partial_": True, "lr": 0.01}
-    assert dict(cfg.recipe.schedule) == {"_target_": "trainer.schedules.Cosine", "warmup_steps": 5}
+    assert dict(cfg.recipe.schedule) == {"_target_": "trainer.schedules.Cosine", "_partial_": True, "warmup_steps": 5}
 
 
 @pytest.mark.fast

@@ -7,8 +7,6 @@ clear message for each way a folder can be wrong.
 from __future__ import annotations
 
 import pickle
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +14,6 @@ import torch
 from omegaconf import OmegaConf
 
 from conf.schema import compose
-from conftest import ROOT, launch
 from recipes.mnist import synthetic_mnist
 from trainer.errors import ConfigError
 from trainer.runtime import Runtime
@@ -101,14 +98,16 @@ def test_export_refuses_a_folder_that_already_holds_files(exported):
         export(compose(SOURCE), exported)
 
 
-def test_export_script_writes_rgb_images_of_the_cifar_recipe(tmp_path):
+def test_export_script_writes_rgb_images_of_the_cifar_recipe(tmp_path, capsys):
+    from scripts.export_images import main
+
     folder = tmp_path / "cifar_png"
-    done = subprocess.run([sys.executable, "scripts/export_images.py", "recipe=cifar10_resnet18",
-                           "recipe.data.source=synthetic", "recipe.data.train_size=40", "recipe.data.test_size=12",
-                           "--output", str(folder)], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-3000:]
+    code = main(["recipe=cifar10_resnet18", "recipe.data.source=synthetic", "recipe.data.train_size=40",
+                 "recipe.data.test_size=12", "--output", str(folder)])
+    done = capsys.readouterr()
+    assert code == 0, done.err[-3000:]
     assert f"wrote 40 train and 12 test images (3x32x32 PNG, 10 classes, synthetic data of recipe " \
-           f"cifar10_resnet18) to {folder}" in done.stdout
+           f"cifar10_resnet18) to {folder}" in done.out
     from recipes.cifar10 import synthetic_cifar10
 
     train, _ = synthetic_cifar10(0, 40, 12)
@@ -260,10 +259,10 @@ def test_an_unknown_source_lists_folder_among_the_choices():
         build_mnist("recipe.data.source=pngs")
 
 
-def test_train_py_prints_a_bad_folder_once_and_exits_2(tmp_path, out):
+def test_train_py_prints_a_bad_folder_once_and_exits_2(tmp_path, out, train_here):
     named = _bad_folder(tmp_path / "images", "png-of-another-size")
-    done = launch(["recipe=mnist", "recipe.data.source=folder", f"recipe.data.root={tmp_path / 'images'}",
-                   "logger=none"], out, timeout=120)
+    done = train_here(["recipe=mnist", "recipe.data.source=folder", f"recipe.data.root={tmp_path / 'images'}",
+                       "logger=none"], out)
     assert done.returncode == 2, done.stderr[-3000:]
     assert done.stderr.count(named) == 1 and "Traceback" not in done.stderr, done.stderr
     assert not out.exists() or not any(out.rglob("config.yaml"))  # no run directory for a config error

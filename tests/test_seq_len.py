@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import launch
 from trainer.errors import ConfigError
 from trainer.seq_len import seq_len_schedule
 
@@ -38,12 +37,12 @@ def test_eager_runs_are_not_bound_by_max_graphs():
     assert seq_len_schedule([8, 16, 32, 48, 64], **{**OK, "graphed": False}).at(29) is None
 
 
-def test_a_gpt_run_over_three_buckets_reports_each_buckets_throughput(out):
-    done = launch(["recipe=gpt_tiny", "experiment=debug", "logger=none", "recipe.model.n_layer=1",
-                   "recipe.model.d_model=32", "recipe.model.n_head=2", "recipe.model.context=32",
-                   "recipe.data.train_size=256", "recipe.data.test_size=32", "recipe.data.batch_size=8",
-                   "recipe.data.seq_len_buckets=[8,16,32]", "train.max_steps=36", "train.epochs=2",
-                   "graph.warmup_iters=2"], out)
+def test_a_gpt_run_over_three_buckets_reports_each_buckets_throughput(train_here):
+    done = train_here(["recipe=gpt_tiny", "experiment=debug", "logger=none", "recipe.model.n_layer=1",
+                       "recipe.model.d_model=32", "recipe.model.n_head=2", "recipe.model.context=32",
+                       "recipe.data.train_size=256", "recipe.data.test_size=32", "recipe.data.batch_size=8",
+                       "recipe.data.seq_len_buckets=[8,16,32]", "train.max_steps=36", "train.epochs=2",
+                       "graph.warmup_iters=2"])
     assert done.returncode == 0, done.stderr[-3000:]
     res = done.results()
     assert res["steps"] == 36

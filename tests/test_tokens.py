@@ -14,8 +14,6 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import launch
-
 TINY = ["recipe.model.n_layer=1", "recipe.model.d_model=32", "recipe.model.n_head=2", "recipe.model.context=16",
         "logger=none", "train.progress=false"]
 
@@ -181,10 +179,10 @@ def test_a_bad_token_directory_is_named_once_before_training(train_here, token_d
     assert not done.run_dirs or not (done.run_dir / "results.json").exists()
 
 
-def test_train_py_prints_a_bad_token_directory_once_and_exits_2(token_dir, out):
+def test_train_py_prints_a_bad_token_directory_once_and_exits_2(token_dir, train_here):
     _break(token_dir, "vocab too large")
-    done = launch(["recipe=gpt_tiny", *TINY, "recipe.data.source=tokens", f"recipe.data.root={token_dir}",
-                   "recipe.data.loader=host"], out, timeout=120)
+    done = train_here(["recipe=gpt_tiny", *TINY, "recipe.data.source=tokens", f"recipe.data.root={token_dir}",
+                       "recipe.data.loader=host"])
     assert done.returncode == 2, done.stderr[-3000:]
     assert (done.stdout + done.stderr).count("says vocab_size=50257") == 1, done.stderr
     assert "Traceback" not in done.stderr

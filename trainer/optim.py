@@ -1,11 +1,13 @@
 """The optimizer and LR schedule, built from their checked specs (trainer/plan.py) and made graph-safe.
 
-``recipe.optim`` names any optimizer class (``_target_: torch.optim.AdamW``,
-``_partial_: true``); its other keys are the class's arguments. The trainer adds the
+``recipe.optim`` names any optimizer class (``_target_: torch.optim.AdamW``); its other
+keys are the class's arguments. It is a partial, as Hydra's ``_partial_: true`` says (the
+key may be left out; any other value is refused by trainer/plan.py): the trainer adds the
 parameters and the learning rate as a device tensor, and on CUDA the options that let
 the step run inside a CUDA graph (``capturable``/``fused``, graphing/optimizers.py). A
 class or setting that cannot be captured is refused before training, naming the key.
-``recipe.schedule`` names a device-side schedule (trainer/schedules.py).
+``recipe.schedule`` names a device-side schedule (trainer/schedules.py), completed with
+``base_lr`` and ``total_steps`` the same way.
 """
 from __future__ import annotations
 

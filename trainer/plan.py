@@ -5,7 +5,12 @@ checked by Hydra at compose time (conf/schema.py); here come ranges, combination
 machine, and whether the components named by ``_target_`` (recipe builder, optimizer
 class, schedule class) can be imported and called. Choices that depend on the built
 recipe (memory format, loader kind) are resolved by ``RunPlan.for_recipe``. Choices a
-recipe owns (data sources, model options) are checked by the recipe when it is built.
+recipe owns (data sources, model options) are checked by the recipe when it is built,
+and the settings only a recipe can apply (``recipe.label_smoothing``) against the Recipe
+it returns (``RunPlan.build_recipe``).
+
+Every setting is read or refused: one that this run cannot carry (a setting of another
+mode, an option the recipe does not apply) stops the run here with a ConfigError naming it.
 
 The plan is what the rest of the run reads its choices from (trainer/assembly.py builds
 the parts from it); plain values (epochs, intervals, paths) stay in ``plan.cfg``. A new
@@ -17,16 +22,19 @@ from __future__ import annotations
 import inspect
 import math
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional
 
 import torch
 from omegaconf import OmegaConf
 
+from conf.schema import GraphConfig, LossScaleConfig
 from graphing import GraphConfigError, GraphMode, GraphOptions, closure_problem
 from graphing.compat import ddp_buffer_sync_argument
 from trainer.data import choose_loader
 from trainer.errors import ConfigError
+from trainer.recipe import Recipe
 from trainer.schedules import LRSchedule
 from trainer.targets import import_target
 
@@ -70,7 +78,7 @@ class RunPlan:
     world_size: int
     graph: GraphOptions  # resolved: auto decided, checked for this machine
     precision: str  # fp32 | bf16 | fp16
-    build_recipe: Callable  # build(cfg, runtime) -> trainer.recipe.Recipe
+    build_recipe: Callable  # build(cfg, runtime) -> trainer.recipe.Recipe, checked (recipe_builder)
     optimizer: OptimizerSpec
     schedule: ScheduleSpec
     ddp: DDPSpec  # used only when a process group is up
@@ -91,8 +99,10 @@ def plan_run(cfg, device: torch.device, world_size: int) -> RunPlan:
     """Raises ConfigError naming the first setting that cannot work; else the run's plan."""
     _check_values(cfg)
     build_recipe, optimizer = recipe_builder(cfg), optimizer_spec(cfg.recipe.optim)
+    precision = resolve_precision(cfg.train.precision.value, device)
+    _check_loss_scale(cfg.train, precision)
     return RunPlan(cfg=cfg, device=device, world_size=world_size, graph=graph_options(cfg, device, world_size),
-                   precision=resolve_precision(cfg.train.precision.value, device), build_recipe=build_recipe,
+                   precision=precision, build_recipe=build_recipe,
                    optimizer=optimizer, schedule=schedule_spec(cfg.recipe.schedule), ddp=ddp_spec(cfg, world_size),
                    loader=cfg.recipe.data.loader.value, memory_format=cfg.train.memory_format.value)
 
@@ -107,9 +117,13 @@ def _check_values(cfg) -> None:
             raise ConfigError(f"{key}={value} must be at least 1: set {key}=...")
     for key, value in (("train.grad_clip", t.grad_clip), ("checkpoint.every_steps", c.every_steps),
                        ("checkpoint.every_epochs", c.every_epochs), ("checkpoint.every_minutes", c.every_minutes),
-                       ("recipe.data.num_workers", d.num_workers), ("recipe.label_smoothing", cfg.recipe.label_smoothing)):
+                       ("recipe.data.num_workers", d.num_workers)):
         if value < 0:
             raise ConfigError(f"{key}={value} must be >= 0 (0 turns it off)")
+    smoothing = cfg.recipe.label_smoothing
+    if not 0 <= smoothing < 1:  # at 1 the target is uniform: the labels would be ignored
+        raise ConfigError(f"recipe.label_smoothing={smoothing} must be at least 0 and below 1 (0 turns it off): "
+                          "set recipe.label_smoothing=0.1, say")
     if t.loss_scale.init <= 0 or t.loss_scale.growth_interval < 1:
         raise ConfigError(f"train.loss_scale.init={t.loss_scale.init} must be > 0 and train.loss_scale.growth_interval="
                           f"{t.loss_scale.growth_interval} at least 1")
@@ -144,6 +158,18 @@ def resolve_precision(setting: str, device: torch.device) -> str:
     return setting
 
 
+def _check_loss_scale(train, precision: str) -> None:
+    """``train.loss_scale`` is fp16's: set for another precision, it is refused, naming the key."""
+    if precision == "fp16":
+        return
+    for key in ("init", "growth_interval"):
+        value = getattr(train.loss_scale, key)
+        if value != getattr(LossScaleConfig, key):
+            raise ConfigError(f"train.loss_scale.{key}={value:g} applies to train.precision=fp16 only, but this run "
+                              f"trains in {precision} (train.precision={train.precision.value}): set "
+                              f"train.precision=fp16, or drop train.loss_scale.{key}")
+
+
 def resolve_memory_format(setting: str, model: torch.nn.Module, device: torch.device) -> torch.memory_format:
     """``train.memory_format`` as a torch memory format (auto: channels_last for conv nets on CUDA)."""
     if setting == "auto":
@@ -176,14 +202,37 @@ def ddp_spec(cfg, world_size: int) -> DDPSpec:
 
 
 def recipe_builder(cfg) -> Callable:
-    """The callable ``recipe._target_`` names: ``build(cfg, runtime) -> Recipe``."""
+    """The callable ``recipe._target_`` names, ``build(cfg, runtime) -> Recipe``, as a builder
+    whose Recipe is checked for the settings only a recipe can apply (``check_recipe_applies``)."""
     build = import_target(cfg.recipe._target_, "recipe._target_", "recipes.mnist.build")
     try:
         inspect.signature(build).bind(cfg, None)
     except (TypeError, ValueError):  # not callable, or not with (cfg, runtime)
         raise ConfigError(f"recipe._target_={cfg.recipe._target_} cannot be called as build(cfg, runtime): name a "
                           "function build(cfg, runtime) -> trainer.recipe.Recipe") from None
-    return build
+    return partial(_build_checked, build)
+
+
+def _build_checked(build: Callable, cfg, rt) -> Any:
+    """``build(cfg, rt)``, its Recipe checked (``RunPlan.build_recipe``)."""
+    recipe = build(cfg, rt)
+    if isinstance(recipe, Recipe):  # anything else is named where the Recipe is taken (trainer/assembly.py)
+        check_recipe_applies(cfg, recipe)
+    return recipe
+
+
+def check_recipe_applies(cfg, recipe: Recipe) -> None:
+    """Refuses ``recipe.label_smoothing`` unless the Recipe says that its criterion applies that value."""
+    asked, applied = float(cfg.recipe.label_smoothing), float(recipe.label_smoothing)
+    if asked == applied:
+        return
+    says = ("does not apply label smoothing (its Recipe says label_smoothing=0)" if applied == 0 else
+            f"applies {applied:g} instead (its Recipe says label_smoothing={applied:g})")
+    raise ConfigError(
+        f"recipe.label_smoothing={asked:g}: recipe {recipe.name!r} (recipe._target_={cfg.recipe._target_}) {says}. "
+        f"Set recipe.label_smoothing={applied:g}, or choose a recipe that supports it; a recipe of your own "
+        "supports it by passing cfg.recipe.label_smoothing to its loss (F.cross_entropy(..., label_smoothing=)) "
+        "and returning Recipe(..., label_smoothing=cfg.recipe.label_smoothing)")
 
 
 def graph_options(cfg, device: torch.device, world_size: int) -> GraphOptions:
@@ -197,6 +246,9 @@ def graph_options(cfg, device: torch.device, world_size: int) -> GraphOptions:
         options = options.resolved(device.type, world_size, torch.cuda.is_available())
     except GraphConfigError as e:
         raise ConfigError(e.render(graph_setting)) from None
+    if not g.compare and g.compare_steps != GraphConfig.compare_steps:
+        raise ConfigError(f"graph.compare_steps={g.compare_steps} is read only with graph.compare=true: set "
+                          "graph.compare=true (experiment=compare), or drop graph.compare_steps")
     if g.compare and options.mode is not GraphMode.full:
         raise ConfigError(f"graph.compare=true times eager steps against full-graph steps, but graph.mode "
                           f"resolves to {options.mode.value} here: set graph=full on a GPU (or drop graph.compare)")
@@ -214,9 +266,21 @@ def _plain(node) -> Dict[str, Any]:
     return dict(node) if isinstance(node, dict) else OmegaConf.to_container(node, resolve=True)
 
 
+def _take_partial(settings: Dict[str, Any], key: str, added: str) -> None:
+    """Takes Hydra's ``_partial_`` out of ``settings``: the trainer always completes the call itself
+    (adding ``added``), so true, or no key, is the one value that describes it."""
+    value = settings.pop("_partial_", True)
+    if value is not True:
+        shown = str(value).lower() if isinstance(value, bool) else repr(value)
+        raise ConfigError(f"{key}._partial_={shown}: the trainer calls {key}._target_ itself, adding {added}, as "
+                          f"Hydra's instantiate does with _partial_: true. Set {key}._partial_=true, or remove it "
+                          f"(~{key}._partial_)")
+
+
 def optimizer_spec(cfg_optim) -> OptimizerSpec:
     """``recipe.optim``, checked: an importable optimizer class, a positive lr, keys the class takes."""
     settings = _plain(cfg_optim)
+    _take_partial(settings, "recipe.optim", "the model's parameters (and the lr as a device tensor)")
     if "_target_" not in settings:
         raise ConfigError("recipe.optim has no _target_: set recipe.optim._target_=torch.optim.SGD (or any "
                           "optimizer class)")
@@ -234,7 +298,7 @@ def optimizer_spec(cfg_optim) -> OptimizerSpec:
                           "recipe.optim._target_=torch.optim.AdamW, for one")
     parameters = inspect.signature(cls).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
-    kwargs = {k: v for k, v in settings.items() if k not in ("_target_", "_partial_", "lr")}
+    kwargs = {k: v for k, v in settings.items() if k not in ("_target_", "lr")}
     for key in kwargs:
         if key not in parameters and not takes_any:
             raise ConfigError(f"recipe.optim.{key} is not an argument of {target}: remove it "
@@ -256,8 +320,8 @@ def _closure_problem(cls: type, lr: float) -> Optional[str]:
 def schedule_spec(cfg_schedule) -> ScheduleSpec:
     """``recipe.schedule``, checked: a device-side ``LRSchedule`` class."""
     settings = _plain(cfg_schedule)
+    _take_partial(settings, "recipe.schedule", "base_lr and total_steps")
     target = settings.pop("_target_", None)
-    settings.pop("_partial_", None)
     cls = import_target(target, "recipe.schedule._target_", "trainer.schedules.Cosine")
     if isinstance(cls, type) and issubclass(cls, torch.optim.lr_scheduler.LRScheduler):
         raise ConfigError(f"recipe.schedule._target_={target} is a host-side scheduler: it sets the lr as a Python "

@@ -16,12 +16,22 @@ dict ``{"x": ..., "y": ..., "attention_mask": ...}`` (or a ``Split`` with ``extr
 and ``Recipe.forward`` says how a batch reaches the model, e.g.
 ``lambda model, batch: model(batch["x"], batch["attention_mask"])``.
 
+The criterion and ``correct`` read what ``Recipe.forward`` returns (without one, what the model
+returns). A model whose output is an object (a Hugging Face ``CausalLMOutputWithPast``: ``logits``,
+perhaps a ``loss``) gets a ``forward`` that returns the tensor the criterion reads, e.g.
+``lambda model, batch: model(batch["x"]).logits``: the step keeps nothing else of the output.
+
 Activation checkpointing (``train.activation_checkpointing=true``) is the recipe's to apply,
 since only it knows its model's blocks: ``build`` reads ``cfg.train.activation_checkpointing``,
 its model runs each block through ``trainer.activation_checkpointing.checkpointed`` when it is
 true, and it returns ``Recipe(..., activation_checkpointing=True)`` to say so. A recipe that
 leaves ``activation_checkpointing`` False (the default) is refused with the setting on, with one
 ConfigError naming it, rather than trained without it.
+
+Label smoothing (``recipe.label_smoothing``) is the recipe's too, since only it knows its loss:
+its criterion applies the setting, and ``Recipe(..., label_smoothing=cfg.recipe.label_smoothing)``
+says so. A run whose setting differs from what its Recipe says it applies (0 by default) is
+refused with one ConfigError naming the setting, rather than trained without it.
 """
 from __future__ import annotations
 
@@ -97,15 +107,19 @@ class Recipe:
     units_per_sample: int = 1  # tokens per sample for language models
     unit: str = "samples"
     flops_per_unit: float = 0.0  # training FLOPs per sample (or token), for MFU; 0: unknown
-    # How a (preprocessed) batch reaches the model: ``forward(model, batch) -> output``, e.g.
-    # ``model(batch["x"], batch["attention_mask"])``; None: ``model(batch["x"])``. It runs inside
-    # the step (device work only); ``batch["x"]`` is already in the run's memory format. Under
+    # How a (preprocessed) batch reaches the model, and its output the criterion: ``forward(model, batch)``
+    # returns what ``criterion`` and ``correct`` read, e.g. ``model(batch["x"], batch["attention_mask"])``,
+    # or ``model(batch["x"]).logits`` for a model that returns an object; None: ``model(batch["x"])``.
+    # It runs inside the step (device work only); ``batch["x"]`` is already in the run's memory format. Under
     # graph.mode=partial it must call the model once, with tensors as positional arguments
     # (what torch.cuda.make_graphed_callables replays).
     forward: Optional[Callable[[torch.nn.Module, Batch], torch.Tensor]] = None
     # Whether the model checkpoints its blocks (trainer/activation_checkpointing.py): a recipe that
     # supports train.activation_checkpointing passes the setting's value; False refuses the setting.
     activation_checkpointing: bool = False
+    # The label smoothing its criterion applies: a recipe that supports recipe.label_smoothing passes
+    # the setting's value; a setting other than this value is refused.
+    label_smoothing: float = 0.0
 
 
 def top1_correct(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
