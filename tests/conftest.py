@@ -1,20 +1,37 @@
-"""Shared helpers: launch train.py the way a user does (python or torchrun) and find its outputs."""
+"""Shared helpers: launch a script the way a user does (python or torchrun) and find its outputs.
+
+``launch`` and ``Launch`` are the tests' one way to start a process: ``python train.py`` (or any
+script), or torchrun with ``nproc`` gloo/NCCL ranks. Every launch has a hard time limit: a hung
+rank fails its test, with the stacks of the hung processes, and never hangs the suite.
+"""
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
 import socket
 import subprocess
 import sys
-from dataclasses import dataclass
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
+
+LAUNCH_TIMEOUT_S = 240.0  # one launch, at most, unless a test says otherwise
+# Every process a launch starts (torchrun, ranks, loader workers, W&B) carries this variable, valued
+# "<this pytest session>-<the launch>": found by it, whatever its parent or session.
+MARK = "GRAPHED_DDP_TEST_LAUNCH"
+SESSION = uuid.uuid4().hex[:12]
+LOGS = Path(tempfile.gettempdir()) / f"graphed_ddp_test_launches_{SESSION}"  # launches that name no folder
 
 
 def free_port() -> int:
@@ -23,12 +40,77 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def torchrun(nproc: int, *, rdzv_endpoint: Optional[str] = None, rdzv_id: str = "test", max_restarts: int = 0,
+             extra: Optional[List[str]] = None) -> List[str]:
+    """The torchrun command line (without the script): one node of ``nproc`` ranks, a c10d rendezvous on a free
+    port unless ``rdzv_endpoint`` names one (several agents, one job), ``extra`` torchrun flags after these."""
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={rdzv_endpoint or f'127.0.0.1:{free_port()}'}", f"--rdzv-id={rdzv_id}",
+            f"--max-restarts={max_restarts}", *(extra or [])]
+
+
+def marked_pids(value: str, prefix: bool = False) -> List[int]:
+    """Live (not zombie) processes whose environment holds ``MARK=value`` (or a value starting with it)."""
+    needle = f"{MARK}={value}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            environ = Path(f"/proc/{entry}/environ").read_bytes()
+            state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z" and any(v == needle or (prefix and v.startswith(needle)) for v in environ.split(b"\0")):
+            found.append(int(entry))
+    return found
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ").strip()[:200]
+    except OSError:
+        return "(gone)"
+
+
+def _state(pid: int) -> str:
+    """The kernel's view of a process: its state and what it waits in (wchan)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return f"state {state}, waiting in {Path(f'/proc/{pid}/wchan').read_text() or '-'}"
+    except OSError:
+        return "gone"
+
+
+def _stacks(pids: List[int]) -> str:
+    """Where each process is (py-spy, where installed): what a hung launch reports before it is killed."""
+    spy = shutil.which("py-spy")
+    lines = []
+    for pid in pids:
+        lines.append(f"--- pid {pid} ({_state(pid)}): {_cmdline(pid)}")
+        if spy:
+            try:
+                dump = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=20)
+                lines.append((dump.stdout + dump.stderr).strip())
+            except (OSError, subprocess.SubprocessError) as e:
+                lines.append(f"(py-spy: {e})")
+    if not spy:
+        lines.append("(pip install py-spy to see their stacks here)")
+    return "\n".join(lines)
+
+
 @dataclass
 class Finished:
     returncode: int
     stdout: str
-    stderr: str
-    output_root: Path
+    stderr: str  # empty where the launch merged it into stdout
+    output_root: Optional[Path] = None
+    ended: float = 0.0  # time.monotonic() when the launched process exited
+    left: List[str] = field(default_factory=list)  # its processes still alive 10 s after it ended (then killed)
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
 
     @property
     def run_dirs(self) -> List[Path]:
@@ -47,33 +129,120 @@ class Finished:
         return [json.loads(line) for line in (self.run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def launch(args: List[str], output_root: Path, *, nproc: Optional[int] = None, timeout: float = 300,
-           env: Optional[Dict[str, str]] = None, torchrun_args: Optional[List[str]] = None,
-           kill_at_step: Optional[str] = None, faults: Optional[Dict[str, str]] = None) -> Finished:
-    """Runs ``python train.py args`` (nproc None) or ``torchrun --nproc_per_node=nproc train.py args``.
+class Launch:
+    """``python script args`` (nproc None) or ``torchrun --nproc_per_node=nproc script args``, in the background.
 
-    ``kill_at_step`` ("STEP" or "STEP:RANK"): through tests/fault_injection.py instead, which
-    kills that rank (1 by default) right after that step, on the job's first attempt.
-    ``faults``: other tests/fault_injection.py variables (``{QUOTA_AT_STEP_ENV: "12"}``).
+    ``faults`` (tests/fault_injection.py's variables) or ``kill_at_step`` ("STEP" or "STEP:RANK": that rank, 1 by
+    default, is killed right after that step on the job's first attempt) run train.py through
+    tests/fault_injection.py. ``torchrun_args``: ``torchrun()``'s keywords (rdzv_endpoint, rdzv_id, max_restarts,
+    extra). Output goes to files in ``log_dir`` (a pipe that a rank inherits can keep its reader waiting), stderr
+    into stdout's file with ``merge_output``. The launch runs in a session of its own, like a terminal's job: a
+    signal to its group (``os.killpg(launch.proc.pid, ...)``) reaches torchrun and every rank.
     """
-    from fault_injection import FAULT_ENVS, KILL_AT_STEP_ENV
 
-    faults = dict(faults or {})
-    if kill_at_step is not None:
-        faults[KILL_AT_STEP_ENV] = kill_at_step
-    script = "train.py" if not faults else "tests/fault_injection.py"
-    if nproc is None:
-        cmd = [sys.executable, script]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               *(torchrun_args or ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-                                   "--rdzv-id=test"]), script]
-    full_env = {k: v for k, v in os.environ.items() if k != "WANDB_MODE" and k not in FAULT_ENVS}  # W&B: offline
-    full_env.update(faults)
-    full_env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true", **(env or {})})
-    proc = subprocess.run([*cmd, f"output_root={output_root}", *args], cwd=ROOT, env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
-    return Finished(proc.returncode, proc.stdout, proc.stderr, output_root)
+    def __init__(self, args: List[str], log_dir: Path, *, script: str = "train.py", nproc: Optional[int] = None,
+                 torchrun_args: Optional[Dict] = None, env: Optional[Dict[str, str]] = None,
+                 faults: Optional[Dict[str, str]] = None, kill_at_step: Optional[str] = None,
+                 merge_output: bool = False, cwd: Path = ROOT, name: str = "launch"):
+        from fault_injection import FAULT_ENVS, KILL_AT_STEP_ENV
+
+        faults = dict(faults or {})
+        if kill_at_step is not None:
+            faults[KILL_AT_STEP_ENV] = kill_at_step
+        if faults:
+            assert script == "train.py", "faults are injected into train.py only"
+            script = "tests/fault_injection.py"
+        launcher = [sys.executable] if nproc is None else torchrun(nproc, **(torchrun_args or {}))
+        self.marker = f"{SESSION}-{uuid.uuid4().hex}"
+        full_env = {k: v for k, v in os.environ.items() if k != "WANDB_MODE" and k not in FAULT_ENVS}  # W&B offline
+        full_env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true", **faults,
+                         **(env or {}), MARK: self.marker})
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.stdout_path, self.stderr_path = log_dir / f"{name}.out", log_dir / f"{name}.err"
+        self.cmd = [*launcher, script, *args]  # script: relative to cwd (the checkout's root by default)
+        with open(self.stdout_path, "w") as out, open(self.stderr_path, "w") as err:
+            self.proc = subprocess.Popen(self.cmd, cwd=cwd, env=full_env, stdout=out,
+                                         stderr=subprocess.STDOUT if merge_output else err, start_new_session=True)
+        self.started = time.monotonic()
+
+    def output(self) -> str:
+        return self.stdout_path.read_text() + self.stderr_path.read_text()
+
+    def pids(self) -> List[int]:
+        """Live processes of this launch, found by its marker."""
+        return marked_pids(self.marker)
+
+    def signal_all(self, sig) -> None:
+        for pid in self.pids():
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def wait_until(self, ready: Callable[[], bool], what: str, timeout: float = 120) -> None:
+        """Polls ``ready()`` while the launch runs; fails the test if it ends or ``timeout`` passes first."""
+        deadline = time.monotonic() + timeout
+        while not ready():
+            if self.proc.poll() is not None:
+                pytest.fail(f"the launch ended (exit {self.proc.returncode}) before {what}:\n{self.output()[-3000:]}")
+            if time.monotonic() > deadline:
+                self.kill()
+                pytest.fail(f"no {what} within {timeout:.0f} s:\n{self.output()[-3000:]}")
+            time.sleep(0.05)
+
+    def kill(self) -> None:
+        self.signal_all(signal.SIGKILL)
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+    def finish(self, timeout: float = LAUNCH_TIMEOUT_S, output_root: Optional[Path] = None) -> Finished:
+        """Waits for the launch to end, at most ``timeout`` s from now: past it, the test fails with where every
+        process of the launch was, and they are all killed."""
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            stacks = _stacks(self.pids())
+            self.kill()
+            pytest.fail(f"{' '.join(self.cmd)[:300]}\nran past {timeout:.0f} s (a hung rank?); killed. Where its "
+                        f"processes were:\n{stacks}\n--- its output:\n{self.output()[-4000:]}")
+        ended = time.monotonic()
+        left = self.pids()
+        deadline = ended + 10  # a loader worker or W&B may take a moment after its parent
+        while left and time.monotonic() < deadline:
+            time.sleep(0.1)
+            left = self.pids()
+        names = [_cmdline(pid) for pid in left]
+        self.signal_all(signal.SIGKILL)
+        return Finished(self.proc.returncode, self.stdout_path.read_text(), self.stderr_path.read_text(),
+                        output_root, ended, names)
+
+
+def launch(args: List[str], output_root: Optional[Path] = None, *, timeout: float = LAUNCH_TIMEOUT_S,
+           log_dir: Optional[Path] = None, **kw) -> Finished:
+    """Runs ``python train.py output_root=... args`` (or ``script``; under torchrun with ``nproc``) to its end.
+
+    ``output_root`` None: no output_root override (scripts with flags of their own). The output files go to
+    ``log_dir`` (default: beside output_root, or a folder of this session's, removed at its end). Other
+    keywords: ``Launch``'s.
+    """
+    if output_root is not None:
+        args = [f"output_root={output_root}", *args]
+    if log_dir is None:
+        log_dir = output_root.parent / "launch_logs" if output_root is not None else LOGS
+    return Launch(args, log_dir, name=uuid.uuid4().hex[:8], **kw).finish(timeout, output_root)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_launch_outlives_the_session():
+    """A launch a test abandoned (an error between start and finish) is killed when the session ends."""
+    yield
+    for pid in marked_pids(SESSION, prefix=True):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    shutil.rmtree(LOGS, ignore_errors=True)
 
 
 @pytest.fixture

@@ -24,7 +24,6 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from conf.schema import compose
-from conftest import launch
 from test_external_recipe import ARGS as USER_RECIPE_ARGS, RECIPE as USER_RECIPE
 
 SETTING = "train.activation_checkpointing"
@@ -192,12 +191,11 @@ def test_a_users_recipe_that_declares_it_trains_with_it(train_here, user_recipes
     assert with_it.results()["final/loss"] == pytest.approx(without.results()["final/loss"], rel=1e-6)
 
 
-# ---- train.py, as a user runs it ---------------------------------------------------------
+# ---- train.py's run, as a user asks for it ----------------------------------------------
 
-def test_train_py_trains_gpt_tiny_with_activation_checkpointing(out):
-    done = launch(["recipe=gpt_tiny", "experiment=debug", "logger=none", "train.progress=false", *TINY_GPT,
-                   "recipe.data.batch_size=4", "recipe.data.eval_batch_size=8", "train.max_steps=6",
-                   "train.log_every=3", f"{SETTING}=true"], out, timeout=120)
+def test_train_py_trains_gpt_tiny_with_activation_checkpointing(train_here):
+    done = train_here(["recipe=gpt_tiny", "experiment=debug", "logger=none", *TINY_GPT, "recipe.data.batch_size=4",
+                       "recipe.data.eval_batch_size=8", "train.max_steps=6", "train.log_every=3", f"{SETTING}=true"])
     assert done.returncode == 0, done.stderr[-3000:]
     res = done.results()
     assert res["recipe"] == "gpt_tiny" and res["steps"] == 6

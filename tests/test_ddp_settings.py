@@ -137,7 +137,7 @@ def test_two_ranks_reducing_in_bf16_stay_identical_and_lose_only_rounding(tmp_pa
 
 
 @pytest.mark.parametrize("broadcast_buffers", ["true", "false"])
-def test_two_ranks_evaluate_the_model_their_checkpoint_holds(tmp_path, broadcast_buffers):
+def test_two_ranks_evaluate_the_model_their_checkpoint_holds(tmp_path, broadcast_buffers, train_here):
     """BatchNorm's running statistics differ between ranks, with DDP's per-forward broadcast
     (one batch apart) or without it (each rank's own): evaluation takes rank 0's first, so the
     two ranks' evaluation is that of the checkpoint, which holds rank 0's."""
@@ -149,7 +149,7 @@ def test_two_ranks_evaluate_the_model_their_checkpoint_holds(tmp_path, broadcast
     trained = two.results()
     assert trained["world_size"] == 2 and trained["steps"] == 4  # one epoch of 128 samples, 2 ranks x 16
     assert f"broadcast_buffers: {broadcast_buffers}" in (two.run_dir / "config.yaml").read_text()
-    evaluated = launch([*args, f"run_dir={two.run_dir}", "train.eval_only=true"], tmp_path, timeout=120)
+    evaluated = train_here([*args, f"run_dir={two.run_dir}", "train.eval_only=true"], tmp_path)  # one process
     assert evaluated.returncode == 0, evaluated.stderr[-4000:]
     alone = json.loads((two.run_dir / "eval.json").read_text())
     assert alone["final/eval_loss"] == pytest.approx(trained["final/eval_loss"], rel=1e-6, abs=0)

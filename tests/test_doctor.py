@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import graphing
-from conftest import ROOT, free_port
+from conftest import ROOT, free_port, launch
 from doctor_gallery import CASES, load, marked, source
 from graphing.doctor import SKIPPED_WITHOUT_CUDA
 from wandb_offline import find_runs, read_run
@@ -116,19 +114,20 @@ def test_the_built_in_recipes_are_ready_in_every_precision(recipe, precision, tm
     assert "no findings" in out and "verdict: ready (exit 0)" in out
 
 
-def test_the_script_names_a_recipes_line_writes_doctor_json_and_logs_the_table_to_wandb(tmp_path):
-    """One real launch, as a user runs it, with the default (offline) W&B logger."""
-    env = {k: v for k, v in os.environ.items() if k != "WANDB_MODE"}
-    env.update(PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), env.get("PYTHONPATH", "")]), WANDB_SILENT="true",
-               OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, "scripts/doctor.py", "recipe._target_=doctor_gallery.broken_recipe.build",
-                           "recipe.name=broken", "recipe.data.train_size=256", f"output_root={tmp_path}",
-                           "device=cpu"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+def test_the_script_names_a_recipes_line_writes_doctor_json_and_logs_the_table_to_wandb(tmp_path, capsys, monkeypatch):
+    """scripts/doctor.py's main, in this process, with the default (offline) W&B logger."""
+    from scripts.doctor import main
+
+    monkeypatch.delenv("WANDB_MODE", raising=False)  # the default: offline
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    code = main(["recipe._target_=doctor_gallery.broken_recipe.build", "recipe.name=broken",
+                 "recipe.data.train_size=256", f"output_root={tmp_path}", "device=cpu"])
+    done = capsys.readouterr()
     [line] = marked("broken_recipe")["host_sync"]
     where = f"tests/doctor_gallery/broken_recipe.py:{line}"
-    assert done.returncode == 5, done.stdout + done.stderr[-3000:]
-    assert where in done.stdout and "verdict: blocked (exit 5)" in done.stdout
-    assert "skipped without CUDA: capture attempt" in done.stdout  # device=cpu: the GPU checks are named
+    assert code == 5, done.out + done.err[-3000:]
+    assert where in done.out and "verdict: blocked (exit 5)" in done.out
+    assert "skipped without CUDA: capture attempt" in done.out  # device=cpu: the GPU checks are named
     [path] = tmp_path.rglob("doctor.json")
     report = json.loads(path.read_text())
     assert report["verdict"] == "blocked" and report["exit_code"] == 5 and report["recipe"] == "broken"
@@ -179,14 +178,10 @@ def test_torch_internal_calls_are_not_blamed_on_the_user_and_a_graph_safe_cpu_op
 
 def test_under_torchrun_each_rank_checks_and_rank_0_prints_one_merged_report(tmp_path):
     """Two gloo ranks, the user's way: one table, one doctor.json, and torchrun's report names the verdict."""
-    env = {k: v for k, v in os.environ.items() if k != "WANDB_MODE"}
-    env.update(PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), env.get("PYTHONPATH", "")]), WANDB_SILENT="true",
-               OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv-backend=c10d",
-                           f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=doctor", "scripts/doctor.py",
-                           "recipe._target_=doctor_gallery.broken_recipe.build", "recipe.name=broken",
-                           "recipe.data.train_size=256", f"output_root={tmp_path}", "device=cpu", "logger=none"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    done = launch(["recipe._target_=doctor_gallery.broken_recipe.build", "recipe.name=broken",
+                   "recipe.data.train_size=256", f"output_root={tmp_path}", "device=cpu", "logger=none"],
+                  script="scripts/doctor.py", nproc=2, timeout=180, log_dir=tmp_path / "logs",
+                  env={"PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])})
     [line] = marked("broken_recipe")["host_sync"]
     assert done.returncode != 0, done.stdout + done.stderr[-3000:]
     assert done.stdout.count("verdict: blocked (exit 5)") == 1, done.stdout + done.stderr[-3000:]

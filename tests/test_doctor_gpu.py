@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -21,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 import graphing
-from conftest import ROOT, cuda_count, free_port
+from conftest import cuda_count, free_port, launch
 from doctor_gallery import CASES, load, marked, source
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -144,14 +143,50 @@ def test_a_recipes_host_sync_is_named_on_cuda(tmp_path, capsys):
 @two_gpus
 def test_two_ranks_check_and_rank_0_prints_one_merged_report(tmp_path):
     began = time.monotonic()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv-backend=c10d",
-           f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=doctor", "scripts/doctor.py", *SMALL["mnist"],
-           "recipe.data.source=synthetic", "logger=none", f"output_root={tmp_path}"]
-    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    done = launch([*SMALL["mnist"], "recipe.data.source=synthetic", "logger=none", f"output_root={tmp_path}"],
+                  script="scripts/doctor.py", nproc=2, timeout=300, log_dir=tmp_path / "logs",
+                  env={"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"})
     print(f"two-rank doctor: {time.monotonic() - began:.1f} s")
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert done.stdout.count("graph doctor: 11 eager steps checked on cuda:0, 2 ranks") == 1, done.stdout
     [path] = tmp_path.rglob("doctor.json")
     report = json.loads(path.read_text())
     assert report["world_size"] == 2 and report["verdict"] == "ready" and report["capture"].startswith("captured")
+
+
+@pytest.mark.parametrize("package", ["capture_aware_model", "syncing_model"])
+def test_a_librarys_host_sync_is_judged_by_the_trial_capture(package, tmp_path):
+    """A package that skips its sync while capturing: an eager-only note, ready, and GraphedStep captures it;
+    one that syncs in every forward: blocked at the user's line and the package's, and GraphedStep fails."""
+    import library_sync_loop as loop
+
+    site = loop.write_package(tmp_path)
+    try:
+        report = loop.diagnose_loop(site, package, "cuda")
+        step_fn, model, optimizer, inputs = loop.build(site, package, "cuda")
+        step = graphing.GraphedStep(step_fn, model, optimizer)
+        try:
+            for _ in range(STEPS):
+                step(*inputs)
+            outcome = "captured" if step.report.graphs else "not captured"
+        except graphing.CaptureError:
+            outcome = "fails"
+        finally:
+            step.close()
+    finally:
+        sys.path.remove(str(site))
+        sys.modules.pop(package, None)
+    user_line = next(n for n, text in enumerate(open(loop.__file__).read().splitlines(), 1)
+                     if "# doctor: host_sync" in text)
+    where = f"tests/library_sync_loop.py:{user_line} -> {package}/__init__.py:{loop.package_sync_line()}"
+    print(f"{package}: doctor {report.verdict}; GraphedStep {outcome}\n{report.table()}")
+    if package == "capture_aware_model":
+        assert report.verdict == "ready" and outcome == "captured", report.table()
+        assert any(n.startswith(f"eager only; not in the graph: host_sync at {where}") for n in report.notes), \
+            report.notes
+    else:
+        assert report.verdict == "blocked" and outcome == "fails", report.table()
+        [finding] = [f for f in report.findings if f.kind == "host_sync"]
+        assert finding.where == where, report.table()
+        assert "the trial capture made it too: look for a setting of syncing_model" in finding.fix
+

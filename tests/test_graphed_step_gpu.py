@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import graphing
-from conftest import ROOT, cuda_count, free_port, launch
+from conftest import ROOT, cuda_count, launch
 from doctor_gallery import marked
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -31,11 +29,9 @@ LOSS_RTOL = 1e-3
 
 def run_loop(tmp_path, nproc: int, prewrap: bool, steps: int = 40) -> dict:
     out = tmp_path / "loop.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv-backend=c10d",
-           f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=loop", "tests/nanogpt_shaped_loop.py",
-           "--steps", str(steps), "--out", str(out), *(["--prewrap"] if prewrap else [])]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "NCCL_NVLS_ENABLE": "0"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = launch(["--steps", str(steps), "--out", str(out), *(["--prewrap"] if prewrap else [])],
+                  script="tests/nanogpt_shaped_loop.py", nproc=nproc, timeout=300, log_dir=tmp_path / "logs",
+                  env={"NCCL_NVLS_ENABLE": "0"})
     assert proc.returncode == 0, f"{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}"
     return json.loads(out.read_text())
 

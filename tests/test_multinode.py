@@ -7,27 +7,20 @@ from __future__ import annotations
 
 import ast
 import json
-import os
-import subprocess
-import sys
 import uuid
 
-from conftest import ROOT, free_port
+from conftest import Launch, free_port
 
 AGENT_TIMEOUT_S = 180  # usually 30-60 s: 4 ranks and 2 agents share a small CI machine
 
 
-def _agent(node: int, port: int, run_id: str, output_root, log_dir):
+def _agent(node: int, port: int, run_id: str, output_root, log_dir) -> Launch:
     """One torchrun agent = one node. On one machine, say which agent hosts the rendezvous store."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2",
-           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={run_id}",
-           f"--rdzv-conf=is_host={1 if node == 0 else 0}",
-           "train.py", "experiment=debug", "logger=none", f"output_root={output_root}",
-           "train.max_steps=10", "train.epochs=2", "train.progress=false"]
-    env = {k: v for k, v in os.environ.items() if k != "WANDB_MODE"}
-    env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
-    stdout = open(log_dir / f"node{node}.out", "w")
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=stdout, stderr=subprocess.STDOUT), stdout
+    return Launch(["experiment=debug", "logger=none", f"output_root={output_root}", "train.max_steps=10",
+                   "train.epochs=2", "train.progress=false"], log_dir, name=f"node{node}", nproc=2,
+                  torchrun_args={"rdzv_endpoint": f"127.0.0.1:{port}", "rdzv_id": run_id,
+                                 "extra": ["--nnodes=2", f"--rdzv-conf=is_host={1 if node == 0 else 0}"]},
+                  merge_output=True)
 
 
 def _summary(rank_log) -> dict:
@@ -43,13 +36,10 @@ def test_two_nodes_of_two_ranks_train_as_one_job_of_four(tmp_path):
     port, run_id = free_port(), f"multinode-{uuid.uuid4().hex[:8]}"
     agents = [_agent(node, port, run_id, output_root, log_dir) for node in (0, 1)]
     try:
-        codes = [proc.wait(timeout=AGENT_TIMEOUT_S) for proc, _ in agents]
+        codes = [agent.finish(timeout=AGENT_TIMEOUT_S).returncode for agent in agents]
     finally:
-        for proc, stdout in agents:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            stdout.close()
+        for agent in agents:
+            agent.kill()  # the other node's agent, if one of them ran past its time
     output = "\n".join(f"--- node {n} ---\n{(log_dir / f'node{n}.out').read_text()[-3000:]}" for n in (0, 1))
     assert codes == [0, 0], output
 

@@ -3,23 +3,18 @@ reports a job that fails while running, goes on, and ends with one table."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import launch
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="uses graph=full failing without CUDA")
 def test_a_sweep_reports_a_failing_job_goes_on_and_ends_with_one_table(tmp_path):
     sweep = tmp_path / "sweep"
-    env = {k: v for k, v in os.environ.items() if k != "WANDB_MODE"}
-    env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
-    done = subprocess.run([sys.executable, "train.py", "-m", "graph=full,eager", "experiment=debug", "logger=none",
-                           f"hydra.sweep.dir={sweep}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    done = launch(["-m", "graph=full,eager", "experiment=debug", "logger=none", f"hydra.sweep.dir={sweep}"],
+                  timeout=180, log_dir=tmp_path / "logs")
     text = done.stdout + done.stderr
     assert done.returncode == 1, text[-3000:]  # one job failed
     assert text.count("graph.mode=full needs a CUDA GPU") == 1

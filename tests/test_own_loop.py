@@ -4,15 +4,12 @@ The script runs as a real subprocess, under plain python or torchrun, the way a 
 starts it. CPU tests hide any GPU (CUDA_VISIBLE_DEVICES=""), so they check the CPU
 behaviour (gloo, eager; full refused) on every machine. The GPU tests run eager and full
 with the same seed (one GPU, and two under torchrun) and compare them step for step. The
-README's own-loop code is checked to be the script's, verbatim.
+own-loop guide's code (docs/own_loop.md) is checked to be the script's, verbatim.
 """
 from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -20,25 +17,19 @@ from typing import Dict, List, Optional
 import pytest
 import torch
 
-from conftest import ROOT, free_port
+from conftest import ROOT, Finished, launch
 
 SCRIPT = "scripts/own_loop.py"
 NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}
 
 
 def run_own_loop(args: List[str], *, nproc: Optional[int] = None, env: Optional[Dict[str, str]] = None,
-                 timeout: float = 180) -> subprocess.CompletedProcess:
+                 timeout: float = 180) -> Finished:
     """``python scripts/own_loop.py args`` (nproc None) or the same under torchrun with nproc processes."""
-    if nproc is None:
-        cmd = [sys.executable, SCRIPT]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv-backend=c10d",
-               f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=own_loop", SCRIPT]
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run([*cmd, *args], cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+    return launch(args, script=SCRIPT, nproc=nproc, env=env, timeout=timeout)
 
 
-def results_of(proc: subprocess.CompletedProcess, path: Path) -> Dict:
+def results_of(proc: Finished, path: Path) -> Dict:
     assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return json.loads(path.read_text())
 
@@ -77,8 +68,8 @@ SMALL = ["--context", "32", "--micro-batch", "8", "--log-every", "10", "--eval-e
 def test_the_readme_shows_the_scripts_loop_verbatim():
     excerpt = readme_excerpt()
     assert "graphing.GraphedStep(" in excerpt and "graphing.micro_batches(" in excerpt  # the essential loop
-    assert f"```python\n{excerpt}```" in (ROOT / "README.md").read_text(), (
-        "README.md's own-loop code block differs from scripts/own_loop.py's README part; paste this:\n" + excerpt)
+    assert f"```python\n{excerpt}```" in (ROOT / "docs" / "own_loop.md").read_text(), (
+        "docs/own_loop.md's code block differs from scripts/own_loop.py's README part; paste this:\n" + excerpt)
 
 
 def test_two_ranks_without_cuda_run_the_loop_eagerly_and_learn(tmp_path):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import cuda_count, free_port, launch
+from conftest import cuda_count, launch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(cuda_count() < 2, reason="needs 2 GPUs")]
 
@@ -12,16 +12,11 @@ ARGS = ["recipe.data.source=synthetic", "recipe.data.train_size=16384", "recipe.
         "deterministic=true"]  # cuDNN's default backward kernels use atomics: not bitwise repeatable
 
 
-def _torchrun(max_restarts: int):
-    return ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=resume-gpu",
-            f"--max-restarts={max_restarts}"]
-
-
 def test_full_graph_job_resumes_after_a_rank_dies(tmp_path):
-    clean = launch(ARGS, tmp_path / "clean", nproc=2, torchrun_args=_torchrun(0), timeout=240)
+    clean = launch(ARGS, tmp_path / "clean", nproc=2, torchrun_args={"rdzv_id": "resume-gpu"}, timeout=240)
     assert clean.returncode == 0, clean.stderr[-3000:]
-    crashed = launch(ARGS, tmp_path / "crashed", nproc=2, torchrun_args=_torchrun(1), timeout=240,
-                     kill_at_step="100:1")
+    crashed = launch(ARGS, tmp_path / "crashed", nproc=2, torchrun_args={"rdzv_id": "resume-gpu", "max_restarts": 1},
+                     timeout=240, kill_at_step="100:1")
     assert crashed.returncode == 0, crashed.stderr[-3000:]
     text = crashed.stdout + crashed.stderr
     assert "killing this rank" in text and "step_00000080.pt" in text

@@ -9,13 +9,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 
-from conftest import ROOT, cuda_count, free_port, launch
+from conftest import cuda_count, launch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(cuda_count() < 1, reason="needs a CUDA GPU")]
 two_gpus = pytest.mark.skipif(cuda_count() < 2, reason="needs 2 GPUs")
@@ -28,11 +25,8 @@ LOSS_RTOL = 1e-3
 
 def run_loop(tmp_path, nproc: int) -> dict:
     out = tmp_path / "shapes.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv-backend=c10d",
-           f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=shapes", "tests/shape_buckets_loop.py",
-           "--out", str(out)]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "NCCL_NVLS_ENABLE": "0"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = launch(["--out", str(out)], script="tests/shape_buckets_loop.py", nproc=nproc, timeout=300,
+                  log_dir=tmp_path / "logs", env={"NCCL_NVLS_ENABLE": "0"})
     assert proc.returncode == 0, f"{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}"
     return json.loads(out.read_text())
 
