@@ -63,6 +63,27 @@ class GradReduce(Enum):
     bf16 = "bf16"
 
 
+class Parallel(Enum):
+    ddp = "ddp"  # DistributedDataParallel: a whole replica of weights, gradients and optimizer state per rank
+    # FSDP2 (fully_shard): weights, gradients and optimizer state sharded over all ranks, each block
+    # all-gathered for its forward and backward, gradients reduce-scattered (trainer/sharding.py)
+    fsdp2 = "fsdp2"
+
+
+class ReduceDtype(Enum):
+    fp32 = "fp32"  # gradients reduce-scattered in fp32
+    bf16 = "bf16"  # in bf16 (with train.precision=bf16): half the bytes, each rank's gradient rounded first
+
+
+class FSDPInit(Enum):
+    # built on the host by the recipe, as under DDP, then sharded: the same weights as DDP from the same seed
+    host = "host"
+    # built on the meta device, sharded, then each rank draws only its own shards on its device
+    # (Recipe.init_weights): a model larger than one device or the host fits, but the numbers drawn
+    # differ from a host-built model's
+    meta = "meta"
+
+
 class LoggerBackend(Enum):
     wandb = "wandb"
     none = "none"
@@ -145,8 +166,19 @@ class DDPConfig:
     grad_reduce: GradReduce = GradReduce.fp32
     static_graph: bool = False  # DDP's static_graph: the same parameters get gradients in every step
     # DDP's broadcast_buffers: rank 0's buffers (BatchNorm's running statistics) copied to every
-    # rank before each forward. false: not; evaluation takes rank 0's first either way
+    # rank before each forward. false: not; evaluation takes rank 0's first either way. FSDP2 never
+    # broadcasts them while training (as false), whatever this says
     broadcast_buffers: bool = True
+
+
+@dataclass
+class FSDPConfig:
+    """FSDP2's settings (train.parallel=fsdp2; refused with ddp)."""
+    # true: each block's full weights are freed after its forward and all-gathered again for backward
+    # (less memory, one more all-gather per block); false: kept from forward to backward
+    reshard_after_forward: bool = True
+    reduce_dtype: ReduceDtype = ReduceDtype.fp32
+    init: FSDPInit = FSDPInit.host
 
 
 @dataclass
@@ -165,7 +197,9 @@ class TrainLoopConfig:
     # one more forward of compute. The recipe applies it (Recipe.activation_checkpointing) or is refused.
     activation_checkpointing: bool = False
     progress: bool = True  # progress bar on rank 0
-    ddp: DDPConfig = field(default_factory=DDPConfig)
+    parallel: Parallel = Parallel.ddp  # how ranks share the model: replicas (ddp) or shards (fsdp2)
+    ddp: DDPConfig = field(default_factory=DDPConfig)  # train.parallel=ddp only (refused with fsdp2)
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)  # train.parallel=fsdp2 only (refused with ddp)
 
 
 @dataclass

@@ -38,8 +38,9 @@ def no_sync_except_last(model: torch.nn.Module, items: Iterable[T]) -> Iterator[
     kept between micro-batches, and reduce-scattered once, after the last)."""
     items = list(items)  # to know which one is last
     no_sync = getattr(model, "no_sync", None)
-    if no_sync is None and callable(getattr(model, "set_requires_gradient_sync", None)):
-        no_sync = _fsdp_no_sync(model)
+    if no_sync is None:  # FSDP2: the model, or the sharded root inside a wrapper (a compiled model and loss)
+        root = next((m for m in model.modules() if callable(getattr(m, "set_requires_gradient_sync", None))), None)
+        no_sync = _fsdp_no_sync(root) if root is not None else None
     for i, item in enumerate(items):
         last = i == len(items) - 1
         with contextlib.nullcontext() if last or no_sync is None else no_sync():

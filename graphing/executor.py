@@ -100,12 +100,13 @@ def distributed() -> bool:
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
-    """Whether ``model`` was sharded with FSDP2's ``fully_shard`` (its root is an ``FSDPModule``)."""
+    """Whether ``model`` holds a module sharded with FSDP2's ``fully_shard`` (itself, or inside a wrapper such
+    as a compiled model and loss): FSDP2 then communicates itself, and no DDP goes around it."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:
         return False
-    return isinstance(model, FSDPModule)
+    return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
 def is_main_rank() -> bool:

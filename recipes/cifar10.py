@@ -143,8 +143,10 @@ def build(cfg, rt: Runtime) -> Recipe:
                           image_shape=(3, SIZE, SIZE), num_classes=10,
                           load_real=load_torchvision_cifar10, make_synthetic=synthetic_cifar10)
     checkpointing, smoothing = cfg.train.activation_checkpointing, cfg.recipe.label_smoothing
-    return Recipe(name=cfg.recipe.name, model=ResNet18Cifar(checkpointing), data=data,
+    model = ResNet18Cifar(checkpointing)
+    return Recipe(name=cfg.recipe.name, model=model, data=data,
                   preprocess=make_preprocess(rt.device),
                   criterion=classification_criterion(log_probs_given=False, label_smoothing=smoothing),
                   correct=top1_correct, flops_per_unit=training_flops_per_sample(ResNet18Cifar),
-                  activation_checkpointing=checkpointing, label_smoothing=smoothing)
+                  activation_checkpointing=checkpointing, label_smoothing=smoothing,
+                  blocks=[block for stage in (model.layer1, model.layer2, model.layer3, model.layer4) for block in stage])

@@ -128,10 +128,19 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(c.d_model, bias=c.layer_norm_bias)
         self.head = nn.Linear(c.d_model, c.vocab, bias=False)
         self.head.weight = self.tok_emb.weight  # tied: one matrix embeds and un-embeds
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Draws every weight in place: at construction, and after a meta-device build is sharded and
+        allocated (train.fsdp.init=meta, Recipe.init_weights). The same draws, in the same order, either way."""
+        for m in self.modules():
+            if isinstance(m, nn.LayerNorm):
+                m.reset_parameters()
         self.apply(self._init)
         for block in self.blocks:  # residual branches scaled down so the stream's variance stays put
             for w in (block.attn.proj.weight, block.mlp[2].weight):
-                nn.init.normal_(w, std=0.02 / math.sqrt(2 * c.n_layer))
+                nn.init.normal_(w, std=0.02 / math.sqrt(2 * self.config.n_layer))
 
     @staticmethod
     def _init(m: nn.Module) -> None:
@@ -323,8 +332,10 @@ def language_data(data_cfg, seed: int, context: int, vocab: int, vocab_key: str 
 def build(cfg, rt: Runtime) -> Recipe:
     config = model_config(cfg.recipe.model)
     data = language_data(cfg.recipe.data, cfg.seed, config.context, config.vocab)
-    model = GPT(config, activation_checkpointing=cfg.train.activation_checkpointing)
+    with torch.device(rt.init_device):  # the meta device under train.fsdp.init=meta: nothing allocated
+        model = GPT(config, activation_checkpointing=cfg.train.activation_checkpointing)
     return Recipe(name=cfg.recipe.name, model=model, data=data, preprocess=preprocess,
                   criterion=next_token_criterion(cfg.recipe.label_smoothing), correct=top1_correct,
                   units_per_sample=config.context, unit="tokens", flops_per_unit=model.training_flops_per_token(),
-                  activation_checkpointing=model.activation_checkpointing, label_smoothing=cfg.recipe.label_smoothing)
+                  activation_checkpointing=model.activation_checkpointing, label_smoothing=cfg.recipe.label_smoothing,
+                  blocks=list(model.blocks), init_weights=GPT.init_weights)

@@ -18,7 +18,8 @@ trainer's own mask leaves out of the metrics; they never meet a real token.)
 The step calls ``model(input_ids)``, the token ids positionally (graph.mode=partial replays
 positional tensors), with ``use_cache=False`` set in the model's config rather than passed,
 and the criterion reads the output's ``logits`` (``Recipe.forward``, trainer/recipe.py).
-``blocks(model)`` lists the model's repeated blocks, from its own ``_no_split_modules``.
+Its blocks (``Recipe.blocks``, what train.parallel=fsdp2 shards one by one) are the modules of the
+classes its own ``_no_split_modules`` names.
 
 transformers is optional: ``pip install -r requirements-hf.txt``.
 """
@@ -36,7 +37,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from recipes.gpt import language_data, next_token_criterion, preprocess
 from trainer.errors import ConfigError, first_line
-from trainer.recipe import Batch, Recipe, top1_correct
+from trainer.recipe import Batch, Recipe, blocks_named, top1_correct
 from trainer.runtime import Runtime
 
 REQUIREMENT = "transformers>=5.17,<6"  # as requirements-hf.txt says
@@ -175,14 +176,6 @@ def build_model(config, settings: ModelSettings, transformers) -> torch.nn.Modul
     return model.train()  # from_pretrained returns it in eval mode
 
 
-def blocks(model: torch.nn.Module) -> List[torch.nn.Module]:
-    """The model's repeated blocks, in order: the modules of the classes its ``_no_split_modules`` names
-    (``LlamaDecoderLayer``, ``GPT2Block``, ...), which FSDP2 wraps one by one and activation checkpointing
-    recomputes. Empty for a model that names none."""
-    names = set(getattr(model, "_no_split_modules", None) or ())
-    return [m for m in model.modules() if type(m).__name__ in names]
-
-
 def training_flops_per_token(model: torch.nn.Module, context: int) -> float:
     """6 FLOPs per matmul parameter per token (forward + backward), plus attention's 12·L·d·T.
 
@@ -219,4 +212,5 @@ def build(cfg, rt: Runtime) -> Recipe:
                   criterion=next_token_criterion(cfg.recipe.label_smoothing), correct=top1_correct,
                   units_per_sample=settings.context, unit="tokens",
                   flops_per_unit=training_flops_per_token(model, settings.context), forward=logits,
-                  label_smoothing=cfg.recipe.label_smoothing)
+                  label_smoothing=cfg.recipe.label_smoothing,
+                  blocks=blocks_named(model, model._no_split_modules))  # its own list: LlamaDecoderLayer, ...

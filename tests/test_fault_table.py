@@ -26,6 +26,10 @@
 | bad config: ours (after the ranks meet) | 1 (2)                  | asks for 5000 samples per step           | no run directory                                    |
 | recipe.data.source=mnist offline        | 1 (2)                  | mnist is not under recipe.data.root      | no run directory                                    |
 | unwritable output_root                  | 1 (2)                  | cannot write to the run directory        | no run directory                                    |
+| SIGTERM under train.parallel=fsdp2      | 1, within 10 s         | stopped on SIGTERM at step N ... run_dir | resumed bit for bit like an unbroken fsdp2 run,     |
+|                                         |                        |                                          | which trains as the DDP run does; newest 2 kept     |
+| truncated checkpoint.resume=<file>,     | 2 (in-process)         | checkpoint.resume=<file> cannot be read  | nothing trained, the file kept                      |
+| fsdp2 (a process group of one)          |                        |                                          |                                                     |
 
 Every row also asserts: no stack trace of ours (torchrun's own report aside), and no process
 of the launch left behind (each launch's processes carry a marker in their environment).
@@ -71,6 +75,7 @@ STEPS = 64
 # SIGTERM is agreed on about every 0.2 s of training here instead of 2 s (tests/fault_injection.py), so that
 # a 64-step run stops within a few steps of the signal.
 QUICK_STOP = {STOP_CHECK_S_ENV: "0.2"}
+FSDP2_ARGS = [*ARGS, "train.parallel=fsdp2"]
 QUICK = ["recipe.data.source=synthetic", "recipe.data.train_size=2048", "recipe.data.test_size=256",
          "logger=none", "train.max_steps=2"]
 OFFLINE = {"http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9",
@@ -259,6 +264,29 @@ def _owner_and_second_launch(jobs: Jobs) -> Dict[str, Observed]:
     return {"second": second_done, "sigterm": term}
 
 
+def _fsdp2_owner(jobs: Jobs) -> Observed:
+    """A train.parallel=fsdp2 run stopped by SIGTERM mid-training (the resume is the "fsdp2_resumed" job)."""
+    run_dir = jobs.tmp / "fsdp2_sigterm" / "run"
+    owner = start(jobs.tmp, FSDP2_ARGS, "fsdp2_owner", run_dir, faults=QUICK_STOP)
+    owner.wait_until(lambda: train_rows(run_dir) >= 2, "2 rows in metrics.jsonl")  # past step 10's checkpoint
+    sent = time.monotonic()
+    os.killpg(owner.proc.pid, signal.SIGTERM)
+    term = finish(owner, since=sent, timeout=60)
+    term.notes.update(kept=steps_kept(run_dir), results_exists=(run_dir / "results.json").exists())
+    return term
+
+
+def _fsdp2_resumed(jobs: Jobs) -> Observed:
+    return run(jobs.tmp, FSDP2_ARGS, "fsdp2_resumed", run_dir=jobs.get("fsdp2_owner").run_dir)
+
+
+def _fsdp2_unbroken(jobs: Jobs) -> Observed:
+    o = run(jobs.tmp, FSDP2_ARGS, "fsdp2_unbroken", run_dir=jobs.tmp / "fsdp2_unbroken" / "run")
+    assert o.code == 0, o.output[-3000:]
+    o.notes.update(results=json.loads((o.run_dir / "results.json").read_text()), kept=steps_kept(o.run_dir))
+    return o
+
+
 def _unbroken(jobs: Jobs) -> Observed:
     """The reference: ARGS from start to end, no fault. Its newest checkpoint is kept aside for the in-process rows."""
     unbroken = run(jobs.tmp, ARGS, "unbroken", run_dir=jobs.tmp / "unbroken" / "run")
@@ -386,6 +414,17 @@ def _named_in_process(name: str, damage: Callable[[Path], None]) -> Callable[[Jo
     return job
 
 
+def _named_truncated_fsdp2(jobs: Jobs) -> Observed:
+    """A truncated checkpoint named to a train.parallel=fsdp2 run of one process (a process group of one, here)."""
+    path = jobs.tmp / "named_fsdp2" / "step.pt"
+    path.parent.mkdir()
+    shutil.copy(jobs.get("unbroken").notes["checkpoint"], path)
+    path.write_bytes(path.read_bytes()[:100])
+    done = in_process([*FSDP2_ARGS, f"checkpoint.resume={path}"], jobs.tmp / "named_fsdp2" / "outputs")
+    done.notes["path"] = path
+    return done
+
+
 def _foreign(path):
     import argparse
 
@@ -404,18 +443,21 @@ def _another_recipe(path):
 # three processes importing torch, and this is a 2-core machine), after the timed ones (SIGINT,
 # SIGTERM, the second launch), which run alone.
 UNTIMED_AT_ONCE = 2
-TIMED = ("sigint", "sigint1", "owner")
-IN_PROCESS = ("named_foreign", "named_truncated", "named_garbage", "another_recipe")
+TIMED = ("sigint", "sigint1", "owner", "fsdp2_owner")
+IN_PROCESS = ("named_foreign", "named_truncated", "named_garbage", "another_recipe", "named_truncated_fsdp2")
 JOBS: Dict[str, Callable[[Jobs], object]] = {  # the untimed ones longest first
     "sigint": _sigint,
     "sigint1": _sigint_one_process,
     "owner": _owner_and_second_launch,
+    "fsdp2_owner": _fsdp2_owner,
     "unbroken": _unbroken,
+    "fsdp2_unbroken": _fsdp2_unbroken,
     "kill": _killed,
     "more": _more,
     "short": _short,
     "rerun": _rerun,
     "resumed": _resumed,
+    "fsdp2_resumed": _fsdp2_resumed,
     "quota": _quota,
     "full_disk": _full_disk,
     "nan": _nan,
@@ -428,8 +470,10 @@ JOBS: Dict[str, Callable[[Jobs], object]] = {  # the untimed ones longest first
     "named_truncated": _named_in_process("truncated", lambda p: p.write_bytes(p.read_bytes()[:100])),
     "named_garbage": _named_in_process("garbage", lambda p: p.write_bytes(b"not a checkpoint at all")),
     "another_recipe": _named_in_process("recipe", _another_recipe),
+    "named_truncated_fsdp2": _named_truncated_fsdp2,
 }
 NEEDS = {"rerun": ("unbroken",), "short": ("unbroken",), "more": ("unbroken",), "resumed": ("owner",),
+         "fsdp2_resumed": ("fsdp2_owner",),
          "nan": ("sigint",), **{name: ("unbroken",) for name in IN_PROCESS}}
 
 
@@ -473,6 +517,22 @@ def _sigterm_disk(o: Observed, jobs: Jobs) -> None:
     assert a["steps"] == b["steps"] == STEPS
     assert a["param_digests"] == b["param_digests"], "preempted and resumed must equal unbroken, bit for bit"
     assert (o.run_dir / "metrics.jsonl").read_text().startswith(o.notes["metrics_before_resume"])  # appended
+
+
+def _fsdp2_sigterm_disk(o: Observed, jobs: Jobs) -> None:
+    stopped_at = int(o.output.split("stopped on SIGTERM at step ")[1].split(",")[0])
+    assert o.notes["kept"][-1] == stopped_at and 0 < stopped_at < STEPS and not o.notes["results_exists"]
+    resumed, unbroken, ddp = jobs.get("fsdp2_resumed"), jobs.get("fsdp2_unbroken"), jobs.get("unbroken")
+    assert resumed.code == 0, resumed.output[-3000:]
+    assert f"resumed from {o.run_dir / 'checkpoints' / f'step_{stopped_at:08d}.pt'}" in resumed.output
+    a, b = unbroken.notes["results"], json.loads((o.run_dir / "results.json").read_text())
+    assert a["steps"] == b["steps"] == STEPS and len(set(a["param_digests"])) == 1  # gathered whole on every rank
+    assert a["param_digests"] == b["param_digests"], "preempted and resumed must equal unbroken, bit for bit"
+    assert unbroken.notes["kept"] == [60, 64]  # checkpoint.keep=2, as under DDP
+    # Sharded, the same run as DDP's: the same seed, data and fp32 arithmetic (its reductions in another order).
+    d = ddp.notes["results"]
+    for key in ("final/loss", "final/eval_loss", "final/eval_accuracy"):
+        assert a[key] == pytest.approx(d[key], rel=1e-5), (key, a[key], d[key])
 
 
 def _killed_disk(o: Observed, jobs: Jobs) -> None:
@@ -622,6 +682,10 @@ TABLE = [
                      _mnist_disk), id="mnist-offline-no-files"),
     pytest.param(Row("unwritable", 1, 2, "cannot write to the run directory", _unwritable_disk, None),
                  id="unwritable-output-root"),
+    pytest.param(Row("fsdp2_owner", 1, None, "stopped on SIGTERM at step", _fsdp2_sigterm_disk, 10,
+                     ("fsdp2_resumed", "fsdp2_unbroken", "unbroken")), id="sigterm-fsdp2"),
+    pytest.param(Row("named_truncated_fsdp2", 2, None, "cannot be read (truncated or not a checkpoint", _named_disk),
+                 id="named-truncated-checkpoint-fsdp2-in-process"),
 ]
 
 

@@ -115,9 +115,10 @@ def test_settings_the_model_would_not_read_are_refused():
 
 
 @pytest.mark.fast
-def test_blocks_are_the_classes_the_model_names_unsplittable():
-    from recipes.hf_causal_lm import blocks
+def test_the_recipes_blocks_are_the_classes_the_model_names_unsplittable():
+    from trainer.recipe import blocks_named
 
     model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**TINY_LLAMA))
-    assert [type(b).__name__ for b in blocks(model)] == ["LlamaDecoderLayer"] * 2
-    assert blocks(model)[0] is model.model.layers[0]
+    blocks = blocks_named(model, model._no_split_modules)
+    assert [type(b).__name__ for b in blocks] == ["LlamaDecoderLayer"] * 2
+    assert blocks[0] is model.model.layers[0]

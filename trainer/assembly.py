@@ -28,6 +28,7 @@ from trainer.recipe import Recipe
 from trainer.runtime import Runtime, seed_rank_streams
 from trainer.schedules import LRSchedule
 from trainer.seq_len import SeqLenSchedule, seq_len_schedule
+from trainer.sharding import sharded_model
 from trainer.state import TrainingState
 from trainer.step import (EvalStep, StepSettings, TrainStep, autocast_factory, build_step_model, model_call,
                           model_call_arguments)
@@ -70,7 +71,10 @@ def build_run(plan: RunPlan, rt: Runtime) -> Run:
     recipe = _recipe(plan, rt)
     plan = plan.for_recipe(recipe)
     device = plan.device
-    model = recipe.model.to(device, memory_format=plan.memory_format)
+    if plan.fsdp is None:
+        model = recipe.model.to(device, memory_format=plan.memory_format)
+    else:  # each block and the root sharded over all ranks (before seed_rank_streams: a meta init draws alike)
+        model = sharded_model(recipe, device, plan.fsdp, plan.precision)
     seed_rank_streams(cfg.seed, rt.rank)  # the model is built alike on every rank; the step's draws differ
     train_loader = make_loader(recipe.data.train, data_cfg.batch_size, rt, kind=plan.loader, train=True,
                                seed=cfg.seed, batches_per_step=loop.grad_accum, num_workers=data_cfg.num_workers,
@@ -88,7 +92,7 @@ def build_run(plan: RunPlan, rt: Runtime) -> Run:
     executor = build_executor(plan.graph, device, ddp_kwargs=plan.ddp.kwargs, comm_hook=plan.ddp.comm_hook,
                               on_fallback=partial(log_fallback, name=graph_setting))  # in this trainer's words
     optimizer = build_optimizer(plan.optimizer, model.parameters(), device, captured=executor.captures_optimizer,
-                                loss_scaled=plan.precision == "fp16")
+                                loss_scaled=plan.precision == "fp16", sharded=plan.fsdp is not None)
     scaler = None
     if plan.precision == "fp16":
         scaler = torch.amp.GradScaler(device.type, init_scale=loop.loss_scale.init,
@@ -190,5 +194,7 @@ def _config_used(plan: RunPlan, recipe: Recipe, executor: Executor, rt: Runtime)
     config["train"]["activation_checkpointing_used"] = recipe.activation_checkpointing
     config["graph"]["capture_error_mode_used"] = executor.report.capture_error_mode
     config["world_size"] = rt.world_size
+    if plan.fsdp is not None:
+        config["train"]["fsdp"]["blocks_used"] = len(recipe.blocks)  # 0: the model sharded as one unit
     return config
 

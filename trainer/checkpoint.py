@@ -35,7 +35,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from trainer import storage
+from trainer import sharding, storage
 from trainer.errors import ConfigError
 from trainer.stop import writing
 
@@ -271,10 +271,10 @@ def check_same_epochs(state: Dict[str, Any], config: Dict[str, Any], steps_per_e
 
 def load_model_state(model: torch.nn.Module, state: Dict[str, Any], config: Dict[str, Any], *,
                      resume: str = "auto", path: Optional[Path] = None) -> None:
-    """``model.load_state_dict(state["model"])``; a checkpoint of another model is refused with the
-    ``recipe.model`` settings that differ between its config and this run's named."""
+    """``model.load_state_dict(state["model"])`` (into a sharded model's shards too); a checkpoint of another
+    model is refused with the ``recipe.model`` settings that differ between its config and this run's named."""
     try:
-        model.load_state_dict(state["model"])
+        sharding.load_whole_model_state(model, state["model"])
     except RuntimeError as e:
         saved = (state.get("config") or {}).get("recipe", {}).get("model") or {}
         now = (config.get("recipe") or {}).get("model") or {}
@@ -291,17 +291,22 @@ def _shown(settings: Dict[str, Any], key: str) -> str:
         settings[key], bool) else str(settings[key])
 
 
-def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: Dict[str, Any]) -> None:
+def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: Dict[str, Any],
+                         model: Optional[torch.nn.Module] = None) -> None:
     """``optimizer.load_state_dict(saved)`` that keeps the live tensor hyper-parameters.
 
     ``load_state_dict`` swaps each param group's entries for the saved objects, so a
     tensor ``lr`` would become a new CPU tensor: the schedule and any captured graph
     would then hold a stale address. Here the saved values are copied into the
-    tensors the optimizer already had (on their device). Load before capturing.
+    tensors the optimizer already had (on their device). Load before capturing. ``model``: the
+    optimizer's model, needed when it is sharded (its shards take their part of each state).
     """
     live = [{k: v for k, v in g.items() if k != "params" and isinstance(v, torch.Tensor)}
             for g in optimizer.param_groups]
-    optimizer.load_state_dict(saved)
+    if model is None:
+        optimizer.load_state_dict(saved)
+    else:
+        sharding.load_whole_optimizer_state(model, optimizer, saved)
     for group, tensors in zip(optimizer.param_groups, live):
         for key, tensor in tensors.items():
             with torch.no_grad():

@@ -27,6 +27,7 @@ from trainer.metrics_logger import MetricsLogger
 from trainer.policies import CheckpointPolicy, EvalPolicy, LogPolicy, StepPoint
 from trainer.process_clock import process_started_at
 from trainer.runtime import print_once
+from trainer.sharding import full_tensor
 from trainer.stop import StopAgreement
 
 log = logging.getLogger("train")
@@ -222,7 +223,8 @@ class TrainingLoop:
             **{f"final/eval_{k.split('/')[-1]}": v for k, v in self._last_eval.items()},
             **{f"graph/{k}": v for k, v in report.as_results().items()},
         }
-        # DDP keeps replicas identical; record every rank's parameter digest to prove it.
+        # DDP keeps replicas identical; record every rank's parameter digest to prove it (FSDP2: of the
+        # whole parameters, gathered from the shards by every rank, so the ranks agree by construction).
         digests = [param_digest(run.executor.eval_model)]
         if self.rt.distributed:
             digests = [None] * self.rt.world_size
@@ -248,10 +250,11 @@ def take_rank0_buffers(model: torch.nn.Module) -> None:
 
 
 def param_digest(model: torch.nn.Module) -> str:
-    """sha256 of every parameter's bytes, in order: equal digests mean bitwise-equal replicas."""
+    """sha256 of every parameter's bytes, in order: equal digests mean bitwise-equal replicas. A sharded
+    model's parameters are gathered whole first (a collective: every rank calls it)."""
     h = hashlib.sha256()
     for p in model.parameters():
-        h.update(p.detach().float().cpu().numpy().tobytes())
+        h.update(full_tensor(p.detach()).float().cpu().numpy().tobytes())
     return h.hexdigest()[:16]
 
 

@@ -19,14 +19,17 @@ from graphing import graph_safe_optimizer_kwargs, optimizer_capture_problem
 from trainer.errors import ConfigError
 from trainer.plan import OptimizerSpec, ScheduleSpec
 from trainer.schedules import LRSchedule
+from trainer.sharding import FUSED_ON_SHARDS
 
 
 def build_optimizer(spec: OptimizerSpec, params: Iterable[torch.nn.Parameter], device: torch.device,
-                    captured: bool, loss_scaled: bool = False) -> torch.optim.Optimizer:
+                    captured: bool, loss_scaled: bool = False, sharded: bool = False) -> torch.optim.Optimizer:
     """The optimizer ``spec`` names, with a device-tensor lr and graph-safe options.
 
     ``captured``: the optimizer's step runs inside a CUDA graph (graph mode full).
     ``loss_scaled``: a GradScaler drives its step (train.precision=fp16).
+    ``sharded``: the parameters are FSDP2's DTensor shards, on which only Adam and AdamW have a fused
+    kernel (trainer/sharding.py): another class steps with its foreach kernels there, uncaptured.
     """
     if captured:
         for key in ("capturable", "fused"):
@@ -36,6 +39,8 @@ def build_optimizer(spec: OptimizerSpec, params: Iterable[torch.nn.Parameter], d
     lr = torch.tensor(spec.lr, dtype=torch.float32, device=device)  # schedules write it in place
     plain = dict(spec.kwargs)
     extra = graph_safe_optimizer_kwargs(spec.cls, device, plain)
+    if sharded and f"{spec.cls.__module__}.{spec.cls.__qualname__}" not in FUSED_ON_SHARDS and extra.pop("fused", False):
+        extra["foreach"] = True
     params = list(params)
     try:
         try:

@@ -29,7 +29,7 @@ from typing import Any, Callable, Dict, Optional
 import torch
 from omegaconf import OmegaConf
 
-from conf.schema import GraphConfig, LossScaleConfig
+from conf.schema import DDPConfig, FSDPConfig, GraphConfig, LossScaleConfig
 from graphing import GraphConfigError, GraphMode, GraphOptions, closure_problem
 from graphing.compat import ddp_buffer_sync_argument
 from trainer.data import choose_loader
@@ -72,6 +72,14 @@ class DDPSpec:
 
 
 @dataclass(frozen=True)
+class FSDPSpec:
+    """``train.fsdp`` of ``train.parallel=fsdp2`` (trainer/sharding.py)."""
+    reshard_after_forward: bool
+    reduce_dtype: str  # fp32 | bf16
+    init: str  # host | meta
+
+
+@dataclass(frozen=True)
 class RunPlan:
     cfg: Any  # the composed config: plain values (epochs, intervals, paths) are read from it
     device: torch.device
@@ -81,7 +89,8 @@ class RunPlan:
     build_recipe: Callable  # build(cfg, runtime) -> trainer.recipe.Recipe, checked (recipe_builder)
     optimizer: OptimizerSpec
     schedule: ScheduleSpec
-    ddp: DDPSpec  # used only when a process group is up
+    ddp: DDPSpec  # used only when a process group is up, under train.parallel=ddp
+    fsdp: Optional[FSDPSpec]  # train.parallel=fsdp2; None: ddp
     loader: str  # as asked (auto | device | host) until for_recipe resolves it
     memory_format: Any  # as asked ("auto", ...) until for_recipe resolves it to a torch.memory_format
 
@@ -101,10 +110,12 @@ def plan_run(cfg, device: torch.device, world_size: int) -> RunPlan:
     build_recipe, optimizer = recipe_builder(cfg), optimizer_spec(cfg.recipe.optim)
     precision = resolve_precision(cfg.train.precision.value, device)
     _check_loss_scale(cfg.train, precision)
-    return RunPlan(cfg=cfg, device=device, world_size=world_size, graph=graph_options(cfg, device, world_size),
+    graph = graph_options(cfg, device, world_size)
+    fsdp = fsdp_spec(cfg, precision, graph, optimizer)
+    return RunPlan(cfg=cfg, device=device, world_size=world_size, graph=graph,
                    precision=precision, build_recipe=build_recipe,
                    optimizer=optimizer, schedule=schedule_spec(cfg.recipe.schedule), ddp=ddp_spec(cfg, world_size),
-                   loader=cfg.recipe.data.loader.value, memory_format=cfg.train.memory_format.value)
+                   fsdp=fsdp, loader=cfg.recipe.data.loader.value, memory_format=cfg.train.memory_format.value)
 
 
 def _check_values(cfg) -> None:
@@ -199,6 +210,57 @@ def ddp_spec(cfg, world_size: int) -> DDPSpec:
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
         comm_hook = bf16_compress_hook
     return DDPSpec(kwargs=kwargs, comm_hook=comm_hook)
+
+
+def _changed(node, defaults) -> Dict[str, Any]:
+    """The keys of a settings group whose values differ from its schema's defaults."""
+    values = OmegaConf.to_container(node, resolve=True, enum_to_str=True)
+    base = OmegaConf.to_container(OmegaConf.structured(defaults), resolve=True, enum_to_str=True)
+    return {k: v for k, v in values.items() if v != base.get(k)}
+
+
+def fsdp_spec(cfg, precision: str, graph: GraphOptions, optimizer: "OptimizerSpec") -> Optional[FSDPSpec]:
+    """``train.parallel`` and its settings, checked: each parallel's settings are refused under the other,
+    and what FSDP2 cannot carry (fp16's loss scale, partial and compile graphs, fused SGD) is refused by name."""
+    t = cfg.train
+    parallel = t.parallel.value
+    other, changed = ("fsdp", _changed(t.fsdp, FSDPConfig)) if parallel == "ddp" else ("ddp", _changed(t.ddp, DDPConfig))
+    # FSDP2 never broadcasts buffers while training, as broadcast_buffers=false (a recipe's own choice, e.g.
+    # cifar10_resnet18's) asks; evaluation takes rank 0's under both (trainer/loop.py take_rank0_buffers)
+    changed.pop("broadcast_buffers", None)
+    if changed:
+        key = next(iter(changed))
+        shown = str(changed[key]).lower() if isinstance(changed[key], bool) else changed[key]
+        raise ConfigError(f"train.{other}.{key}={shown} is a setting of train.parallel="
+                          f"{'fsdp2' if other == 'fsdp' else 'ddp'}, but this run uses train.parallel={parallel}: "
+                          f"drop train.{other}.{key}, or set train.parallel={'fsdp2' if other == 'fsdp' else 'ddp'}")
+    if parallel == "ddp":
+        return None
+    from trainer.sharding import check_optimizer
+
+    if precision == "fp16":
+        raise ConfigError("train.precision=fp16 with train.parallel=fsdp2: the loss scale's inf/NaN check would have "
+                          "to agree across ranks on the device, inside the graph, which torch's sharded scaler does "
+                          "only in unscale_: set train.precision=bf16 (no loss scale needed), or train.parallel=ddp")
+    if graph.mode in (GraphMode.partial, GraphMode.compile):
+        raise ConfigError(f"graph={graph.mode.value} with train.parallel=fsdp2: "
+                          + ("torch.cuda.make_graphed_callables replays the model without FSDP2's all-gather and "
+                             "reduce-scatter hooks" if graph.mode is GraphMode.partial else
+                             "torch.compile's reduce-overhead graphs would capture FSDP2's collectives without "
+                             "their streams") + ": set graph=full (the whole step, FSDP2's collectives included), "
+                          "graph=full_compiled or graph=eager")
+    if graph.compile_model:
+        raise ConfigError(
+            "graph=full_compiled (graph.compile_model=true) with train.parallel=fsdp2: the compiled sharded step, once "
+            "captured, trained differently from eager on torch 2.11 (gpt_tiny on one H100: loss 3.64 against eager's "
+            "3.07 at step 24; the first, eager steps agreed), so it is refused rather than trained wrong. Set graph=full "
+            "(the whole sharded step graphed, equal to eager), or train.parallel=ddp for full_compiled")
+    if t.fsdp.reduce_dtype.value == "bf16" and precision != "bf16":
+        raise ConfigError(f"train.fsdp.reduce_dtype=bf16 reduces bf16 gradients, but train.precision resolves to "
+                          f"{precision}: set train.precision=bf16, or train.fsdp.reduce_dtype=fp32")
+    check_optimizer(optimizer.target, optimizer.cls, captured=graph.mode is GraphMode.full)
+    return FSDPSpec(reshard_after_forward=t.fsdp.reshard_after_forward, reduce_dtype=t.fsdp.reduce_dtype.value,
+                    init=t.fsdp.init.value)
 
 
 def recipe_builder(cfg) -> Callable:

@@ -36,7 +36,7 @@ refused with one ConfigError naming the setting, rather than trained without it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Optional, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -120,6 +120,21 @@ class Recipe:
     # The label smoothing its criterion applies: a recipe that supports recipe.label_smoothing passes
     # the setting's value; a setting other than this value is refused.
     label_smoothing: float = 0.0
+    # The model's repeated blocks (transformer layers, residual stages), in order: train.parallel=fsdp2
+    # shards each on its own (trainer/sharding.py). A library model's own list serves as it is
+    # (``blocks_named(model, model._no_split_modules)``). Empty: the model is sharded as one unit.
+    blocks: Sequence[torch.nn.Module] = ()
+    # Draws every parameter and buffer of the model in place: what train.fsdp.init=meta calls after the
+    # model, built on the meta device (``with torch.device(rt.init_device)``), is sharded and allocated.
+    # None: the recipe builds on the host only (train.fsdp.init=meta is refused).
+    init_weights: Optional[Callable[[torch.nn.Module], None]] = None
+
+
+def blocks_named(model: torch.nn.Module, class_names) -> List[torch.nn.Module]:
+    """The modules of ``model`` whose class is named in ``class_names`` (a Hugging Face model's
+    ``_no_split_modules``: ``LlamaDecoderLayer``, ``GPT2Block``, ...), in order: ``Recipe.blocks``."""
+    names = set(class_names or ())
+    return [m for m in model.modules() if type(m).__name__ in names]
 
 
 def top1_correct(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -42,6 +42,9 @@ class Runtime:
     run_dir: Path
     lock: Optional["RunDirLock"] = None  # rank 0's claim on run_dir (trainer/run_lock.py)
     opened: bool = False  # the run directory is in use (make_run_dir): it stays when the run ends
+    # Where a recipe builds its model: the host, or under train.fsdp.init=meta the meta device (a recipe that
+    # supports it builds ``with torch.device(rt.init_device)`` and gives Recipe.init_weights; trainer/sharding.py)
+    init_device: torch.device = torch.device("cpu")
 
     @property
     def is_main(self) -> bool:
@@ -105,22 +108,27 @@ def pick_device(requested: str) -> torch.device:
 
 
 def start(device: torch.device, output_root: str, run_dir: Optional[str], run_name: str,
-          collective_timeout_s: float = 600.0, take_over_run_dir: bool = False) -> Runtime:
-    """Joins the process group (when launched by torchrun) and agrees on one run directory, which
-    rank 0 claims for the whole job (trainer/run_lock.py) before anything is written there."""
+          collective_timeout_s: float = 600.0, take_over_run_dir: bool = False, needs_group: bool = False,
+          init_meta: bool = False) -> Runtime:
+    """Joins the process group (when launched by torchrun; ``needs_group``: a group of one without it,
+    for FSDP2, whose shards live on a device mesh) and agrees on one run directory, which rank 0 claims
+    for the whole job (trainer/run_lock.py) before anything is written there. ``init_meta``: recipes
+    build their models on the meta device (``Runtime.init_device``)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = env_rank(), int(os.environ.get("LOCAL_RANK", "0"))
-    distributed = "RANK" in os.environ and "MASTER_ADDR" in os.environ
+    launched = "RANK" in os.environ and "MASTER_ADDR" in os.environ
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before any other CUDA work on this rank
-    if distributed:
+    if launched or needs_group:
         backend = "nccl" if device.type == "cuda" else "gloo"
         timeout = datetime.timedelta(seconds=collective_timeout_s)
+        store = _attempt_store(rank, world_size, timeout) if launched else dist.HashStore()
         dist.init_process_group(
-            backend=backend, timeout=timeout, store=_attempt_store(rank, world_size, timeout),
+            backend=backend, timeout=timeout, store=store,
             rank=rank, world_size=world_size, device_id=device if device.type == "cuda" else None,
         )
-    rt = Runtime(rank, local_rank, world_size, device, distributed, Path("."))
+    rt = Runtime(rank, local_rank, world_size, device, launched or needs_group, Path("."),
+                 init_device=torch.device("meta") if init_meta else torch.device("cpu"))
     try:
         decided = None
         if rank == 0:

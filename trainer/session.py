@@ -126,8 +126,10 @@ class Session:
 
         cfg = self.cfg
         name = f"{cfg.recipe.name}_{self.purpose or self.run_plan.mode}"
+        fsdp = self.run_plan.fsdp
         self.rt = start(self.run_plan.device, cfg.output_root, cfg.run_dir or multirun_job_dir(), name,
-                        take_over_run_dir=cfg.take_over_run_dir)
+                        take_over_run_dir=cfg.take_over_run_dir, needs_group=fsdp is not None,
+                        init_meta=fsdp is not None and fsdp.init == "meta")
         self._handlers = start_logging(self.rt.is_main)
         seed_everything(cfg.seed, cfg.deterministic)
         return self.rt

@@ -18,6 +18,7 @@ from trainer.checkpoint import (UnreadableCheckpoint, check_compatible, check_sa
                                 load_checkpoint, load_model_state, load_optimizer_state, rng_state, save_checkpoint,
                                 save_best, set_rng_state)
 from trainer.errors import ConfigError, StorageError
+from trainer.sharding import load_whole_model_state, whole_model_state, whole_optimizer_state
 from trainer.runtime import Runtime, print_once, seed_rank_streams
 
 log = logging.getLogger(__name__)
@@ -53,10 +54,12 @@ class TrainingState:
         every rank raises the same StorageError: the run stops together (trainer/storage.py).
         """
         rng = self._all_rng_states()
+        # Whole tensors: a sharded model's are gathered here, by every rank, into rank 0's host memory.
+        model_state, optimizer_state = whole_model_state(self.model), whole_optimizer_state(self.model, self.optimizer)
 
         def write() -> None:
             state = {
-                "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "model": model_state, "optimizer": optimizer_state,
                 "step": step, "epoch": epoch, "steps_per_epoch": self.steps_per_epoch, "rng": rng,
                 "world_size": self.rt.world_size,
                 "wandb_run_id": wandb_run_id, "recipe": self.recipe_name, "config": self.config,
@@ -122,7 +125,7 @@ class TrainingState:
         check_compatible(state, self.recipe_name, resume=resume, path=path)
         check_same_epochs(state, self.config, self.steps_per_epoch, resume=resume, path=path)
         load_model_state(self.model, state, self.config, resume=resume, path=path)  # in place: DDP and graphs see it
-        load_optimizer_state(self.optimizer, state["optimizer"])
+        load_optimizer_state(self.optimizer, state["optimizer"], model=self.model)
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])  # in place where the scale exists already
         self.step_counter.fill_(state["step"])
@@ -150,7 +153,7 @@ class TrainingState:
         """Starts from the model weights of ``path`` (any run's checkpoint or best.pt); optimizer and step fresh."""
         try:
             saved = load_checkpoint(Path(path))["model"]
-            self.model.load_state_dict(saved)  # in place, like a resume
+            load_whole_model_state(self.model, saved)  # in place, like a resume (into a sharded model's shards too)
         except (UnreadableCheckpoint, KeyError, RuntimeError) as e:
             cause = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
             raise ConfigError(f"checkpoint.init_from={path} cannot start this model ({cause}): point it at a "
@@ -167,7 +170,8 @@ class TrainingState:
         if self.best is not None and (value >= self.best["value"] if lower_is_better else value <= self.best["value"]):
             return False
         self.best = {"metric": metric, "value": value, "step": step}
-        self.on_rank0(lambda: save_best(self.rt.run_dir, {"model": self.model.state_dict(), "step": step,
+        model_state = whole_model_state(self.model)  # every rank: a sharded model's shards are gathered
+        self.on_rank0(lambda: save_best(self.rt.run_dir, {"model": model_state, "step": step,
                                                            "best": self.best, "recipe": self.recipe_name,
                                                            "config": self.config}))
         return True

@@ -21,6 +21,7 @@ from trainer.errors import ConfigError
 from trainer.recipe import PADDING_MASK, Batch, Recipe
 from trainer.schedules import LRSchedule
 from trainer.seq_len import truncate
+from trainer.sharding import full_norm
 
 
 def per_term(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -236,7 +237,7 @@ class TrainStep:
             if self.scaler is not None:
                 self.scaler.unscale_(self.optimizer)  # clip the true gradients; the step then skips re-scaling
             norm = torch.nn.utils.clip_grad_norm_(self.params, grad_clip, foreach=True)
-            self.grad_norm.copy_(norm)
+            self.grad_norm.copy_(full_norm(norm))  # over FSDP2's sharded gradients a replicated DTensor
         self.schedule.apply(self.step, self.optimizer)
         if self.scaler is not None:
             self.scaler.step(self.optimizer)  # skipped on the device when a gradient is inf/NaN

@@ -1,0 +1,215 @@
+"""``train.parallel=fsdp2``: the recipe's model sharded with FSDP2 (``fully_shard``) over all ranks.
+
+Each of the recipe's blocks (``Recipe.blocks``: transformer layers, residual stages) is sharded
+on its own, then the root holds what is left (embeddings, head, final norm), on a 1-D mesh over
+all ranks. A block's parameters are all-gathered just before its forward (and again before its
+backward with ``train.fsdp.reshard_after_forward=true``) and its gradients reduce-scattered
+after its backward, on FSDP2's own streams, which overlap the neighbouring blocks' compute.
+The optimizer then steps on each rank's shards only (DTensors): a rank holds 1/N of the
+weights, gradients and optimizer state.
+
+Mixed precision follows ``train.precision`` through ``MixedPrecisionPolicy``: bf16 all-gathers
+and computes with bf16 copies of the fp32 shards and reduces gradients in
+``train.fsdp.reduce_dtype``; the step's autocast stays on, so the ops autocast keeps in fp32 (norms,
+softmax, the loss) stay there, as under DDP. fp32 shards, gathers and reduces in fp32.
+
+``train.fsdp.init``: ``host`` shards the model the recipe built on the host, so a run starts
+from the same weights as under DDP with the same seed; ``meta`` lets the recipe build it on the
+meta device (``Runtime.init_device``), shards it, then each rank allocates and draws only its own
+shards on its device (``Recipe.init_weights``), so no rank ever holds the whole model.
+
+The whole step (forward, backward with FSDP2's collectives, clipping, optimizer) is captured
+by graph.mode=full like a DDP step: FSDP2's streams fork from the capture stream and join it
+within each step, and nothing outside a step leaves an event that the captured step waits on.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Iterable, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from graphing.executor import is_sharded
+from trainer.errors import ConfigError
+
+# The optimizer classes whose step runs on DTensor shards, and how (torch 2.11 to 2.15). DTensor
+# has rules for the foreach and fused kernels of Adam and AdamW (a tensor lr included), and for the
+# foreach kernels of SGD, but none for fused SGD, whose step is the only one a graph can take (the
+# others read a tensor lr on the host).
+FUSED_ON_SHARDS = ("torch.optim.adam.Adam", "torch.optim.adamw.AdamW")
+
+
+def mixed_precision_policy(precision: str, reduce_dtype: str):
+    """FSDP2's ``MixedPrecisionPolicy`` for ``train.precision`` and ``train.fsdp.reduce_dtype``."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if precision == "fp32":
+        if reduce_dtype != "fp32":
+            raise ConfigError(f"train.fsdp.reduce_dtype={reduce_dtype} reduces bf16 gradients, but train.precision="
+                              "fp32 computes them in fp32: set train.precision=bf16, or train.fsdp.reduce_dtype=fp32")
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                reduce_dtype=torch.bfloat16 if reduce_dtype == "bf16" else torch.float32)
+
+
+def shard_model(model: torch.nn.Module, blocks: Iterable[torch.nn.Module], device: torch.device, *,
+                precision: str, reshard_after_forward: bool, reduce_dtype: str) -> torch.nn.Module:
+    """``model`` sharded in place: each of ``blocks`` on its own, then the root, on a 1-D mesh of every rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    policy = mixed_precision_policy(precision, reduce_dtype)
+    for block in blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)  # the rest
+    return model
+
+
+def materialize(model: torch.nn.Module, device: torch.device, init_weights, recipe: str) -> None:
+    """A model built on the meta device and sharded: each rank allocates its own shards on ``device`` and
+    draws them (``Recipe.init_weights``), under the run's seed."""
+    if init_weights is None:
+        raise ConfigError(f"train.fsdp.init=meta: recipe {recipe!r} built its model on the meta device but gives no "
+                          "Recipe.init_weights to draw its weights after sharding: give one, or set "
+                          "train.fsdp.init=host")
+    model.to_empty(device=device)
+    if device.type == "cpu":
+        # DTensor draws a CPU shard from the local generator (its offset-based RNG is for accelerators), so
+        # ranks with one seed would draw equal shards: each rank offsets it. seed_rank_streams reseeds next.
+        torch.manual_seed(torch.initial_seed() + dist.get_rank())
+    with torch.no_grad():
+        init_weights(model)
+
+
+def check_blocks(model: torch.nn.Module, blocks: List[torch.nn.Module], recipe: str) -> Optional[str]:
+    """Why ``Recipe.blocks`` cannot be sharded one by one, or None; a warning's text when it names none."""
+    inside = {id(m) for m in model.modules()}
+    for block in blocks:
+        if id(block) not in inside or block is model:
+            raise ConfigError(f"recipe {recipe!r}: Recipe.blocks holds a {type(block).__name__} that is not a "
+                              "submodule of its model (or is the model itself): list the model's own blocks")
+    ids = {id(b) for b in blocks}
+    for block in blocks:
+        nested = [m for m in block.modules() if m is not block and id(m) in ids]
+        if nested:
+            raise ConfigError(f"recipe {recipe!r}: Recipe.blocks holds a {type(nested[0]).__name__} inside another "
+                              f"of its blocks ({type(block).__name__}): list blocks that do not nest")
+    if not blocks:
+        return (f"recipe {recipe!r} names no blocks (Recipe.blocks), so train.parallel=fsdp2 shards its model as one "
+                "unit: every rank all-gathers all of it for each forward and backward, which saves memory between "
+                "steps only. List the model's repeated blocks in Recipe.blocks to shard them one by one")
+    return None
+
+
+def check_optimizer(optimizer_target: str, cls: type, captured: bool) -> None:
+    """Refuses an optimizer whose step cannot run on DTensor shards as this run needs it, by name."""
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    if captured and issubclass(cls, torch.optim.SGD) and name not in FUSED_ON_SHARDS:
+        raise ConfigError(
+            f"recipe.optim._target_={optimizer_target} under train.parallel=fsdp2 with a whole-step graph: SGD steps "
+            "inside a CUDA graph only with fused=True (its other kernels read a tensor lr on the host), and torch's "
+            "DTensor has no fused SGD for sharded parameters. Use recipe.optim._target_=torch.optim.AdamW (fused "
+            "and foreach both run on shards), or graph=eager, or train.parallel=ddp")
+
+
+def full_norm(norm: torch.Tensor) -> torch.Tensor:
+    """``clip_grad_norm_``'s result as a plain tensor: over DTensor gradients it is a replicated DTensor,
+    whose local value is the global norm."""
+    to_local = getattr(norm, "to_local", None)
+    return to_local() if to_local is not None else norm
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's whole value (a collective: every rank calls it), a plain tensor as it is."""
+    full = getattr(tensor, "full_tensor", None)
+    return full() if full is not None else tensor
+
+
+def sharded_model(recipe, device: torch.device, spec, precision: str) -> torch.nn.Module:
+    """The recipe's model, sharded over every rank as ``spec`` (the plan's ``train.fsdp``) says, on ``device``."""
+    from trainer.runtime import print_once
+
+    model = recipe.model
+    blocks = list(recipe.blocks)
+    on_meta = any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+    if spec.init == "meta" and not on_meta:
+        raise ConfigError(f"train.fsdp.init=meta: recipe {recipe.name!r} built its model on the host, not on the "
+                          "meta device: set train.fsdp.init=host, or build the model `with torch.device("
+                          "rt.init_device)` in the recipe and give Recipe.init_weights (trainer/recipe.py)")
+    if on_meta and spec.init != "meta":
+        raise ConfigError(f"recipe {recipe.name!r} built its model on the meta device, which only "
+                          "train.fsdp.init=meta materializes: build it on the host (rt.init_device), or set "
+                          "train.fsdp.init=meta")
+    warning = check_blocks(model, blocks, recipe.name)
+    if warning:
+        print_once(f"WARNING: {warning}")
+    if not on_meta:
+        model = model.to(device)
+    shard_model(model, blocks, device, precision=precision, reshard_after_forward=spec.reshard_after_forward,
+                reduce_dtype=spec.reduce_dtype)
+    if on_meta:
+        materialize(model, device, recipe.init_weights, recipe.name)
+    return model
+
+
+# Checkpoints of a sharded model hold what a DDP run's hold: the whole model and optimizer state, keyed as
+# torch's own state_dict keys them, gathered to rank 0, which writes the file as under DDP (atomically,
+# trainer/checkpoint.py). So a checkpoint resumes on any world size and under either train.parallel.
+
+def _full_options(**kw):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    return StateDictOptions(full_state_dict=True, **kw)
+
+
+def whole_model_state(model: torch.nn.Module) -> Dict[str, Any]:
+    """``model.state_dict()`` with whole tensors; for a sharded model a collective (every rank calls it) whose
+    result is rank 0's only (other ranks get an empty dict), gathered into host memory."""
+    if not is_sharded(model):
+        return model.state_dict()
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    return get_model_state_dict(model, options=_full_options(cpu_offload=True))
+
+
+def load_whole_model_state(model: torch.nn.Module, state: Dict[str, Any]) -> None:
+    """``model.load_state_dict(state)`` in place, whole tensors into a sharded model's shards too (every rank)."""
+    if not is_sharded(model):
+        model.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+    set_model_state_dict(model, state, options=_full_options())
+
+
+def _names_in_order(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> List[str]:
+    """The parameter names of the optimizer's groups, in the order torch's own state_dict numbers them."""
+    names = {}
+    for name, p in model.named_parameters():
+        names.setdefault(id(p), name)  # a tied parameter: its first name
+    return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+
+
+def whole_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+    """``optimizer.state_dict()`` as torch writes it (states numbered in parameter order) with whole tensors;
+    for a sharded model a collective whose result is rank 0's only."""
+    if not is_sharded(model):
+        return optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    by_name = get_optimizer_state_dict(model, optimizer, options=_full_options(cpu_offload=True))
+    if not by_name:
+        return {}
+    index = {name: i for i, name in enumerate(_names_in_order(model, optimizer))}
+    return {"state": {index[name]: value for name, value in by_name["state"].items()},
+            "param_groups": [{**g, "params": [index[name] for name in g["params"]]} for g in by_name["param_groups"]]}
+
+
+def load_whole_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, saved: Dict[str, Any]) -> None:
+    """``optimizer.load_state_dict(saved)`` (torch's numbered form), whole tensors into a sharded model's shards."""
+    if not is_sharded(model):
+        optimizer.load_state_dict(saved)
+        return
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+    names = _names_in_order(model, optimizer)
+    by_name = {"state": {names[i]: value for i, value in saved["state"].items()},
+               "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in saved["param_groups"]]}
+    set_optimizer_state_dict(model, optimizer, by_name, options=_full_options())
+
