@@ -26,8 +26,9 @@
 | bad config: ours (after the ranks meet) | 1 (2)                  | asks for 5000 samples per step           | no run directory                                    |
 | recipe.data.source=mnist offline        | 1 (2)                  | mnist is not under recipe.data.root      | no run directory                                    |
 | unwritable output_root                  | 1 (2)                  | cannot write to the run directory        | no run directory                                    |
-| SIGTERM under train.parallel=fsdp2      | 1, within 10 s         | stopped on SIGTERM at step N ... run_dir | resumed bit for bit like an unbroken fsdp2 run,     |
-|                                         |                        |                                          | which trains as the DDP run does; newest 2 kept     |
+| SIGTERM under train.parallel=fsdp2      | 1, within 10 s         | stopped on SIGTERM at step N ... run_dir | step_N.dcp, each rank's shards; resumed bit for bit |
+|                                         |                        |                                          | like an unbroken fsdp2 run, which trains as the DDP |
+|                                         |                        |                                          | run does; newest 2 kept                             |
 | truncated checkpoint.resume=<file>,     | 2 (in-process)         | checkpoint.resume=<file> cannot be read  | nothing trained, the file kept                      |
 | fsdp2 (a process group of one)          |                        |                                          |                                                     |
 
@@ -272,7 +273,9 @@ def _fsdp2_owner(jobs: Jobs) -> Observed:
     sent = time.monotonic()
     os.killpg(owner.proc.pid, signal.SIGTERM)
     term = finish(owner, since=sent, timeout=60)
-    term.notes.update(kept=steps_kept(run_dir), results_exists=(run_dir / "results.json").exists())
+    term.notes.update(kept=steps_kept(run_dir), results_exists=(run_dir / "results.json").exists(),
+                      newest=list_checkpoints(run_dir)[-1],
+                      shards=sorted(p.name for p in list_checkpoints(run_dir)[-1].iterdir()))
     return term
 
 
@@ -524,7 +527,9 @@ def _fsdp2_sigterm_disk(o: Observed, jobs: Jobs) -> None:
     assert o.notes["kept"][-1] == stopped_at and 0 < stopped_at < STEPS and not o.notes["results_exists"]
     resumed, unbroken, ddp = jobs.get("fsdp2_resumed"), jobs.get("fsdp2_unbroken"), jobs.get("unbroken")
     assert resumed.code == 0, resumed.output[-3000:]
-    assert f"resumed from {o.run_dir / 'checkpoints' / f'step_{stopped_at:08d}.pt'}" in resumed.output
+    stopped = o.run_dir / "checkpoints" / f"step_{stopped_at:08d}.dcp"  # a directory: each rank wrote its shards
+    assert o.notes["newest"] == stopped and f"resumed from {stopped}" in resumed.output
+    assert o.notes["shards"] == [".metadata", "__0_0.distcp", "__1_0.distcp", "trainer_state.pt"]
     a, b = unbroken.notes["results"], json.loads((o.run_dir / "results.json").read_text())
     assert a["steps"] == b["steps"] == STEPS and len(set(a["param_digests"])) == 1  # gathered whole on every rank
     assert a["param_digests"] == b["param_digests"], "preempted and resumed must equal unbroken, bit for bit"

@@ -140,3 +140,25 @@ def test_what_a_gpu_run_under_fsdp2_cannot_carry_is_refused_by_name(graph, preci
         options = GraphOptions(mode=GraphMode.full, compile_model=True) if graph == "full_compiled" else \
             GraphOptions(mode=GraphMode(graph))
         fsdp_spec(cfg, precision, options, optimizer_spec(cfg.recipe.optim))
+
+
+@pytest.mark.fast
+def test_a_half_written_sharded_checkpoint_is_never_resumed_and_retention_clears_it(train_here, tmp_path, caplog):
+    run_dir = tmp_path / "run"
+    args = [*GPT, "train.parallel=fsdp2", f"run_dir={run_dir}", "checkpoint.every_steps=1", "checkpoint.keep=2"]
+    first = train_here([*args, "train.max_steps=2"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    kept = list_checkpoints(run_dir)
+    assert [p.name for p in kept] == ["step_00000001.dcp", "step_00000002.dcp"] and all(p.is_dir() for p in kept)
+    # A newer step whose DCP metadata never got written (a save killed mid-way), and a killed save's temp directory.
+    damaged = run_dir / "checkpoints" / "step_00000009.dcp"
+    shutil.copytree(kept[-1], damaged)
+    (damaged / ".metadata").unlink()
+    temp = run_dir / "checkpoints" / ".tmp_step_00000003.dcp"
+    temp.mkdir()
+    more = train_here([*args, "train.max_steps=4"])
+    assert more.returncode == 0, more.stderr[-3000:]
+    assert f"resumed from {kept[-1]} at step 2" in more.stdout
+    assert "skipping unreadable checkpoint" in caplog.text and "without .metadata" in caplog.text
+    assert not damaged.exists() and not temp.exists()
+    assert [p.name for p in list_checkpoints(run_dir)] == ["step_00000003.dcp", "step_00000004.dcp"]

@@ -2,7 +2,10 @@
 
 A checkpoint is ``<run_dir>/checkpoints/step_<step:08d>.pt`` holding one dict of plain
 tensors, python containers and primitives only, so it loads with
-``torch.load(weights_only=True)``: loading a checkpoint never runs pickled code.
+``torch.load(weights_only=True)``: loading a checkpoint never runs pickled code. A sharded
+model's (train.parallel=fsdp2) is the directory ``step_<step:08d>.dcp``, each rank's shards
+written by that rank (trainer/sharded_checkpoint.py); both kinds are listed, kept, skipped when
+damaged and resumed the same way here.
 
 Foot-guns this module handles or names:
 - A crash (or a killed rank) in the middle of ``torch.save`` must not leave a file that
@@ -27,6 +30,7 @@ import logging
 import os
 import random
 import re
+import shutil
 import tempfile
 import zipfile
 from pathlib import Path
@@ -35,7 +39,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from trainer import sharding, storage
+from trainer import sharded_checkpoint, sharding, storage
 from trainer.errors import ConfigError
 from trainer.stop import writing
 
@@ -43,7 +47,7 @@ log = logging.getLogger(__name__)
 
 CHECKPOINT_DIR = "checkpoints"
 BEST_NAME = "best.pt"  # the best by checkpoint.best_metric; not a step_*.pt, so never pruned
-_NAME = re.compile(r"^step_(\d{8,})\.pt$")
+_NAME = re.compile(r"^step_(\d{8,})\.(pt|dcp)$")  # a file, or a sharded checkpoint's directory
 _TEMP_PREFIX = ".tmp_step_"
 
 
@@ -56,7 +60,8 @@ def list_checkpoints(run_dir: Path) -> List[Path]:
     folder = checkpoint_dir(run_dir)
     if not folder.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := _NAME.match(p.name)) and p.is_file()]
+    found = [(int(m.group(1)), p) for p in folder.iterdir()
+             if (m := _NAME.match(p.name)) and (p.is_dir() if m.group(2) == "dcp" else p.is_file())]
     return [p for _, p in sorted(found)]
 
 
@@ -72,6 +77,45 @@ def save_checkpoint(run_dir: Path, step: int, state: Dict[str, Any], keep: int) 
     folder = checkpoint_dir(run_dir)
     final = _write_atomically(folder / f"step_{step:08d}.pt", state)
     _prune(folder, run_dir, keep, written=final)
+    return final
+
+
+def write_sharded_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                             is_main: bool) -> Path:
+    """Every rank writes its shards of a sharded model's checkpoint for ``step`` (a collective, before rank 0's
+    ``publish_sharded_checkpoint``); returns the temp directory. A storage failure is a StorageError on every rank."""
+    folder = checkpoint_dir(run_dir)
+    try:
+        return sharded_checkpoint.write_shards(folder, step, model, optimizer, is_main)
+    except Exception as e:
+        causes = [e, *_failures(e)]
+        if any(storage.is_storage_failure(c) for c in causes):
+            raise storage.failure("checkpoint", folder / f"step_{step:08d}{sharded_checkpoint.SUFFIX}",
+                                  sharded_checkpoint.local_bytes(model, optimizer),
+                                  next(c for c in causes if storage.is_storage_failure(c))) from None
+        raise
+
+
+def _failures(e: BaseException) -> List[BaseException]:
+    """The ranks' own exceptions inside DCP's CheckpointException (each wrapped with its traceback)."""
+    failures = getattr(e, "failures", None) or {}
+    return [getattr(f, "exception", f) for f in failures.values() if isinstance(getattr(f, "exception", f),
+                                                                                  BaseException)]
+
+
+def publish_sharded_checkpoint(run_dir: Path, temp: Path, trainer_state: Dict[str, Any], keep: int) -> Path:
+    """Rank 0 makes the shards every rank wrote a checkpoint (trainer/sharded_checkpoint.py ``publish``), then keeps
+    the newest ``keep``, as ``save_checkpoint`` does for a file."""
+    if keep < 1:
+        raise ConfigError(f"checkpoint.keep={keep} must be at least 1: set checkpoint.keep=2")
+    needed = storage.nbytes(trainer_state) + storage.HEADROOM
+    try:
+        final = sharded_checkpoint.publish(temp, trainer_state)
+    except Exception as e:
+        if storage.is_storage_failure(e):
+            raise storage.failure("checkpoint", temp, needed, e) from None
+        raise
+    _prune(checkpoint_dir(run_dir), run_dir, keep, written=final)
     return final
 
 
@@ -152,13 +196,21 @@ def _prune(folder: Path, run_dir: Path, keep: int, written: Path) -> None:
             complete.append(path)
         else:
             log.warning("removing unreadable checkpoint %s (%s)", path, damage)
-            path.unlink(missing_ok=True)
+            _remove(path)
     for old in complete[keep:]:
         if old != written:
-            old.unlink(missing_ok=True)
-    # Temp files left by a save that was killed mid-write (only one rank saves, so none is live).
+            _remove(old)
+    # Temp files (and sharded checkpoints' temp directories) left by a save that was killed mid-write:
+    # pruning follows a finished save, so none is live.
     for stale in folder.glob(f"{_TEMP_PREFIX}*"):
-        stale.unlink(missing_ok=True)
+        _remove(stale)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def _damage(path: Path) -> Optional[str]:
@@ -171,6 +223,8 @@ def _damage(path: Path) -> Optional[str]:
     still counts here; ``latest_checkpoint`` skips it, and the just-written file always stays.
     Raises OSError when the file cannot be read at all.
     """
+    if path.is_dir():
+        return sharded_checkpoint.damage(path)
     try:
         with zipfile.ZipFile(path) as archive:
             names = archive.namelist()
@@ -208,9 +262,13 @@ def _short_cause(e: BaseException) -> str:
 
 
 def load_checkpoint(path: Path) -> Dict[str, Any]:
-    """Loads one checkpoint onto the CPU with ``weights_only=True``; raises UnreadableCheckpoint on a bad file."""
+    """Loads one checkpoint onto the CPU with ``weights_only=True`` (a sharded one: its training state, its
+    model and optimizer read later, into the live ones); raises UnreadableCheckpoint on a bad one."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        if Path(path).is_dir():
+            state = sharded_checkpoint.read(path)
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch.load raises many types for a damaged file
         raise UnreadableCheckpoint(path, _short_cause(e)) from e
     if not isinstance(state, dict) or "step" not in state:
@@ -274,7 +332,7 @@ def load_model_state(model: torch.nn.Module, state: Dict[str, Any], config: Dict
     """``model.load_state_dict(state["model"])`` (into a sharded model's shards too); a checkpoint of another
     model is refused with the ``recipe.model`` settings that differ between its config and this run's named."""
     try:
-        sharding.load_whole_model_state(model, state["model"])
+        put_model_state(model, state["model"])
     except RuntimeError as e:
         saved = (state.get("config") or {}).get("recipe", {}).get("model") or {}
         now = (config.get("recipe") or {}).get("model") or {}
@@ -284,6 +342,15 @@ def load_model_state(model: torch.nn.Module, state: Dict[str, Any], config: Dict
         cause = "; ".join(differ) if differ else str(e).strip().splitlines()[0][:300]
         raise ConfigError(f"checkpoint.resume={resume} found a checkpoint{where} of another model ({cause}): set the "
                           "same recipe.model settings to resume it, or checkpoint.resume=never to start over") from None
+
+
+def put_model_state(model: torch.nn.Module, saved: Any) -> None:
+    """A checkpoint's model into ``model``, in place: from a sharded checkpoint's shards (any world size, a
+    plain model too), or whole tensors (into a sharded model's shards too)."""
+    if isinstance(saved, sharded_checkpoint.ShardedState):
+        sharded_checkpoint.load_model(model, saved)
+    else:
+        sharding.load_whole_model_state(model, saved)
 
 
 def _shown(settings: Dict[str, Any], key: str) -> str:
@@ -303,7 +370,9 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: Dict[str, Any]
     """
     live = [{k: v for k, v in g.items() if k != "params" and isinstance(v, torch.Tensor)}
             for g in optimizer.param_groups]
-    if model is None:
+    if isinstance(saved, sharded_checkpoint.ShardedState):
+        sharded_checkpoint.load_optimizer(model, optimizer, saved)
+    elif model is None:
         optimizer.load_state_dict(saved)
     else:
         sharding.load_whole_optimizer_state(model, optimizer, saved)

@@ -144,18 +144,23 @@ def _check_values(cfg) -> None:
                           "train.ddp.bucket_cap_mb=25 (say), or null for torch's default")
     if t.max_steps is not None and t.max_steps < 1:
         raise ConfigError(f"train.max_steps={t.max_steps} must be at least 1 (or null for whole epochs)")
-    if c.resume not in ("auto", "never") and not Path(c.resume).is_file():
-        raise ConfigError(f"checkpoint.resume={c.resume!r} is neither auto, never nor an existing file: "
-                          "set checkpoint.resume=auto")
-    if c.init_from is not None and not Path(c.init_from).is_file():
-        raise ConfigError(f"checkpoint.init_from={c.init_from!r} is not a file: point it at a checkpoint "
-                          "(checkpoints/step_*.pt or best.pt of a run), or drop it")
+    if c.resume not in ("auto", "never") and not _is_checkpoint_path(c.resume):
+        raise ConfigError(f"checkpoint.resume={c.resume!r} is neither auto, never nor an existing checkpoint (a file, "
+                          "or a sharded checkpoint's step_N.dcp directory): set checkpoint.resume=auto")
+    if c.init_from is not None and not _is_checkpoint_path(c.init_from):
+        raise ConfigError(f"checkpoint.init_from={c.init_from!r} is not a checkpoint: point it at one "
+                          "(checkpoints/step_*.pt, step_*.dcp or best.pt of a run), or drop it")
     if c.best_metric == "eval/accuracy" and not cfg.recipe.accuracy:
         raise ConfigError("checkpoint.best_metric=eval/accuracy needs the accuracy, but recipe.accuracy=false: set "
                           "checkpoint.best_metric=eval/loss, or recipe.accuracy=true")
     if c.best_metric is not None and not (c.best_metric.startswith("eval/") and t.eval):
         raise ConfigError(f"checkpoint.best_metric={c.best_metric!r}: name an evaluation metric (eval/accuracy, "
                           "eval/loss) and keep train.eval=true")
+
+
+def _is_checkpoint_path(path: str) -> bool:
+    """A checkpoint file, or a sharded checkpoint's directory (step_<N>.dcp)."""
+    return Path(path).is_file() or (Path(path).suffix == ".dcp" and Path(path).is_dir())
 
 
 def resolve_precision(setting: str, device: torch.device) -> str:

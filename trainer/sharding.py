@@ -153,9 +153,9 @@ def sharded_model(recipe, device: torch.device, spec, precision: str) -> torch.n
     return model
 
 
-# Checkpoints of a sharded model hold what a DDP run's hold: the whole model and optimizer state, keyed as
-# torch's own state_dict keys them, gathered to rank 0, which writes the file as under DDP (atomically,
-# trainer/checkpoint.py). So a checkpoint resumes on any world size and under either train.parallel.
+# Whole tensors of a sharded model, for what is written as one file by rank 0 (best.pt) and for reading a DDP
+# run's checkpoint file (torch's own state_dict keys) into a sharded run. A sharded run's own checkpoints are
+# written shard by shard (trainer/sharded_checkpoint.py).
 
 def _full_options(**kw):
     from torch.distributed.checkpoint.state_dict import StateDictOptions
@@ -188,21 +188,8 @@ def _names_in_order(model: torch.nn.Module, optimizer: torch.optim.Optimizer) ->
     return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
 
 
-def whole_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
-    """``optimizer.state_dict()`` as torch writes it (states numbered in parameter order) with whole tensors;
-    for a sharded model a collective whose result is rank 0's only."""
-    if not is_sharded(model):
-        return optimizer.state_dict()
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-    by_name = get_optimizer_state_dict(model, optimizer, options=_full_options(cpu_offload=True))
-    if not by_name:
-        return {}
-    index = {name: i for i, name in enumerate(_names_in_order(model, optimizer))}
-    return {"state": {index[name]: value for name, value in by_name["state"].items()},
-            "param_groups": [{**g, "params": [index[name] for name in g["params"]]} for g in by_name["param_groups"]]}
-
-
-def load_whole_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, saved: Dict[str, Any]) -> None:
+def load_whole_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                               saved: Dict[str, Any]) -> None:
     """``optimizer.load_state_dict(saved)`` (torch's numbered form), whole tensors into a sharded model's shards."""
     if not is_sharded(model):
         optimizer.load_state_dict(saved)

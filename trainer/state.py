@@ -1,6 +1,7 @@
 """What a checkpoint holds of a training run, and putting it back.
 
-Saved by rank 0 (trainer/checkpoint.py writes the file atomically): model, optimizer,
+Saved by rank 0 (trainer/checkpoint.py writes the file atomically; a sharded model's checkpoint is
+written by every rank, its own shards, and published by rank 0: trainer/sharded_checkpoint.py): model, optimizer,
 fp16's loss scaler (scale and growth tracker), step (so the position in the epoch), every
 rank's RNG states, the W&B run id, the recipe and the resolved config. Restored on every rank before warm-up and capture, in
 place, so that DDP and any captured graph keep reading the same tensors.
@@ -14,11 +15,15 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from trainer.checkpoint import (UnreadableCheckpoint, check_compatible, check_same_epochs, latest_checkpoint,
-                                load_checkpoint, load_model_state, load_optimizer_state, rng_state, save_checkpoint,
-                                save_best, set_rng_state)
+from graphing.executor import is_sharded
+from trainer import storage
+from trainer.checkpoint import (UnreadableCheckpoint, check_compatible, check_same_epochs, checkpoint_dir,
+                                latest_checkpoint, load_checkpoint, load_model_state, load_optimizer_state,
+                                publish_sharded_checkpoint, put_model_state, rng_state, save_best, save_checkpoint,
+                                set_rng_state, write_sharded_checkpoint)
 from trainer.errors import ConfigError, StorageError
-from trainer.sharding import load_whole_model_state, whole_model_state, whole_optimizer_state
+from trainer.sharded_checkpoint import local_bytes as sharded_checkpoint_bytes
+from trainer.sharding import whole_model_state
 from trainer.runtime import Runtime, print_once, seed_rank_streams
 
 log = logging.getLogger(__name__)
@@ -54,22 +59,46 @@ class TrainingState:
         every rank raises the same StorageError: the run stops together (trainer/storage.py).
         """
         rng = self._all_rng_states()
-        # Whole tensors: a sharded model's are gathered here, by every rank, into rank 0's host memory.
-        model_state, optimizer_state = whole_model_state(self.model), whole_optimizer_state(self.model, self.optimizer)
+        extra = {"step": step, "epoch": epoch, "steps_per_epoch": self.steps_per_epoch, "rng": rng,
+                 "world_size": self.rt.world_size, "wandb_run_id": wandb_run_id, "recipe": self.recipe_name,
+                 "config": self.config, "best": self.best}
+        if self.scaler is not None:
+            extra["scaler"] = self.scaler.state_dict()  # scale and growth tracker: the next steps depend on them
+        if is_sharded(self.model):
+            self._save_sharded(step, extra, before)
+            return
 
         def write() -> None:
-            state = {
-                "model": model_state, "optimizer": optimizer_state,
-                "step": step, "epoch": epoch, "steps_per_epoch": self.steps_per_epoch, "rng": rng,
-                "world_size": self.rt.world_size,
-                "wandb_run_id": wandb_run_id, "recipe": self.recipe_name, "config": self.config,
-                "best": self.best,
-            }
-            if self.scaler is not None:
-                state["scaler"] = self.scaler.state_dict()  # scale and growth tracker: the next steps depend on them
+            state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), **extra}
             if before is not None:
                 before()
             self.last_saved = self.last_good = save_checkpoint(self.rt.run_dir, step, state, self.keep)
+
+        self.on_rank0(write)
+
+    def _save_sharded(self, step: int, extra: Dict[str, Any], before: Optional[Callable[[], None]]) -> None:
+        """Every rank writes its shards (after all agree there is room for them); then rank 0 adds the rest of
+        the state and publishes the checkpoint, and every rank learns the outcome."""
+        local = storage.HEADROOM + sharded_checkpoint_bytes(self.model, self.optimizer)
+        problem = None
+        try:
+            storage.check_room("checkpoint", checkpoint_dir(self.rt.run_dir) / f"step_{step:08d}.dcp", local)
+        except StorageError as e:
+            problem = self.storage_advice(str(e))
+        problems = [problem]
+        if self.rt.distributed:
+            problems = [None] * self.rt.world_size
+            dist.all_gather_object(problems, problem)
+        self.agree_on_storage(next((p for p in problems if p), None))  # rank 0's word: every rank raises alike
+        try:
+            temp = write_sharded_checkpoint(self.rt.run_dir, step, self.model, self.optimizer, self.rt.is_main)
+        except StorageError as e:
+            raise StorageError(self.storage_advice(str(e))) from None
+
+        def write() -> None:
+            if before is not None:
+                before()
+            self.last_saved = self.last_good = publish_sharded_checkpoint(self.rt.run_dir, temp, extra, self.keep)
 
         self.on_rank0(write)
 
@@ -153,7 +182,7 @@ class TrainingState:
         """Starts from the model weights of ``path`` (any run's checkpoint or best.pt); optimizer and step fresh."""
         try:
             saved = load_checkpoint(Path(path))["model"]
-            load_whole_model_state(self.model, saved)  # in place, like a resume (into a sharded model's shards too)
+            put_model_state(self.model, saved)  # in place, like a resume (into a sharded model's shards too)
         except (UnreadableCheckpoint, KeyError, RuntimeError) as e:
             cause = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
             raise ConfigError(f"checkpoint.init_from={path} cannot start this model ({cause}): point it at a "
