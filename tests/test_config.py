@@ -24,7 +24,7 @@ def options(group: str):
 def test_every_group_combination_composes_with_its_own_recipe_and_mode():
     # Every recipe × mode × experiment; the loggers (independent of the rest) alternate.
     combos = list(itertools.product(options("recipe"), options("graph"), [None, *options("experiment")]))
-    assert len(combos) == 5 * 6 * 3  # mnist, cifar10_resnet18, gpt_tiny, gpt2_small, hf_causal_lm
+    assert len(combos) == 6 * 6 * 3  # mnist, cifar10_resnet18, gpt_tiny, gpt2_small, gpt_1b, hf_causal_lm
     loggers = itertools.cycle(options("logger"))
     for (recipe, graph, experiment), logger in zip(combos, loggers):
         overrides = [f"recipe={recipe}", f"graph={graph}", f"logger={logger}"]
