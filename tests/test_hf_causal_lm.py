@@ -115,6 +115,20 @@ def test_settings_the_model_would_not_read_are_refused():
 
 
 @pytest.mark.fast
+def test_under_fsdp2_its_decoder_layers_are_sharded_one_by_one_and_it_trains_as_under_ddp(train_here, tmp_path):
+    import yaml
+
+    args = [*DEBUG, "train.max_steps=4", "train.log_every=1", "train.precision=fp32"]
+    sharded = train_here([*args, "train.parallel=fsdp2"], tmp_path / "fsdp2")
+    plain = train_here(args, tmp_path / "ddp")
+    assert sharded.returncode == 0 and plain.returncode == 0, sharded.stderr[-3000:] + plain.stderr[-3000:]
+    config = yaml.safe_load((sharded.run_dir / "config.yaml").read_text())
+    assert config["train"]["fsdp"]["blocks_used"] == 2  # its two LlamaDecoderLayers, from _no_split_modules
+    losses = [[row["train/loss"] for row in done.metrics() if "train/loss" in row] for done in (sharded, plain)]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6) and len(losses[0]) == 4
+
+
+@pytest.mark.fast
 def test_the_recipes_blocks_are_the_classes_the_model_names_unsplittable():
     from trainer.recipe import blocks_named
 
