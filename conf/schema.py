@@ -223,6 +223,9 @@ class LoggerConfig:
 
 @dataclass
 class CheckpointConfig:
+    # false: no checkpoint is written at all (none at the end, none on SIGTERM): for a model whose checkpoint
+    # the disk cannot hold. Resuming and init_from still read one
+    save: bool = True
     # A checkpoint is written at the end and whenever any of these is due (0 turns one off).
     every_steps: int = 0
     every_epochs: int = 1

@@ -57,3 +57,13 @@ def test_fine_tune_from_weights_evaluate_a_checkpoint_and_keep_the_best(train_he
 
     wrong = train_here([*ARGS, "recipe=gpt_tiny", "train.max_steps=2", f"checkpoint.init_from={best}"], out / "wrong")
     assert wrong.returncode == 2 and f"checkpoint.init_from={best} cannot start this model" in wrong.stderr
+
+
+@pytest.mark.fast
+def test_checkpoint_save_false_trains_without_writing_any_checkpoint(train_here, out):
+    done = train_here([*ARGS, "train.max_steps=12", "checkpoint.save=false"], out / "none")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert list_checkpoints(done.run_dir) == [] and done.results()["steps"] == 12  # none: not even at the end
+    refused = train_here([*ARGS, "checkpoint.save=false", "checkpoint.best_metric=eval/loss"], out / "best")
+    assert refused.returncode == 2
+    assert "checkpoint.best_metric=eval/loss writes best.pt, but checkpoint.save=false" in refused.stderr

@@ -13,8 +13,13 @@ class Preempted(Exception):
     """The ranks stopped together on SIGTERM, after writing a checkpoint; the same command resumes."""
 
     def __init__(self, step: int, checkpoint, run_dir):
-        super().__init__(f"stopped on SIGTERM at step {step}, checkpoint written: {checkpoint}. To resume, run the "
-                         f"same command with run_dir={run_dir} (checkpoint.resume=auto finds it)")
+        if checkpoint is None:  # checkpoint.save=false
+            said = (f"stopped on SIGTERM at step {step}, with no checkpoint (checkpoint.save=false): the same command "
+                    "starts over")
+        else:
+            said = (f"stopped on SIGTERM at step {step}, checkpoint written: {checkpoint}. To resume, run the same "
+                    f"command with run_dir={run_dir} (checkpoint.resume=auto finds it)")
+        super().__init__(said)
         self.step, self.checkpoint = step, checkpoint
 
 

@@ -43,7 +43,7 @@ class TrainingLoop:
         self.cfg = cfg
         self.logs = LogPolicy(cfg.train.log_every)
         self.checkpoints = CheckpointPolicy(cfg.checkpoint.every_steps, cfg.checkpoint.every_epochs,
-                                            cfg.checkpoint.every_minutes, run.rt.is_main)
+                                            cfg.checkpoint.every_minutes, run.rt.is_main, cfg.checkpoint.save)
         self.evaluations = EvalPolicy(cfg.train.eval)
         self.accuracy = cfg.recipe.accuracy  # false: the metrics are the loss alone
         self.stop = StopAgreement(run.rt)
@@ -88,7 +88,7 @@ class TrainingLoop:
                 step += 1
                 at = StepPoint(step, epoch, epoch_end=i == run.steps_per_epoch - 1, last=step >= run.total_steps)
                 preempted = self.stop.should_stop(step)  # SIGTERM: every rank stops here, after a checkpoint
-                save = self.checkpoints.due(at) or preempted
+                save = self.checkpoints.due(at) or (preempted and self.checkpoints.enabled)
                 if self.logs.due(at) or save:
                     # Read (and check for NaN) before saving: a checkpoint is always a good one.
                     clock_due = self._read_train_metrics(at, bar)

@@ -150,6 +150,9 @@ def _check_values(cfg) -> None:
     if c.init_from is not None and not _is_checkpoint_path(c.init_from):
         raise ConfigError(f"checkpoint.init_from={c.init_from!r} is not a checkpoint: point it at one "
                           "(checkpoints/step_*.pt, step_*.dcp or best.pt of a run), or drop it")
+    if not c.save and c.best_metric is not None:
+        raise ConfigError(f"checkpoint.best_metric={c.best_metric} writes best.pt, but checkpoint.save=false writes "
+                          "no checkpoint: drop checkpoint.best_metric, or set checkpoint.save=true")
     if c.best_metric == "eval/accuracy" and not cfg.recipe.accuracy:
         raise ConfigError("checkpoint.best_metric=eval/accuracy needs the accuracy, but recipe.accuracy=false: set "
                           "checkpoint.best_metric=eval/loss, or recipe.accuracy=true")

@@ -33,19 +33,21 @@ class CheckpointPolicy:
     agreed on: ``clock_vote`` goes into the metrics' all-reduce at the next log interval.
     """
 
-    def __init__(self, every_steps: int, every_epochs: int, every_minutes: float, is_main: bool):
+    def __init__(self, every_steps: int, every_epochs: int, every_minutes: float, is_main: bool,
+                 enabled: bool = True):
+        self.enabled = enabled  # checkpoint.save=false: never due, not even at the end or on SIGTERM
         self.every_steps, self.every_epochs = every_steps, every_epochs
         self.every_s = 60 * every_minutes
         self.is_main = is_main
         self.last_saved_at = time.monotonic()
 
     def due(self, at: StepPoint) -> bool:
-        return (at.last or (self.every_steps > 0 and at.step % self.every_steps == 0)
-                or (at.epoch_end and self.every_epochs > 0 and (at.epoch + 1) % self.every_epochs == 0))
+        by_epoch = at.epoch_end and self.every_epochs > 0 and (at.epoch + 1) % self.every_epochs == 0
+        return self.enabled and (at.last or (self.every_steps > 0 and at.step % self.every_steps == 0) or by_epoch)
 
     def clock_vote(self) -> float:
         """1.0 when rank 0's clock says a checkpoint is due (other ranks vote 0)."""
-        due = self.is_main and self.every_s > 0 and time.monotonic() - self.last_saved_at >= self.every_s
+        due = self.enabled and self.is_main and self.every_s > 0 and time.monotonic() - self.last_saved_at >= self.every_s
         return 1.0 if due else 0.0
 
     def saved(self) -> None:
