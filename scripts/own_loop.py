@@ -2,6 +2,7 @@
 
     python scripts/own_loop.py                                   # one process: full on CUDA, eager otherwise
     torchrun --standalone --nproc_per_node=2 scripts/own_loop.py --steps 300 --output own_loop.json
+    torchrun --standalone --nproc_per_node=2 scripts/own_loop.py --fsdp2   # sharded with FSDP2 instead of DDP
 
 What you should see (rank 0 prints for the job). Two processes on a busy 2-core machine without CUDA:
 
@@ -35,10 +36,19 @@ graph, the default elsewhere, where ``--mode full`` stops with graphing's messag
 non-zero exit status). Metrics stay on the device (``graphing.RunningMeans``) and are read
 once per ``--log-every`` steps; evaluation runs outside the graph every ``--eval-every`` steps.
 
+``--fsdp2`` shards the model with FSDP2 instead of DDP, the way you would shard your own:
+``fully_shard`` on each block, then on the root, over a 1-D device mesh of all ranks (a process
+group of one without torchrun), with ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``
+on CUDA. GraphedStep takes the sharded model as it is (no DDP around it), ``micro_batches`` turns
+FSDP2's gradient sync off for all but the last micro-batch, the clipped norm comes back as a
+replicated DTensor (read through ``.to_local()``), and the digest below is of the whole
+(gathered) parameters. On CPU, fp32, its losses equal DDP's to float rounding.
+
 ``--output FILE`` (rank 0) writes JSON: the settings, rank 0's loss and the lr of every step,
 the job's means at each log line (with the step's phase: warmup, eager, capture, graph), the
 validation losses, what GraphedStep reports (mode, capture seconds, graph pool MiB), and a
-digest of the parameters from every rank (equal when DDP kept them in step).
+digest of the parameters from every rank (equal when DDP kept them in step; under ``--fsdp2``
+each rank's digest is of the parameters gathered whole).
 """
 from __future__ import annotations
 
@@ -169,16 +179,23 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--eval-batches", type=int, default=4, help="micro-batches per rank per evaluation")
     p.add_argument("--output", type=Path, default=None, help="write the run's results here as JSON (rank 0)")
+    p.add_argument("--fsdp2", action="store_true",
+                   help="shard the model with FSDP2 (fully_shard on each block, then the root) instead of DDP")
     args = p.parse_args()
     if args.mode is None:
         args.mode = "full" if torch.cuda.is_available() else "eager"
     return args
 
 
-def setup_distributed() -> tuple[int, int, torch.device]:
-    """(rank, world_size, device); joins the process group when launched by torchrun."""
+def setup_distributed(fsdp2: bool = False) -> tuple[int, int, torch.device]:
+    """(rank, world_size, device); joins the process group when launched by torchrun. Without torchrun,
+    ``fsdp2`` (its device mesh needs a process group) makes a group of one, in this process."""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        return 0, 1, torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
+        device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
+        if fsdp2:
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(),
+                                    rank=0, world_size=1)
+        return 0, 1, device
     if torch.cuda.is_available():
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)  # before the process group: NCCL binds to the current device
@@ -188,6 +205,23 @@ def setup_distributed() -> tuple[int, int, torch.device]:
         dist.init_process_group("gloo")
         device = torch.device("cpu")
     return dist.get_rank(), dist.get_world_size(), device
+
+
+def shard(model: GPT, device: torch.device) -> GPT:
+    """``--fsdp2``: FSDP2 the way you would shard your own model: ``fully_shard`` on each transformer block,
+    then on the root (the embeddings, the final norm, the tied head), over a 1-D mesh of all ranks. Each
+    parameter becomes a DTensor holding this rank's shard; build the optimizer after this. bf16 compute
+    and fp32 gradient reduction on CUDA (where the loop autocasts to bf16), fp32 throughout otherwise."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+              if device.type == "cuda" else MixedPrecisionPolicy())
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
 
 
 # --- training ------------------------------------------------------------------------------------
@@ -247,10 +281,13 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
 
     torch.manual_seed(args.seed)  # the same initial weights on every rank (DDP broadcasts rank 0's anyway)
     model = GPT(VOCAB, args.context, args.width, args.layers, args.heads, args.dropout).to(device)
+    if args.fsdp2:  # each rank keeps its shard of these same weights; GraphedStep puts no DDP around it
+        model = shard(model, device)
     param_groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": args.weight_decay},
                     {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
     progress = Progress(rank, args.steps)
-    progress.say(f"own_loop: mode={args.mode} world_size={world_size} device={device.type} steps={args.steps} "
+    progress.say(f"own_loop: mode={args.mode} world_size={world_size}{' fsdp2' if args.fsdp2 else ''} "
+                 f"device={device.type} steps={args.steps} "
                  f"batch={args.accum}x{args.micro_batch}x{args.context} tokens (per rank)")
     losses = torch.zeros(args.steps, device=device)  # rank 0's loss of every step, read once at the end
     lrs = [math.nan] * args.steps  # the lr written into every param group, each step
@@ -260,7 +297,7 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
     autocast = (lambda: torch.autocast("cuda", torch.bfloat16, cache_enabled=False)) if cuda else contextlib.nullcontext
     metrics = graphing.RunningMeans(["loss", "grad_norm"], device)  # sums on the device, read every log interval
 
-    def train_step(model, x, y):  # model: DDP under torchrun; no .item(), no host syncs in here
+    def train_step(model, x, y):  # model: DDP under torchrun (--fsdp2: sharded); no .item(), no host syncs in here
         optimizer.zero_grad(set_to_none=True)
         step_loss = 0.0
         for x_micro, y_micro in graphing.micro_batches(model, args.accum, x, y):  # no_sync on all but the last
@@ -270,6 +307,8 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
             loss.backward()
             step_loss += loss.detach()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip, foreach=True)  # on the device
+        if args.fsdp2:  # a replicated DTensor over the sharded (DTensor) grads
+            grad_norm = grad_norm.to_local()  # the job's norm, as a plain tensor on this rank
         optimizer.step()
         metrics.add(loss=step_loss, grad_norm=grad_norm)
         return step_loss
@@ -288,13 +327,13 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
     # <<< README
 
     report = step.report  # leaving the `with` closed the step: its graph is released before the process group goes
-    digest = param_digest(model)
+    digest = param_digest(model)  # under --fsdp2 gathers each parameter whole: a collective, on every rank
     digests = [digest] * world_size
     if world_size > 1:
         dist.all_gather_object(digests, digest)  # one per rank: DDP should keep them equal
     info = {"mode": report.mode, "capture_error_mode": report.capture_error_mode, **report.as_results()}
     results = {
-        "mode": args.mode, "world_size": world_size, "device": device.type, "steps": args.steps,
+        "mode": args.mode, "world_size": world_size, "fsdp2": args.fsdp2, "device": device.type, "steps": args.steps,
         "micro_batch": args.micro_batch, "accum": args.accum, "context": args.context, "seed": args.seed,
         "lr_schedule": {"peak": args.lr, "min": args.lr / 10, "warmup": args.lr_warmup, "total": args.steps},
         "losses": losses.tolist(),  # rank 0's, one per step
@@ -314,16 +353,20 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
 
 
 def param_digest(model: nn.Module) -> str:
-    """First 16 hex chars of the sha256 of every parameter's bytes: equal iff bitwise equal."""
+    """First 16 hex chars of the sha256 of every parameter's bytes: equal iff bitwise equal. A sharded
+    parameter (a DTensor, under --fsdp2) is gathered whole first: a collective, so every rank calls this."""
     h = hashlib.sha256()
     for p in model.parameters():
-        h.update(p.detach().cpu().contiguous().numpy().tobytes())
+        p = p.detach()
+        if hasattr(p, "full_tensor"):  # a DTensor: this rank holds a shard
+            p = p.full_tensor()
+        h.update(p.cpu().contiguous().numpy().tobytes())
     return h.hexdigest()[:16]
 
 
 def main() -> int:
     args = parse_args()
-    rank, world_size, device = setup_distributed()
+    rank, world_size, device = setup_distributed(args.fsdp2)
     try:
         return train(args, rank, world_size, device)
     except graphing.GraphConfigError as err:  # a setting that cannot work: the same on every rank, say it once

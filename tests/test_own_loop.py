@@ -2,7 +2,8 @@
 
 The script runs as a real subprocess, under plain python or torchrun, the way a user
 starts it. CPU tests hide any GPU (CUDA_VISIBLE_DEVICES=""), so they check the CPU
-behaviour (gloo, eager; full refused) on every machine. The GPU tests run eager and full
+behaviour (gloo, eager; the model sharded with --fsdp2 learning as DDP's does; full refused)
+on every machine. The GPU tests run eager and full
 with the same seed (one GPU, and two under torchrun) and compare them step for step. The
 own-loop guide's code (docs/own_loop.md) is checked to be the script's, verbatim.
 """
@@ -100,6 +101,42 @@ def test_two_ranks_without_cuda_run_the_loop_eagerly_and_learn(tmp_path):
 
     assert proc.stdout.count("own_loop: mode=eager world_size=2") == 1, proc.stdout  # rank 0 speaks, once
     assert "step    30/30 | loss" in proc.stdout and "val loss" in proc.stdout and "on every rank" in proc.stdout
+
+
+def test_two_ranks_sharded_with_fsdp2_learn_as_ddp_does_step_for_step(tmp_path):
+    # The same short run twice on 2 gloo ranks: the model in DDP, then sharded with FSDP2 (--fsdp2).
+    # fp32 on the CPU, the same data and initial weights: the losses differ only by the order in which
+    # gradients are summed (DDP's all-reduce, FSDP2's reduce-scatter), a few ulps.
+    runs = {}
+    for name, flags in (("ddp", []), ("fsdp2", ["--fsdp2"])):
+        output = tmp_path / f"{name}.json"
+        proc = run_own_loop(["--mode", "eager", *flags, "--steps", "15", *SMALL, "--log-every", "5",
+                             "--output", str(output)], nproc=2, env=NO_GPU, timeout=120)
+        runs[name] = results_of(proc, output)
+        assert "own_loop: mode=eager world_size=2" in proc.stdout and "on every rank" in proc.stdout, proc.stdout
+    ddp, fsdp2 = runs["ddp"], runs["fsdp2"]
+    assert (ddp["fsdp2"], fsdp2["fsdp2"]) == (False, True)
+    assert (fsdp2["mode"], fsdp2["world_size"], fsdp2["device"]) == ("eager", 2, "cpu")
+    assert fsdp2["info"]["mode"] == "eager"
+    digests = fsdp2["param_digests"]  # of the whole parameters, gathered on every rank
+    assert len(digests) == 2 and digests[0] == digests[1], digests
+
+    losses = fsdp2["losses"]
+    assert len(losses) == 15 and all(math.isfinite(x) and x > 0 for x in losses)
+    assert losses[0] == pytest.approx(math.log(64), abs=0.1)
+    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    assert last < first - 1.0, f"loss did not fall: first five {first:.4f}, last five {last:.4f}"
+    assert_lr_schedule_followed(fsdp2)
+
+    rel = [abs(f - d) / d for d, f in zip(ddp["losses"], losses)]
+    print(f"max relative |loss fsdp2 - ddp| = {max(rel):.2e} over {len(rel)} steps; final losses "
+          f"ddp {ddp['losses'][-1]:.6f} fsdp2 {losses[-1]:.6f}")
+    assert losses == pytest.approx(ddp["losses"], rel=1e-5)
+    assert [e["step"] for e in fsdp2["logged"]] == [e["step"] for e in ddp["logged"]] == [5, 10, 15]
+    for mine, theirs in zip(fsdp2["logged"], ddp["logged"]):  # the job's means: both ranks' losses and norms
+        assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-5)
+        assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5)
+    assert fsdp2["evaluated"][-1]["val_loss"] == pytest.approx(ddp["evaluated"][-1]["val_loss"], rel=1e-5)
 
 
 @pytest.mark.parametrize("nproc", [2], ids=["torchrun2"])  # one rank's case is the same code, printing once
