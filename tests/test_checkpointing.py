@@ -114,9 +114,10 @@ def test_mnist_with_activation_checkpointing_is_refused_with_the_setting_named(t
     done = train_here([*QUICK, f"{SETTING}=true"])
     text = done.stdout + done.stderr
     assert done.returncode == 2, text[-3000:]
-    assert text.count(f"{SETTING}=true, but recipe 'mnist' (recipe._target_=recipes.mnist.build) does not apply "
+    assert text.count(f"{SETTING}=true, but recipe 'mnist' (recipe._target_=recipes.mnist.build) neither applies "
                       "activation checkpointing") == 1, text[-3000:]
-    assert f"Set {SETTING}=false" in text and "Recipe(..., activation_checkpointing=True)" in text
+    assert f"Set {SETTING}=false" in text and "Recipe.blocks" in text
+    assert "Recipe(..., activation_checkpointing=True)" in text
     assert "Traceback" not in text
     assert not done.output_root.exists(), "a config error leaves no run directory behind"
 
@@ -272,3 +273,37 @@ def test_a_benchmark_trial_runs_in_its_own_process_and_reports_back(tmp_path):
     assert outcome["fits"] and outcome["activation_checkpointing_used"] and outcome["mode"] == "eager"
     assert outcome["step_ms_median"] > 0 and outcome["tokens_per_s"] > 0 and outcome["unit"] == "tokens"
     assert (outcome["batch_size"], outcome[SETTING]) == (4, True) and bench.trials == [outcome]
+
+
+@pytest.mark.fast
+def test_blocks_a_recipe_names_are_recomputed_in_backward_while_training_only():
+    import torch
+
+    from trainer.activation_checkpointing import checkpoint_blocks
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear, self.calls = torch.nn.Linear(4, 4), 0
+
+        def forward(self, x, scale=1.0):  # a keyword argument, as library blocks take them
+            self.calls += 1
+            return torch.tanh(self.linear(x)) * scale
+
+    torch.manual_seed(0)
+    blocks = torch.nn.Sequential(Block(), Block())
+    reference = [torch.nn.Linear(4, 4) for _ in range(2)]
+    for ref, block in zip(reference, blocks):
+        ref.load_state_dict(block.linear.state_dict())
+    checkpoint_blocks(list(blocks))
+    x = torch.randn(3, 4, requires_grad=True)
+    out = blocks[1](blocks[0](x, scale=2.0))
+    out.sum().backward()
+    assert [b.calls for b in blocks] == [2, 2]  # the forward, and its recompute in backward
+    expected = torch.tanh(reference[1](torch.tanh(reference[0](x)) * 2.0))
+    torch.testing.assert_close(out, expected)
+    assert list(blocks.state_dict()) == ["0.linear.weight", "0.linear.bias", "1.linear.weight", "1.linear.bias"]
+    blocks.eval()
+    with torch.no_grad():
+        blocks[0](x)
+    assert blocks[0].calls == 3  # evaluation runs plainly: once

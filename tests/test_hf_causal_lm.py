@@ -136,3 +136,17 @@ def test_the_recipes_blocks_are_the_classes_the_model_names_unsplittable():
     blocks = blocks_named(model, model._no_split_modules)
     assert [type(b).__name__ for b in blocks] == ["LlamaDecoderLayer"] * 2
     assert blocks[0] is model.model.layers[0]
+
+
+@pytest.mark.fast
+def test_activation_checkpointing_recomputes_its_decoder_layers_and_trains_the_same(train_here, tmp_path):
+    import yaml
+
+    args = [*DEBUG, "train.max_steps=3", "train.log_every=1", "train.precision=fp32"]
+    recomputed = train_here([*args, "train.activation_checkpointing=true"], tmp_path / "recomputed")
+    plain = train_here(args, tmp_path / "plain")
+    assert recomputed.returncode == 0 and plain.returncode == 0, recomputed.stderr[-3000:]
+    config = yaml.safe_load((recomputed.run_dir / "config.yaml").read_text())
+    assert config["train"]["activation_checkpointing_used"] is True
+    losses = [[row["train/loss"] for row in done.metrics() if "train/loss" in row] for done in (recomputed, plain)]
+    assert losses[0] == losses[1] and len(losses[0]) == 3  # the same arithmetic, the forward done twice

@@ -4,12 +4,14 @@ With the setting on, a model keeps only the inputs of its checkpointed blocks du
 forward pass and recomputes each block's forward in the backward pass: less memory for
 activations (a larger micro-batch fits), about one more forward pass of compute.
 
-A recipe supports it in two steps (trainer/recipe.py, the contract):
-  1. its model runs each block as ``checkpointed(block, x)`` when
-     ``cfg.train.activation_checkpointing`` is true (read in ``build``), ``block(x)`` otherwise;
-  2. it returns ``Recipe(..., activation_checkpointing=cfg.train.activation_checkpointing)``.
-A recipe that leaves ``Recipe.activation_checkpointing`` False is refused with the setting
-on (``check_recipe``): never silently trained without it.
+A recipe supports it in one of two ways (trainer/recipe.py, the contract):
+- it names its model's blocks in ``Recipe.blocks`` (the declaration FSDP2 shards by, too), and the
+  trainer recomputes each of them (``checkpoint_blocks``); a library model's own list serves, e.g. a
+  Hugging Face model's ``_no_split_modules``;
+- or its model runs each block as ``checkpointed(block, x)`` when ``cfg.train.activation_checkpointing``
+  is true, and it returns ``Recipe(..., activation_checkpointing=True)``.
+A recipe that does neither is refused with the setting on (``apply_or_refuse``): never silently
+trained without it.
 
 ``checkpointed`` is graph-safe: torch.utils.checkpoint's non-reentrant form stashes the RNG
 state in the forward and restores it for the recompute, so dropout draws the same mask
@@ -19,6 +21,7 @@ set_rng_state work during capture from there on; see tests/test_checkpointing_gp
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from functools import partial
 from typing import Iterator
 
@@ -76,12 +79,37 @@ def _scratch(norm: torch.nn.Module):
     return torch.empty_like(norm.running_mean), torch.empty_like(norm.running_var), count
 
 
-def check_recipe(cfg, recipe) -> None:
-    """Refuses ``train.activation_checkpointing=true`` for a recipe whose model does not apply it."""
-    if cfg.train.activation_checkpointing and not recipe.activation_checkpointing:
-        raise ConfigError(
-            f"{SETTING}=true, but recipe {recipe.name!r} (recipe._target_={cfg.recipe._target_}) does not apply "
-            f"activation checkpointing: its Recipe says activation_checkpointing=False. Set {SETTING}=false, or "
-            "choose a recipe that supports it; a recipe of your own supports it by running its blocks through "
-            "trainer.activation_checkpointing.checkpointed when cfg.train.activation_checkpointing is true and "
-            "returning Recipe(..., activation_checkpointing=True)")
+def apply_or_refuse(cfg, recipe):
+    """The recipe, with ``train.activation_checkpointing=true`` carried out: by the recipe itself (its Recipe
+    says activation_checkpointing=True), or by the trainer on the blocks the Recipe names (``Recipe.blocks``,
+    the same list FSDP2 shards), or refused for a recipe that does neither."""
+    if not cfg.train.activation_checkpointing or recipe.activation_checkpointing:
+        return recipe
+    if recipe.blocks:
+        checkpoint_blocks(recipe.blocks)
+        return dataclasses.replace(recipe, activation_checkpointing=True)
+    raise ConfigError(
+        f"{SETTING}=true, but recipe {recipe.name!r} (recipe._target_={cfg.recipe._target_}) neither applies "
+        "activation checkpointing (its Recipe says activation_checkpointing=False) nor names its blocks "
+        f"(Recipe.blocks). Set {SETTING}=false, or choose a recipe that supports it; a recipe of your own "
+        "supports it by naming its model's blocks in Recipe.blocks (the trainer then recomputes each), or by "
+        "running them through trainer.activation_checkpointing.checkpointed itself and returning "
+        "Recipe(..., activation_checkpointing=True)")
+
+
+def checkpoint_blocks(blocks) -> None:
+    """Each of ``blocks`` recomputes its forward in backward from now on, as ``checkpointed`` does (its
+    ``forward`` replaced on the instance: the module, its parameters and its names stay as they are, so
+    FSDP2 can shard it after, and state dicts are unchanged)."""
+    for block in blocks:
+        forward = block.forward
+
+        def recomputed(*args, _block=block, _forward=forward, **kwargs):
+            if not (_block.training and torch.is_grad_enabled()):
+                return _forward(*args, **kwargs)
+            if torch.compiler.is_compiling():
+                return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
+            return checkpoint(_forward, *args, use_reentrant=False,
+                              context_fn=partial(_forward_then_recompute, _block), **kwargs)
+
+        block.forward = recomputed

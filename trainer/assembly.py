@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 
 from graphing import Executor, GraphMode, build_executor
 from graphing.executor import log_fallback
-from trainer.activation_checkpointing import check_recipe as check_activation_checkpointing
+from trainer.activation_checkpointing import apply_or_refuse as apply_activation_checkpointing
 from trainer.data import extra_input_names, item_problem, make_loader
 from trainer.errors import ConfigError
 from trainer.optim import build_optimizer, build_schedule
@@ -143,7 +143,7 @@ def _recipe(plan: RunPlan, rt: Runtime) -> Recipe:
     if not isinstance(recipe, Recipe):
         raise ConfigError(f"recipe._target_={target} returned a {type(recipe).__name__}, not a "
                           "trainer.recipe.Recipe: see trainer/recipe.py for the contract")
-    check_activation_checkpointing(plan.cfg, recipe)
+    recipe = apply_activation_checkpointing(plan.cfg, recipe)
     if recipe.forward is not None and not callable(recipe.forward):
         raise ConfigError(f"recipe._target_={target} returned a Recipe whose forward is a "
                           f"{type(recipe.forward).__name__}: make it forward(model, batch) -> output, or None")
