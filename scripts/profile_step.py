@@ -10,8 +10,14 @@ the kernels and copies it ran (CUPTI), their ratio (how busy the GPU was), and t
 kernel count per step, throughput and MFU. ``--top N`` adds the N kernels that took the
 most time per step, with their counts (where the time goes, and where each op comes from);
 ``--gaps N`` the N places where the GPU sat idle longest in a step, summed per step, each
-named by the ops before and after it (where a graphed step still waits).
+named by the ops before and after it (where a graphed step still waits). ``--streams`` lists
+each CUDA stream the step's kernels ran on (ms and ops per step, its busiest kernels) and how
+much of the collectives' time (NCCL kernels: DDP's all-reduce, FSDP2's all-gathers and
+reduce-scatters) ran beside other kernels: whether communication overlaps compute, inside the
+graph as in eager.
 Prints a line and writes JSON to --output.
+
+    python scripts/profile_step.py recipe=gpt_tiny train.parallel=fsdp2 graph=full --steps 20 --streams
 """
 from __future__ import annotations
 
@@ -32,6 +38,8 @@ def main() -> int:
     parser.add_argument("--output", type=Path, default=None, help="JSON file for the numbers")
     parser.add_argument("--top", type=int, default=0, help="list the N kernels with the most time per step")
     parser.add_argument("--gaps", type=int, default=0, help="list the N places the GPU sat idle longest per step")
+    parser.add_argument("--streams", action="store_true",
+                        help="list the CUDA streams the kernels ran on, and the collectives' overlap with compute")
     args, cfg = script_config(parser, defaults=["logger=none", "train.progress=false"])
     import torch  # after the command line: --help and a bad override answer at once
 
@@ -86,7 +94,14 @@ def profile_job(session, args) -> int:
         result["top_kernels"] = top_kernels(gpu_events, args.steps, args.top)
     if args.gaps:
         result["idle_ms"], result["idle_gaps"] = idle_gaps(gpu_events, args.steps, args.gaps)
-    print(json.dumps({k: v for k, v in result.items() if k not in ("top_kernels", "idle_gaps")}))
+    if args.streams:
+        spans = [(e.time_range.start, e.time_range.end, e.name, e.device_resource_id) for e in gpu_events]
+        result["streams"] = stream_table(spans, args.steps)
+        result["collective_ms"], result["collective_beside_compute_ms"] = collective_overlap(spans, args.steps)
+    print(json.dumps({k: v for k, v in result.items() if k not in ("top_kernels", "idle_gaps", "streams")}))
+    for row in result.get("streams", []):
+        print(f"  stream {row['stream']}: {row['ms_per_step']:8.4f} ms {row['ops_per_step']:7.1f} ops per step; "
+              f"{'; '.join(name[:50] for name in row['busiest'])}")
     for row in result.get("top_kernels", []):
         print(f"  {row['ms_per_step']:8.4f} ms  {row['per_step']:6.1f}x  {row['name'][:110]}")
     for row in result.get("idle_gaps", []):
@@ -105,6 +120,44 @@ def top_kernels(events, steps: int, n: int):
         by_name[e.name] = (ms + e.device_time / 1e3, count + 1)
     rows = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:n]
     return [{"name": name, "ms_per_step": ms / steps, "per_step": count / steps} for name, (ms, count) in rows]
+
+
+def is_collective(name: str) -> bool:
+    return name.lower().startswith("nccl")
+
+
+def stream_table(spans, steps: int, busiest: int = 3):
+    """Per CUDA stream (``spans``: (start_us, end_us, kernel name, stream) of every GPU op): ms and ops per step
+    and its ``busiest`` kernels, the stream with the most time first."""
+    by_stream = {}
+    for start, end, name, stream in spans:
+        kernels = by_stream.setdefault(stream, {})
+        kernels[name] = kernels.get(name, 0.0) + (end - start)
+    rows = []
+    for stream, kernels in by_stream.items():
+        ops = sum(1 for *_, s in spans if s == stream)
+        top = sorted(kernels, key=lambda k: -kernels[k])[:busiest]
+        rows.append({"stream": stream, "ms_per_step": sum(kernels.values()) / 1e3 / steps, "ops_per_step": ops / steps,
+                     "busiest": top, "collectives": any(is_collective(k) for k in kernels)})
+    return sorted(rows, key=lambda r: -r["ms_per_step"])
+
+
+def collective_overlap(spans, steps: int):
+    """(ms per step of collective kernels, ms per step of it during which another, non-collective kernel ran)."""
+    compute = sorted((s, e) for s, e, name, _ in spans if not is_collective(name))
+    merged = []
+    for start, end in compute:  # the union of compute time
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    total = beside = 0.0
+    for start, end, name, _ in spans:
+        if not is_collective(name):
+            continue
+        total += end - start
+        beside += sum(max(0.0, min(end, b) - max(start, a)) for a, b in merged if a < end and b > start)
+    return total / 1e3 / steps, beside / 1e3 / steps
 
 
 def idle_gaps(events, steps: int, n: int):

@@ -470,3 +470,17 @@ def test_the_projection_reads_the_committed_sweeps_file_layout(tmp_path):
     with pytest.raises(SystemExit, match="no 1-GPU eager"):
         main(["--sweep", str(tmp_path / "by_recipe.json"), "--recipe", "gpt_tiny", "--global-batch", "64",
               "--params", "1000000"])
+
+
+@pytest.mark.fast
+def test_profile_step_tells_streams_apart_and_measures_collectives_beside_compute():
+    from scripts.profile_step import collective_overlap, stream_table
+
+    # (start us, end us, kernel, stream) of two steps: compute on stream 7, FSDP2's collectives on stream 13.
+    spans = [(0, 10, "sm90_gemm", 7), (12, 20, "sm90_gemm", 7), (5, 15, "ncclDevKernel_AllGather", 13),
+             (30, 40, "ncclDevKernel_ReduceScatter", 13)]
+    table = stream_table(spans, steps=2)
+    assert [(row["stream"], row["collectives"]) for row in table] == [(13, True), (7, False)]
+    assert table[0]["ms_per_step"] == pytest.approx(0.010) and table[1]["ops_per_step"] == 1.0
+    total, beside = collective_overlap(spans, steps=2)
+    assert total == pytest.approx(0.010) and beside == pytest.approx(0.004)  # 8 of the 20 us beside a gemm
