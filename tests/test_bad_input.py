@@ -170,3 +170,36 @@ def test_an_optimizer_a_graph_would_freeze_is_refused_in_full_mode(target, setti
         build_optimizer(cfg, params, torch.device("cpu"), captured=True)
     assert needle in str(err.value) and "graph=eager" in str(err.value)
     build_optimizer(cfg, torch.nn.Linear(2, 2).parameters(), torch.device("cpu"), captured=False)  # eager: fine
+
+
+class _Huge(torch.nn.Module):
+    """A model whose forward runs out of device memory, as one too big for its GPU does."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(2, 2)
+
+    def forward(self, x):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB")
+
+
+def too_big(cfg, runtime):
+    """A user's recipe (``recipe._target_=test_bad_input.too_big``) whose model does not fit."""
+    from trainer.recipe import Datasets, Recipe, Split, top1_correct
+
+    x = torch.randn(64, 2)
+    split = Split(x, (x[:, 0] > 0).long())
+    return Recipe(name=cfg.recipe.name, model=_Huge(), data=Datasets(split, split, "points"),
+                  preprocess=lambda batch, train: batch, criterion=torch.nn.functional.cross_entropy,
+                  correct=top1_correct)
+
+
+@pytest.mark.fast
+def test_running_out_of_gpu_memory_says_so_in_one_line_with_the_settings_to_change(train_here):
+    done = train_here(["recipe._target_=test_bad_input.too_big", "recipe.name=too_big", "logger=none",
+                       "train.max_steps=2"])
+    assert done.returncode == 1
+    said = done.stderr.strip().splitlines()
+    assert len(said) == 1 and "out of GPU memory (OutOfMemoryError: CUDA out of memory" in said[0], done.stderr
+    assert "train.parallel=fsdp2" in said[0] and "recipe.data.batch_size" in said[0]
+    assert "Traceback" not in done.stderr

@@ -105,6 +105,15 @@ class Session:
             print_once(said, file=sys.stderr)
             tell_torchrun(said)
             return (EXIT_PREEMPTED if stop_requested() else EXIT_CRASH), False, False
+        if _out_of_device_memory(e):  # one line that names what to change, from each rank that ran out
+            log.info("out of device memory:\n%s", text)  # the trace in the rank's log file, not the console
+            said = (f"[rank {env_rank()}] out of GPU memory ({first_line(e)[:160]}): the model's weights, gradients "
+                    "and optimizer state with the step's activations need more than this GPU holds. Set "
+                    "train.parallel=fsdp2 (shards them over the ranks), or lower recipe.data.batch_size (with "
+                    "train.grad_accum to keep the batch), or set train.activation_checkpointing=true")
+            print(said, file=sys.stderr, flush=True)
+            tell_torchrun(said)
+            return EXIT_CRASH, False, False
         log.error("crashed:\n%s", text)  # the rank's log file; rank 0's console too
         if self.rt is None or not self.rt.is_main:
             print(f"[rank {env_rank()}] {text}", file=sys.stderr, flush=True)
@@ -166,3 +175,7 @@ class Session:
         stop_logging(self._handlers)
 
 
+def _out_of_device_memory(e: BaseException) -> bool:
+    import torch
+
+    return isinstance(e, torch.OutOfMemoryError)
