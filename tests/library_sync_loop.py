@@ -3,10 +3,11 @@ host (``.item()``): what tests/test_doctor_library.py diagnoses in one process a
 
     python tests/library_sync_loop.py SITE_DIR REPORT_JSON                        # one process
     torchrun --nproc_per_node=2 tests/library_sync_loop.py SITE_DIR REPORT_JSON   # 2 gloo ranks (DDP)
+    torchrun --nproc_per_node=2 tests/library_sync_loop.py SITE_DIR REPORT_JSON PACKAGE fsdp2   # FSDP2-sharded
 
-``write_package(root)`` makes the packages (``syncing_model``, ``capture_aware_model``) in
-``root/site-packages``, a folder the doctor takes for installed packages, as pip's would be;
-SITE_DIR is that folder.
+``write_package(root)`` makes the packages (``syncing_model``, ``capture_aware_model``,
+``quiet_model``) in ``root/site-packages``, a folder the doctor takes for installed packages, as
+pip's would be; SITE_DIR is that folder.
 """
 from __future__ import annotations
 
@@ -20,11 +21,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # graphing, as scripts/ find it
 
-# Two packages with the same model: one syncs in every forward, one skips its sync while a CUDA stream
-# is capturing (as transformers skips its mask shortcuts).
+# Three packages with the same model: one syncs in every forward, one skips its sync while a CUDA stream
+# is capturing (as transformers skips its mask shortcuts), one makes no sync (it always clamps).
 PACKAGES = {
     "syncing_model": "        if h.abs().max().item() > 1e4:  # the library's host sync: a guard against overflow\n",
     "capture_aware_model": "        if not capturing() and h.abs().max().item() > 1e4:  # the library's host sync\n",
+    "quiet_model": "",
 }
 PACKAGE_SOURCE = '''import torch
 
@@ -54,7 +56,8 @@ def write_package(root: Path) -> Path:
     site = Path(root) / "site-packages"
     for name, guard in PACKAGES.items():
         (site / name).mkdir(parents=True, exist_ok=True)
-        (site / name / "__init__.py").write_text(PACKAGE_SOURCE.format(guard=guard))
+        source = PACKAGE_SOURCE.format(guard=guard) if guard else PACKAGE_SOURCE.replace("{guard}    ", "")
+        (site / name / "__init__.py").write_text(source)
     return site
 
 
@@ -63,14 +66,29 @@ def package_sync_line() -> int:
     return next(n for n, text in enumerate(PACKAGE_SOURCE.splitlines(), 1) if text.startswith("{guard}"))
 
 
-def build(site: Path, package: str = "syncing_model", device: str = "cpu"):
-    """(step_fn, model, optimizer, inputs): the user's step over the package's model."""
+def shard(model: torch.nn.Module, device: str = "cpu") -> None:
+    """FSDP2 as a user applies it: the model's blocks, then the root, on a 1-D mesh of all ranks."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(torch.device(device).type, (dist.get_world_size(),))
+    for block in (model.body, model.head):
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def build(site: Path, package: str = "syncing_model", device: str = "cpu", parallel: str = "ddp"):
+    """(step_fn, model, optimizer, inputs): the user's step over the package's model; ``parallel="fsdp2"``
+    shards the model (a process group must be up), else the doctor wraps it in DDP under one."""
     import importlib
 
     if str(site) not in sys.path:
         sys.path.insert(0, str(site))
     torch.manual_seed(0)
     model = importlib.import_module(package).Net().to(device)
+    if parallel == "fsdp2":
+        shard(model, device)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(8, 4, generator=g).to(device), torch.randn(8, 1, generator=g).to(device)
 
@@ -85,21 +103,21 @@ def build(site: Path, package: str = "syncing_model", device: str = "cpu"):
     return step, model, None, (x, y)
 
 
-def diagnose_loop(site: Path, package: str = "syncing_model", device: str = "cpu"):
-    """The user's step diagnosed (under a process group: in DDP, on every rank)."""
+def diagnose_loop(site: Path, package: str = "syncing_model", device: str = "cpu", parallel: str = "ddp"):
+    """The user's step diagnosed (under a process group: in DDP, or sharded with FSDP2, on every rank)."""
     import graphing
 
-    step, model, optimizer, inputs = build(site, package, device)
+    step, model, optimizer, inputs = build(site, package, device, parallel)
     return graphing.diagnose(step, model, optimizer, inputs, timing_steps=0)
 
 
-def main(site: str, out: str) -> None:
+def main(site: str, out: str, package: str = "syncing_model", parallel: str = "ddp") -> None:
     import torch.distributed as dist
 
     if "WORLD_SIZE" in os.environ:
         dist.init_process_group("gloo")
     try:
-        report = diagnose_loop(Path(site))
+        report = diagnose_loop(Path(site), package, parallel=parallel)
         if not dist.is_initialized() or dist.get_rank() == 0:
             Path(out).write_text(json.dumps(report.to_dict()))
     finally:
@@ -108,4 +126,4 @@ def main(site: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    main(*sys.argv[1:5])

@@ -5,9 +5,12 @@ The package is made in a ``site-packages`` folder (tests/library_sync_loop.py), 
 takes it for an installed one. Its finding names the user's line and the package's line behind
 it, with a fix the user can apply; the verdict and the finding are the same in one process, in
 DDP on one gloo rank, and under torchrun with 2 gloo ranks (DDP's frames above the library's
-forward no longer hide it). On CUDA the doctor's trial capture decides whether the sync is in the
-graph (tests/test_doctor_hf_gpu.py, with transformers); here a stand-in for the capture, which
-refuses a host sync as CUDA does, shows how that judgement reads.
+forward no longer hide it); and so they are with the model sharded by FSDP2 (``fully_shard``,
+which the doctor takes as it is, with no DDP around it): FSDP2's own calls (its hooks' buffers
+and copies around each forward and backward) are seen and left out, the library's are judged,
+and a model that makes no sync gets no finding. On CUDA the doctor's trial capture decides
+whether the sync is in the graph (tests/test_doctor_hf_gpu.py, with transformers); here a
+stand-in for the capture, which refuses a host sync as CUDA does, shows how that judgement reads.
 """
 from __future__ import annotations
 
@@ -23,10 +26,12 @@ from torch.overrides import TorchFunctionMode
 
 import library_sync_loop as loop
 from conftest import free_port, launch
+from graphing.doctor import attribution
 from graphing.doctor.capture_attempt import try_captures
 from graphing.doctor.capture_judgement import judge
 from graphing.doctor.step_runner import StepRunner
 
+FSDP2_DIR = str(Path(torch.__file__).parent / "distributed" / "fsdp")
 USER_LINE = next(n for n, text in enumerate(Path(loop.__file__).read_text().splitlines(), 1)
                  if "# doctor: host_sync" in text)
 
@@ -92,6 +97,67 @@ def test_two_gloo_ranks_give_the_verdict_and_finding_of_one_process(site, tmp_pa
     assert [(f["kind"], f["effect"], f["where"], f["library_line"], f["fix"]) for f in two["findings"]] == \
         [(f.kind, f.effect, f.where, f.library_line, f.fix) for f in one.findings]
     assert two["findings"][0]["ranks"] == [0, 1]
+
+
+@pytest.fixture(scope="module")
+def one_process(site):
+    """The plain one-process reports (no process group: set up before any test's gloo group), by package."""
+    assert not dist.is_initialized()
+    return {package: loop.diagnose_loop(site, package) for package in ("syncing_model", "quiet_model")}
+
+
+def without_ranks(report: dict) -> dict:
+    """A report's dict less what names the ranks (the world size, each finding's ranks)."""
+    return {**{k: v for k, v in report.items() if k != "world_size"},
+            "findings": [{k: v for k, v in f.items() if k != "ranks"} for f in report["findings"]]}
+
+
+def diagnose_sharded(site, package):
+    """The report on the FSDP2-sharded model, and (innermost file, tag) of each torch call the doctor saw
+    while FSDP2's own code was making it."""
+    seen = []
+
+    def call_site(frame):
+        site_ = attribution.call_site(frame)
+        f = frame
+        while f is not None and not attribution.is_user_file(f.f_code.co_filename) \
+                and not attribution.is_package_file(f.f_code.co_filename):
+            if FSDP2_DIR in f.f_code.co_filename:
+                seen.append((frame.f_code.co_filename, site_.tag))
+                break
+            f = f.f_back
+        return site_
+
+    with mock.patch("graphing.doctor.interception.call_site", call_site):
+        report = loop.diagnose_loop(site, package, parallel="fsdp2")
+    return report, seen
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("package", ["syncing_model", "quiet_model"])
+def test_under_fsdp2_the_doctor_reports_as_in_one_process(site, one_process, package, one_gloo_rank):
+    """fully_shard on the library's blocks and root, one gloo rank: the same report as one process, to the
+    library's line and the user's (syncing_model), or none at all (quiet_model: nothing false from FSDP2)."""
+    report, fsdp2_calls = diagnose_sharded(site, package)
+    one = one_process[package]
+    assert report.to_dict() == one.to_dict(), f"{report.table()}\n--- one process:\n{one.table()}"
+    if package == "syncing_model":
+        assert library_finding(report, site)[:5] == expected(site)
+    else:
+        assert report.verdict == "ready" and report.findings == [] and report.notes == [], report.table()
+    # Not vacuous: the doctor saw FSDP2's own calls in every step (its hooks' all-gather buffers and copies
+    # into them, the unsharded parameters' views, its post-backward hook), and left each out as FSDP2's.
+    assert len(fsdp2_calls) >= report.checked_steps and {tag for _, tag in fsdp2_calls} == {"ignore"}, fsdp2_calls
+
+
+def test_under_fsdp2_two_gloo_ranks_give_the_report_of_one_process(site, one_process, tmp_path):
+    out = tmp_path / "report.json"
+    done = launch([str(site), str(out), "syncing_model", "fsdp2"], script="tests/library_sync_loop.py", nproc=2,
+                  timeout=120, log_dir=tmp_path / "logs")
+    assert done.returncode == 0, done.output[-3000:]
+    two = json.loads(out.read_text())
+    assert two["world_size"] == 2 and [f["ranks"] for f in two["findings"]] == [[0, 1]], two
+    assert without_ranks(two) == without_ranks(one_process["syncing_model"].to_dict())
 
 
 class _RefusesHostSyncs(TorchFunctionMode):

@@ -20,7 +20,8 @@ weight cache inside the step captures and replays exactly like eager (a cache th
 step does not: reported); SyncBatchNorm skips its host sync while capturing (a two-rank capture
 works; it is reported only on a torch whose SyncBatchNorm lacks that guard). Under a process
 group every rank checks and all ranks get the merged report; DDP's own host syncs in its first
-10 iterations are left out.
+10 iterations are left out. A model sharded with FSDP2 (``fully_shard``) is checked as it is,
+FSDP2's own calls left out, what its modules' forwards call judged as in one process.
 
 Verdicts and exit codes: ``ready`` (0), ``blocked`` (5: a capture fails), ``captures-but-wrong``
 (6: it captures, and replays a frozen or wrong step). Without CUDA the checks that need a GPU
@@ -43,7 +44,7 @@ from graphing.doctor.ranks import laxest, merge_ranks
 from graphing.doctor.report import COLUMNS, SKIPPED_WITHOUT_CUDA, DoctorReport, verdict_of
 from graphing.doctor.step_runner import Inputs, StepRunner, on_side_stream
 from graphing.doctor.step_timing import gpu_busy_ms, median_step_ms
-from graphing.executor import distributed
+from graphing.executor import distributed, is_sharded
 from graphing.options import DDP_MIN_WARMUP, GraphOptions
 
 __all__ = ["COLUMNS", "SKIPPED_WITHOUT_CUDA", "DoctorReport", "diagnose"]
@@ -66,8 +67,9 @@ def diagnose(step_fn: Callable[..., Any], model: torch.nn.Module,
     checked (11, what DDP needs before a capture). The capture is tried with
     ``capture_error_mode="global"``, then "thread_local" if another thread broke it: the report
     recommends the strictest that works. Under a process group ``model`` is wrapped in DDP
-    (``ddp_kwargs``) unless it already is, on ``stream`` (a side stream is made when None),
-    which also runs the steps and the capture.
+    (``ddp_kwargs``) unless it already is, or holds a module sharded with FSDP2's ``fully_shard``
+    (which communicates itself: taken as it is, as GraphedStep takes it), on ``stream`` (a side
+    stream is made when None), which also runs the steps and the capture.
     ``timing_steps``: unchecked steps timed for the expected gain (0: none).
     ``check_optimizer=False`` leaves the optimizer's capturability to the caller (the trainer
     builds it graph-safe on CUDA itself). ``max_graphs``: how many sets of input shapes may
@@ -89,7 +91,7 @@ def diagnose(step_fn: Callable[..., Any], model: torch.nn.Module,
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     is_ddp = isinstance(model, DDP)
-    if distributed() and not is_ddp:
+    if distributed() and not is_ddp and not is_sharded(model):  # FSDP2 communicates itself: no DDP around it
         model = on_side_stream(lambda: DDP(model, device_ids=[device.index] if cuda else None, **(ddp_kwargs or {})),
                                side)
         is_ddp = True

@@ -3,11 +3,12 @@ installed packages and the doctor, i.e. a line of the user's code, of a recipe, 
 and, when the call was made inside an installed package (a model library such as transformers),
 that package's innermost line too: the user's line says where to look, the package's what ran.
 
-Calls made by torch's own DDP, optimizers, data loading or compile machinery are left out: they
-are checked as a whole (DDP's settings, the optimizer's capturability), and DDP's early host syncs
-stop after its warm-up. Only torch's own frames below the first frame of other code count for
-that: a model's forward that DDP calls (the user's, or a library's) is judged as it is in one
-process, so one rank and N ranks get the same findings.
+Calls made by torch's own DDP and FSDP2, optimizers, data loading or compile machinery are left
+out: they are checked as a whole (DDP's settings, the optimizer's capturability), and DDP's early
+host syncs stop after its warm-up. Only torch's own frames below the first frame of other code
+count for that: a model's forward that DDP calls, or that runs between FSDP2's hooks (the
+user's, or a library's), is judged as it is in one process, so one rank and N ranks get the same
+findings.
 """
 from __future__ import annotations
 
@@ -46,8 +47,9 @@ _DOCTOR_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _CAPTURE_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "capture.py")
 
 # torch's own machinery whose calls are checked as a whole, not call by call: DDP (its host syncs
-# stop after its warm-up), optimizers (capturability is checked on the object), data loading,
-# compile, CUDA utilities. Matched against paths relative to torch's package directory.
+# stop after its warm-up), FSDP2 (its hooks' all-gathers and copies, its reduce-scatters: both under
+# distributed/), optimizers (capturability is checked on the object), data loading, compile, CUDA
+# utilities. Matched against paths relative to torch's package directory.
 _IGNORED_TORCH = ("nn/parallel/", "distributed/", "optim/", "_dynamo/", "_inductor/", "utils/data/", "profiler/",
                   "autograd/profiler", "_functorch/", "cuda/__init__", "cuda/graphs", "cuda/memory", "cuda/streams")
 _SCALER_TORCH = ("amp/grad_scaler", "cuda/amp/grad_scaler")
