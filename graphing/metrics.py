@@ -45,12 +45,16 @@ class RunningMeans:
         self.totals = torch.zeros(2, len(self.names), dtype=dtype, device=device)
 
     def add(self, **values: Number) -> None:
-        """Adds each value to its name's sum and 1 to its count, in place (no host sync)."""
+        """Adds each value to its name's sum and 1 to its count, in place (no host sync). A DTensor (a norm
+        over FSDP2's sharded gradients) is taken whole: a collective, so every rank adds it."""
         for name, value in values.items():
             i = self._index.get(name)
             if i is None:
                 raise KeyError(f"RunningMeans has no {name!r}: it was made with {list(self.names)}")
             if isinstance(value, torch.Tensor):
+                full = getattr(value, "full_tensor", None)
+                if callable(full):  # a DTensor (FSDP2's clip_grad_norm_ returns one): its whole value, on every rank
+                    value = full()
                 if value.numel() != 1:
                     raise ValueError(f"RunningMeans.add({name}=...) takes one value, got shape {tuple(value.shape)}: "
                                      "reduce it first (.mean() or .sum())")

@@ -40,9 +40,8 @@ once per ``--log-every`` steps; evaluation runs outside the graph every ``--eval
 ``fully_shard`` on each block, then on the root, over a 1-D device mesh of all ranks (a process
 group of one without torchrun), with ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``
 on CUDA. GraphedStep takes the sharded model as it is (no DDP around it), ``micro_batches`` turns
-FSDP2's gradient sync off for all but the last micro-batch, the clipped norm comes back as a
-replicated DTensor (read through ``.to_local()``), and the digest below is of the whole
-(gathered) parameters. On CPU, fp32, its losses equal DDP's to float rounding.
+FSDP2's gradient sync off for all but the last micro-batch, ``RunningMeans`` takes the clipped
+norm (a replicated DTensor) as it is, and the digest below is of the whole (gathered) parameters. On CPU, fp32, its losses equal DDP's to float rounding.
 
 ``--output FILE`` (rank 0) writes JSON: the settings, rank 0's loss and the lr of every step,
 the job's means at each log line (with the step's phase: warmup, eager, capture, graph), the
@@ -307,8 +306,6 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
             loss.backward()
             step_loss += loss.detach()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip, foreach=True)  # on the device
-        if args.fsdp2:  # a replicated DTensor over the sharded (DTensor) grads
-            grad_norm = grad_norm.to_local()  # the job's norm, as a plain tensor on this rank
         optimizer.step()
         metrics.add(loss=step_loss, grad_norm=grad_norm)
         return step_loss
