@@ -155,21 +155,8 @@ def _write_atomically(final: Path, state: Dict[str, Any]) -> Path:
         if isinstance(e, Exception) and storage.is_storage_failure(e):
             raise storage.failure("checkpoint", final, needed, e) from None
         raise
-    _fsync_dir(folder)  # the rename itself survives a power loss only once the directory is synced
+    storage.fsync(folder)  # the rename itself survives a power loss only once the directory is synced
     return final
-
-
-def _fsync_dir(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:  # e.g. platforms that cannot open directories
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _prune(folder: Path, run_dir: Path, keep: int, written: Path) -> None:

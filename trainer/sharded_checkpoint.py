@@ -28,6 +28,8 @@ from typing import Any, Dict, Optional
 import torch
 import torch.distributed as dist
 
+from trainer.storage import fsync
+
 
 SUFFIX = ".dcp"
 TRAINER_STATE = "trainer_state.pt"  # rank 0's part: everything but the model's and optimizer's tensors
@@ -100,7 +102,7 @@ def publish(temp: Path, trainer_state: Dict[str, Any]) -> Path:
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)
         raise
-    _fsync(final.parent)
+    fsync(final.parent)
     return final
 
 
@@ -143,22 +145,9 @@ def _replace_dir(temp: Path, final: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _fsync(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _fsync_tree(folder: Path) -> None:
     """Every file DCP and rank 0 wrote, and the folder itself, on disk before the rename publishes them."""
     for path in folder.iterdir():
         if path.is_file():
-            _fsync(path)
-    _fsync(folder)
+            fsync(path)
+    fsync(folder)

@@ -33,6 +33,21 @@ _TORCH_WRITE_FAILED = ("inline_container", "file write failed", "PytorchStreamWr
 HEADROOM = 64 * 1024  # zip directory, pickle and filesystem blocks beyond the tensors' bytes
 
 
+def fsync(path: Path) -> None:
+    """Flushes ``path`` (a file, or a directory: so that a rename in it survives a power loss) to disk;
+    a platform that cannot open directories is left as it is."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def free_bytes(path: Path) -> Optional[int]:
     """Bytes free to this user on the filesystem of ``path`` (its nearest existing parent), or None."""
     path = Path(path)
