@@ -115,20 +115,6 @@ def test_settings_the_model_would_not_read_are_refused():
 
 
 @pytest.mark.fast
-def test_under_fsdp2_its_decoder_layers_are_sharded_one_by_one_and_it_trains_as_under_ddp(train_here, tmp_path):
-    import yaml
-
-    args = [*DEBUG, "train.max_steps=4", "train.log_every=1", "train.precision=fp32"]
-    sharded = train_here([*args, "train.parallel=fsdp2"], tmp_path / "fsdp2")
-    plain = train_here(args, tmp_path / "ddp")
-    assert sharded.returncode == 0 and plain.returncode == 0, sharded.stderr[-3000:] + plain.stderr[-3000:]
-    config = yaml.safe_load((sharded.run_dir / "config.yaml").read_text())
-    assert config["train"]["fsdp"]["blocks_used"] == 2  # its two LlamaDecoderLayers, from _no_split_modules
-    losses = [[row["train/loss"] for row in done.metrics() if "train/loss" in row] for done in (sharded, plain)]
-    assert losses[0] == pytest.approx(losses[1], rel=1e-6) and len(losses[0]) == 4
-
-
-@pytest.mark.fast
 def test_the_recipes_blocks_are_the_classes_the_model_names_unsplittable():
     from trainer.recipe import blocks_named
 
@@ -139,14 +125,19 @@ def test_the_recipes_blocks_are_the_classes_the_model_names_unsplittable():
 
 
 @pytest.mark.fast
-def test_activation_checkpointing_recomputes_its_decoder_layers_and_trains_the_same(train_here, tmp_path):
+def test_its_decoder_layers_are_sharded_by_fsdp2_and_recomputed_by_activation_checkpointing(train_here, tmp_path):
+    """The model's own _no_split_modules (two LlamaDecoderLayers) serve both, and neither changes the arithmetic."""
     import yaml
 
     args = [*DEBUG, "train.max_steps=3", "train.log_every=1", "train.precision=fp32"]
-    recomputed = train_here([*args, "train.activation_checkpointing=true"], tmp_path / "recomputed")
-    plain = train_here(args, tmp_path / "plain")
-    assert recomputed.returncode == 0 and plain.returncode == 0, recomputed.stderr[-3000:]
-    config = yaml.safe_load((recomputed.run_dir / "config.yaml").read_text())
-    assert config["train"]["activation_checkpointing_used"] is True
-    losses = [[row["train/loss"] for row in done.metrics() if "train/loss" in row] for done in (recomputed, plain)]
-    assert losses[0] == losses[1] and len(losses[0]) == 3  # the same arithmetic, the forward done twice
+    runs = {name: train_here([*args, *extra], tmp_path / name) for name, extra in (
+        ("plain", []), ("fsdp2", ["train.parallel=fsdp2"]), ("recomputed", ["train.activation_checkpointing=true"]))}
+    for done in runs.values():
+        assert done.returncode == 0, done.stderr[-3000:]
+    config = {name: yaml.safe_load((done.run_dir / "config.yaml").read_text()) for name, done in runs.items()}
+    assert config["fsdp2"]["train"]["fsdp"]["blocks_used"] == 2
+    assert config["recomputed"]["train"]["activation_checkpointing_used"] is True
+    losses = {name: [row["train/loss"] for row in done.metrics() if "train/loss" in row] for name, done in runs.items()}
+    assert len(losses["plain"]) == 3
+    assert losses["recomputed"] == losses["plain"]  # the forward done twice, the same numbers
+    assert losses["fsdp2"] == pytest.approx(losses["plain"], rel=1e-6)  # one rank: FSDP2 shards nothing away
