@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import hashlib
 import json
 import math
@@ -365,7 +366,13 @@ def main() -> int:
     args = parse_args()
     rank, world_size, device = setup_distributed(args.fsdp2)
     try:
-        return train(args, rank, world_size, device)
+        code = train(args, rank, world_size, device)
+        if dist.is_initialized():
+            # Free what holds the process group (DDP's reducer, FSDP2's mesh, kept by reference cycles) while it is
+            # up, and meet: left to the interpreter's exit, gloo's threads can abort it ("terminate called ...").
+            gc.collect()
+            dist.barrier()
+        return code
     except graphing.GraphConfigError as err:  # a setting that cannot work: the same on every rank, say it once
         if rank == 0:
             print(f"own_loop.py: {err}", file=sys.stderr)

@@ -11,6 +11,7 @@ pip's would be; SITE_DIR is that folder.
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -120,6 +121,12 @@ def main(site: str, out: str, package: str = "syncing_model", parallel: str = "d
         report = diagnose_loop(Path(site), package, parallel=parallel)
         if not dist.is_initialized() or dist.get_rank() == 0:
             Path(out).write_text(json.dumps(report.to_dict()))
+        if dist.is_initialized():
+            # Release what holds the process group (DDP's reducer, FSDP2's mesh, in reference cycles) while it
+            # is up, then meet: left to the interpreter's exit, their gloo threads outlive it and abort the
+            # process ("terminate called without an active exception").
+            gc.collect()
+            dist.barrier()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
