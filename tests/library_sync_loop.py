@@ -3,7 +3,7 @@ host (``.item()``): what tests/test_doctor_library.py diagnoses in one process a
 
     python tests/library_sync_loop.py SITE_DIR REPORT_JSON                        # one process
     torchrun --nproc_per_node=2 tests/library_sync_loop.py SITE_DIR REPORT_JSON   # 2 gloo ranks (DDP)
-    torchrun --nproc_per_node=2 tests/library_sync_loop.py SITE_DIR REPORT_JSON PACKAGE fsdp2   # FSDP2-sharded
+    torchrun --nproc_per_node=2 tests/library_sync_loop.py SITE_DIR REPORT_JSON PACKAGE ddp,fsdp2   # and FSDP2
 
 ``write_package(root)`` makes the packages (``syncing_model``, ``capture_aware_model``,
 ``quiet_model``) in ``root/site-packages``, a folder the doctor takes for installed packages, as
@@ -113,14 +113,16 @@ def diagnose_loop(site: Path, package: str = "syncing_model", device: str = "cpu
 
 
 def main(site: str, out: str, package: str = "syncing_model", parallel: str = "ddp") -> None:
+    """Writes to ``out`` {parallel: the report} for each of ``parallel`` (comma-separated: ddp, fsdp2), one
+    process group for all of them."""
     import torch.distributed as dist
 
     if "WORLD_SIZE" in os.environ:
         dist.init_process_group("gloo")
     try:
-        report = diagnose_loop(Path(site), package, parallel=parallel)
+        reports = {way: diagnose_loop(Path(site), package, parallel=way).to_dict() for way in parallel.split(",")}
         if not dist.is_initialized() or dist.get_rank() == 0:
-            Path(out).write_text(json.dumps(report.to_dict()))
+            Path(out).write_text(json.dumps(reports))
         if dist.is_initialized():
             # Release what holds the process group (DDP's reducer, FSDP2's mesh, in reference cycles) while it
             # is up, then meet: left to the interpreter's exit, their gloo threads outlive it and abort the

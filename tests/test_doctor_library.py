@@ -86,12 +86,18 @@ def test_under_ddp_the_librarys_host_sync_is_found_as_in_one_process(site, one_g
     assert library_finding(report, site)[:5] == expected(site)  # as in one process (the test above)
 
 
-def test_two_gloo_ranks_give_the_verdict_and_finding_of_one_process(site, tmp_path):
-    out = tmp_path / "report.json"
-    done = launch([str(site), str(out)], script="tests/library_sync_loop.py", nproc=2, timeout=120,
-                  log_dir=tmp_path / "logs")
+@pytest.fixture(scope="module")
+def two_gloo_ranks(site, tmp_path_factory):
+    """The doctor's merged reports of 2 gloo ranks, the model in DDP and then sharded with FSDP2: one launch."""
+    tmp = tmp_path_factory.mktemp("two_ranks")
+    done = launch([str(site), str(tmp / "reports.json"), "syncing_model", "ddp,fsdp2"],
+                  script="tests/library_sync_loop.py", nproc=2, timeout=120, log_dir=tmp / "logs")
     assert done.returncode == 0, done.output[-3000:]
-    two = json.loads(out.read_text())
+    return json.loads((tmp / "reports.json").read_text())
+
+
+def test_two_gloo_ranks_give_the_verdict_and_finding_of_one_process(site, two_gloo_ranks):
+    two = two_gloo_ranks["ddp"]
     one = loop.diagnose_loop(site)
     assert two["world_size"] == 2 and two["verdict"] == one.verdict == "blocked"
     assert [(f["kind"], f["effect"], f["where"], f["library_line"], f["fix"]) for f in two["findings"]] == \
@@ -150,12 +156,8 @@ def test_under_fsdp2_the_doctor_reports_as_in_one_process(site, one_process, pac
     assert len(fsdp2_calls) >= report.checked_steps and {tag for _, tag in fsdp2_calls} == {"ignore"}, fsdp2_calls
 
 
-def test_under_fsdp2_two_gloo_ranks_give_the_report_of_one_process(site, one_process, tmp_path):
-    out = tmp_path / "report.json"
-    done = launch([str(site), str(out), "syncing_model", "fsdp2"], script="tests/library_sync_loop.py", nproc=2,
-                  timeout=120, log_dir=tmp_path / "logs")
-    assert done.returncode == 0, done.output[-3000:]
-    two = json.loads(out.read_text())
+def test_under_fsdp2_two_gloo_ranks_give_the_report_of_one_process(one_process, two_gloo_ranks):
+    two = two_gloo_ranks["fsdp2"]
     assert two["world_size"] == 2 and [f["ranks"] for f in two["findings"]] == [[0, 1]], two
     assert without_ranks(two) == without_ranks(one_process["syncing_model"].to_dict())
 

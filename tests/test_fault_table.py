@@ -26,7 +26,7 @@
 | bad config: ours (after the ranks meet) | 1 (2)                  | asks for 5000 samples per step           | no run directory                                    |
 | recipe.data.source=mnist offline        | 1 (2)                  | mnist is not under recipe.data.root      | no run directory                                    |
 | unwritable output_root                  | 1 (2)                  | cannot write to the run directory        | no run directory                                    |
-| SIGTERM under train.parallel=fsdp2      | 1, within 10 s         | stopped on SIGTERM at step N ... run_dir | step_N.dcp, each rank's shards; resumed, it ends    |
+| SIGTERM under train.parallel=fsdp2      | 1                      | stopped on SIGTERM at step N ... run_dir | step_N.dcp, each rank's shards; resumed, it ends    |
 |                                         |                        |                                          | bit for bit like the unbroken DDP run; newest 2 kept|
 | truncated checkpoint.resume=<file>,     | 2 (in-process)         | checkpoint.resume=<file> cannot be read  | nothing trained, the file kept                      |
 | fsdp2 (a process group of one)          |                        |                                          |                                                     |
@@ -438,7 +438,7 @@ def _another_recipe(path):
 # three processes importing torch, and this is a 2-core machine), after the timed ones (SIGINT,
 # SIGTERM, the second launch), which run alone.
 UNTIMED_AT_ONCE = 2
-TIMED = ("sigint", "sigint1", "owner", "fsdp2_owner")
+TIMED = ("sigint", "sigint1", "owner")  # fsdp2's SIGTERM row checks what it leaves, not how fast: the DDP row times
 IN_PROCESS = ("named_foreign", "named_truncated", "named_garbage", "another_recipe", "named_truncated_fsdp2")
 JOBS: Dict[str, Callable[[Jobs], object]] = {  # the untimed ones longest first
     "sigint": _sigint,
@@ -678,8 +678,8 @@ TABLE = [
                      _mnist_disk), id="mnist-offline-no-files"),
     pytest.param(Row("unwritable", 1, 2, "cannot write to the run directory", _unwritable_disk, None),
                  id="unwritable-output-root"),
-    pytest.param(Row("fsdp2_owner", 1, None, "stopped on SIGTERM at step", _fsdp2_sigterm_disk, 10,
-                     ("fsdp2_resumed", "unbroken")), id="sigterm-fsdp2"),
+    pytest.param(Row("fsdp2_owner", 1, None, "stopped on SIGTERM at step", _fsdp2_sigterm_disk,
+                     reads=("fsdp2_resumed", "unbroken")), id="sigterm-fsdp2"),
     pytest.param(Row("named_truncated_fsdp2", 2, None, "cannot be read (truncated or not a checkpoint", _named_disk),
                  id="named-truncated-checkpoint-fsdp2-in-process"),
 ]
