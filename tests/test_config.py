@@ -22,9 +22,14 @@ def options(group: str):
 
 @pytest.mark.fast
 def test_every_group_combination_composes_with_its_own_recipe_and_mode():
-    # Every recipe × mode × experiment; the loggers (independent of the rest) alternate.
-    combos = list(itertools.product(options("recipe"), options("graph"), [None, *options("experiment")]))
-    assert len(combos) == 6 * 6 * 3  # mnist, cifar10_resnet18, gpt_tiny, gpt2_small, gpt_1b, hf_causal_lm
+    # Every recipe × mode; the experiments (none, compare, debug) rotate so that every recipe meets each of them
+    # and every mode meets each of them; the loggers (independent of the rest) alternate.
+    recipes, graphs, experiments = options("recipe"), options("graph"), [None, *options("experiment")]
+    assert len(recipes) == 6  # mnist, cifar10_resnet18, gpt_tiny, gpt2_small, gpt_1b, hf_causal_lm
+    combos = [(recipe, graph, experiments[(r + g) % len(experiments)])
+              for r, recipe in enumerate(recipes) for g, graph in enumerate(graphs)]
+    assert {(c[0], c[2]) for c in combos} == set(itertools.product(recipes, experiments))
+    assert {(c[1], c[2]) for c in combos} == set(itertools.product(graphs, experiments))
     loggers = itertools.cycle(options("logger"))
     for (recipe, graph, experiment), logger in zip(combos, loggers):
         overrides = [f"recipe={recipe}", f"graph={graph}", f"logger={logger}"]
