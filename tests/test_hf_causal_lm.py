@@ -36,16 +36,17 @@ def test_debug_experiment_trains_a_tiny_llama(train_here):
     assert "model_type: llama" in config and "source_used: synthetic" in config
 
 
-def test_two_gloo_ranks_train_and_a_second_launch_resumes_from_the_checkpoint(out):
+def test_two_gloo_ranks_train_and_the_checkpoint_resumes_on_one(out, train_here):
     args = [*DEBUG, "recipe.data.train_size=128", "train.log_every=2", "train.progress=false"]  # 8 steps an epoch
     first = launch([*args, "train.max_steps=4"], out, nproc=2, timeout=180)
     assert first.returncode == 0, first.output[-4000:]
     run_dir = first.run_dir
     assert first.results()["steps"] == 4 and (run_dir / "checkpoints" / "step_00000004.pt").is_file()
 
-    again = launch([*args, "train.max_steps=6", f"run_dir={run_dir}"], out, nproc=2, timeout=180)
-    assert again.returncode == 0, again.output[-4000:]
-    assert f"resumed from {run_dir / 'checkpoints' / 'step_00000004.pt'} at step 4" in again.output
+    # The same command asking for more steps, here in one process: it resumes the 2-rank checkpoint.
+    again = train_here([*args, "train.max_steps=6", f"run_dir={run_dir}"], out)
+    assert again.returncode == 0, again.stderr[-4000:]
+    assert f"resumed from {run_dir / 'checkpoints' / 'step_00000004.pt'} at step 4" in again.stdout
     assert again.results()["steps"] == 6
     assert [row["step"] for row in again.metrics() if "train/loss" in row] == [2, 4, 6]  # appended, not restarted
 

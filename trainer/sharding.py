@@ -40,13 +40,11 @@ FUSED_ON_SHARDS = ("torch.optim.adam.Adam", "torch.optim.adamw.AdamW")
 
 
 def mixed_precision_policy(precision: str, reduce_dtype: str):
-    """FSDP2's ``MixedPrecisionPolicy`` for ``train.precision`` and ``train.fsdp.reduce_dtype``."""
+    """FSDP2's ``MixedPrecisionPolicy`` for ``train.precision`` and ``train.fsdp.reduce_dtype`` (the plan has
+    refused a bf16 reduction of fp32 gradients)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     if precision == "fp32":
-        if reduce_dtype != "fp32":
-            raise ConfigError(f"train.fsdp.reduce_dtype={reduce_dtype} reduces bf16 gradients, but train.precision="
-                              "fp32 computes them in fp32: set train.precision=bf16, or train.fsdp.reduce_dtype=fp32")
         return MixedPrecisionPolicy()
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                 reduce_dtype=torch.bfloat16 if reduce_dtype == "bf16" else torch.float32)
