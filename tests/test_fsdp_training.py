@@ -33,9 +33,11 @@ def losses(run_dir) -> list:
 
 @pytest.fixture(scope="module")
 def ddp_and_fsdp2(tmp_path_factory):
-    """The same GPT run under DDP and under FSDP2 (its blocks sharded one by one), two gloo ranks each."""
+    """The same GPT run under DDP and under FSDP2 (its blocks sharded one by one), two gloo ranks each, two
+    micro-batches a step (DDP's no_sync, FSDP2's set_requires_gradient_sync(False) on the first)."""
     root = tmp_path_factory.mktemp("fsdp2")
-    runs = {parallel: launch([*GPT, f"train.parallel={parallel}"], root / parallel, nproc=2, timeout=120)
+    runs = {parallel: launch([*GPT, f"train.parallel={parallel}", "train.grad_accum=2"], root / parallel, nproc=2,
+                             timeout=120)
             for parallel in ("ddp", "fsdp2")}
     for run in runs.values():
         assert run.returncode == 0, run.output[-3000:]
@@ -62,7 +64,7 @@ def test_a_two_rank_fsdp2_checkpoint_resumes_on_one_rank_and_starts_ddp_runs_and
     # Another world size: the 2-rank fsdp2 run, asked for more steps, goes on in one process (a group of one).
     run_dir = tmp_path / "one_rank"
     shutil.copytree(fsdp2.run_dir, run_dir)
-    more = train_here([*GPT, "train.parallel=fsdp2", "train.max_steps=10", f"run_dir={run_dir}"])
+    more = train_here([*GPT, "train.parallel=fsdp2", "train.grad_accum=2", "train.max_steps=10", f"run_dir={run_dir}"])
     assert more.returncode == 0, more.stderr[-3000:]
     assert f"resumed from {list_checkpoints(fsdp2.run_dir)[-1]}".replace(str(fsdp2.run_dir), str(run_dir)) in more.stdout
     assert json.loads((run_dir / "results.json").read_text())["steps"] == 10 and len(losses(run_dir)) == 10
