@@ -20,7 +20,9 @@ shards on its device (``Recipe.init_weights``), so no rank ever holds the whole 
 
 The whole step (forward, backward with FSDP2's collectives, clipping, optimizer) is captured
 by graph.mode=full like a DDP step: FSDP2's streams fork from the capture stream and join it
-within each step, and nothing outside a step leaves an event that the captured step waits on.
+within each step, and nothing outside a step leaves an event that the captured step waits on
+(checked on one GPU, tests/test_fsdp_gpu.py). What FSDP2 cannot carry is refused by the plan
+(trainer/plan.py ``fsdp_spec``); its checkpoints are trainer/sharded_checkpoint.py's.
 """
 from __future__ import annotations
 
