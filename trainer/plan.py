@@ -36,6 +36,7 @@ from trainer.data import choose_loader
 from trainer.errors import ConfigError
 from trainer.recipe import Recipe
 from trainer.schedules import LRSchedule
+from trainer.sharding import check_optimizer
 from trainer.targets import import_target
 
 
@@ -244,8 +245,6 @@ def fsdp_spec(cfg, precision: str, graph: GraphOptions, optimizer: "OptimizerSpe
                           f"drop train.{other}.{key}, or set train.parallel={'fsdp2' if other == 'fsdp' else 'ddp'}")
     if parallel == "ddp":
         return None
-    from trainer.sharding import check_optimizer
-
     if precision == "fp16":
         raise ConfigError("train.precision=fp16 with train.parallel=fsdp2: the loss scale's inf/NaN check would have "
                           "to agree across ranks on the device, inside the graph, which torch's sharded scaler does "
