@@ -18,6 +18,10 @@
 #   tests    pytest -m gpu, whole, on 2 GPUs (the DDP checks owed since the buffer-broadcast refactor)
 set -uo pipefail
 cd "$(dirname "$0")/.."
+if [ -d .whl ]; then  # the GPU machine has no package index: the wheels carried with the call (shared/gpu/README.md)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
 OUT=${OUT:-outputs/two_gpu_fsdp2}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
