@@ -8,6 +8,7 @@ graphed step on a GPU is tests/test_fsdp_gpu.py.
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 
@@ -46,6 +47,14 @@ def ddp_and_fsdp2(tmp_path_factory):
 
 def test_fsdp2_trains_a_gpt_on_two_ranks_as_ddp_does(ddp_and_fsdp2):
     ddp, fsdp2 = ddp_and_fsdp2["ddp"], ddp_and_fsdp2["fsdp2"]
+    for done in (ddp, fsdp2):  # what every 2-rank run of a recipe writes (tests/test_recipes.py)
+        res = done.results()
+        assert res["recipe"] == "gpt_tiny" and res["world_size"] == 2 and res["data_source"] == "synthetic"
+        assert res["steps"] == 8 and math.isfinite(res["final/loss"]) and math.isfinite(res["final/eval_loss"])
+        assert res["perf/tokens_per_s"] > 0 and "perf/mfu_pct" not in res  # MFU only on a GPU with a known peak
+        assert len(set(res["param_digests"])) == 1  # DDP's replicas, fsdp2's gathered parameters: alike on each rank
+        assert yaml.safe_load((done.run_dir / "config.yaml").read_text())["recipe"]["data"]["source_used"] == \
+            "synthetic"
     # Same seed, same weights, same data: the losses of every step agree to fp32 rounding (the gradient
     # reductions add in another order), as do the final weights, gathered whole on every rank.
     assert losses(fsdp2.run_dir) == pytest.approx(losses(ddp.run_dir), rel=1e-5)

@@ -59,13 +59,11 @@ def test_gpt_tiny_config_has_the_model_and_optimizer_a_user_expects():
 
 # ---- training under torchrun ---------------------------------------------------------
 
+# gpt_tiny under two ranks, DDP and fsdp2, with these checks: tests/test_fsdp_training.py.
 @pytest.mark.parametrize("recipe,extra,unit", [
     ("cifar10_resnet18", ["recipe.data.train_size=64", "recipe.data.test_size=24", "recipe.data.batch_size=4",
                           "recipe.data.eval_batch_size=8", "train.max_steps=4", "recipe.schedule.warmup_steps=2"],
      "samples"),
-    ("gpt_tiny", [*TINY_GPT, "recipe.data.train_size=256", "recipe.data.test_size=16", "recipe.data.batch_size=4",
-                  "recipe.data.eval_batch_size=8", "train.max_steps=10", "recipe.schedule.warmup_steps=2"],
-     "tokens"),
 ])
 def test_two_ranks_train_the_recipe_and_write_results(out, recipe, extra, unit):
     done = launch([f"recipe={recipe}", *DEBUG, "train.log_every=2", *extra], out, nproc=2)
