@@ -38,7 +38,8 @@ def no_sync_except_last(model: torch.nn.Module, items: Iterable[T]) -> Iterator[
     kept between micro-batches, and reduce-scattered once, after the last)."""
     items = list(items)  # to know which one is last
     no_sync = getattr(model, "no_sync", None)
-    if no_sync is None:  # FSDP2: the model, or the sharded root inside a wrapper (a compiled model and loss)
+    if no_sync is None and len(items) > 1:  # FSDP2: the model, or its sharded root inside a wrapper (a compiled
+        # model and loss); looked for only where there is a micro-batch to keep from syncing
         root = next((m for m in model.modules() if callable(getattr(m, "set_requires_gradient_sync", None))), None)
         no_sync = _fsdp_no_sync(root) if root is not None else None
     for i, item in enumerate(items):

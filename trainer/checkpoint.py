@@ -105,9 +105,7 @@ def _failures(e: BaseException) -> List[BaseException]:
 
 def publish_sharded_checkpoint(run_dir: Path, temp: Path, trainer_state: Dict[str, Any], keep: int) -> Path:
     """Rank 0 makes the shards every rank wrote a checkpoint (trainer/sharded_checkpoint.py ``publish``), then keeps
-    the newest ``keep``, as ``save_checkpoint`` does for a file."""
-    if keep < 1:
-        raise ConfigError(f"checkpoint.keep={keep} must be at least 1: set checkpoint.keep=2")
+    the newest ``keep`` (checked by the plan: at least 1), as ``save_checkpoint`` does for a file."""
     needed = storage.nbytes(trainer_state) + storage.HEADROOM
     try:
         final = sharded_checkpoint.publish(temp, trainer_state)
@@ -210,7 +208,7 @@ def _damage(path: Path) -> Optional[str]:
     still counts here; ``latest_checkpoint`` skips it, and the just-written file always stays.
     Raises OSError when the file cannot be read at all.
     """
-    if path.is_dir():
+    if sharded_checkpoint.is_sharded_checkpoint(path):
         return sharded_checkpoint.damage(path)
     try:
         with zipfile.ZipFile(path) as archive:
@@ -252,7 +250,7 @@ def load_checkpoint(path: Path) -> Dict[str, Any]:
     """Loads one checkpoint onto the CPU with ``weights_only=True`` (a sharded one: its training state, its
     model and optimizer read later, into the live ones); raises UnreadableCheckpoint on a bad one."""
     try:
-        if Path(path).is_dir():
+        if sharded_checkpoint.is_sharded_checkpoint(path):
             state = sharded_checkpoint.read(path)
         else:
             state = torch.load(path, map_location="cpu", weights_only=True)

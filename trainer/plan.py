@@ -36,6 +36,7 @@ from trainer.data import choose_loader
 from trainer.errors import ConfigError
 from trainer.recipe import Recipe
 from trainer.schedules import LRSchedule
+from trainer.sharded_checkpoint import is_sharded_checkpoint
 from trainer.sharding import check_optimizer
 from trainer.targets import import_target
 
@@ -145,10 +146,10 @@ def _check_values(cfg) -> None:
                           "train.ddp.bucket_cap_mb=25 (say), or null for torch's default")
     if t.max_steps is not None and t.max_steps < 1:
         raise ConfigError(f"train.max_steps={t.max_steps} must be at least 1 (or null for whole epochs)")
-    if c.resume not in ("auto", "never") and not _is_checkpoint_path(c.resume):
+    if c.resume not in ("auto", "never") and not (Path(c.resume).is_file() or is_sharded_checkpoint(c.resume)):
         raise ConfigError(f"checkpoint.resume={c.resume!r} is neither auto, never nor an existing checkpoint (a file, "
                           "or a sharded checkpoint's step_N.dcp directory): set checkpoint.resume=auto")
-    if c.init_from is not None and not _is_checkpoint_path(c.init_from):
+    if c.init_from is not None and not (Path(c.init_from).is_file() or is_sharded_checkpoint(c.init_from)):
         raise ConfigError(f"checkpoint.init_from={c.init_from!r} is not a checkpoint: point it at one "
                           "(checkpoints/step_*.pt, step_*.dcp or best.pt of a run), or drop it")
     if not c.save and c.best_metric is not None:
@@ -160,11 +161,6 @@ def _check_values(cfg) -> None:
     if c.best_metric is not None and not (c.best_metric.startswith("eval/") and t.eval):
         raise ConfigError(f"checkpoint.best_metric={c.best_metric!r}: name an evaluation metric (eval/accuracy, "
                           "eval/loss) and keep train.eval=true")
-
-
-def _is_checkpoint_path(path: str) -> bool:
-    """A checkpoint file, or a sharded checkpoint's directory (step_<N>.dcp)."""
-    return Path(path).is_file() or (Path(path).suffix == ".dcp" and Path(path).is_dir())
 
 
 def resolve_precision(setting: str, device: torch.device) -> str:
@@ -182,12 +178,10 @@ def _check_loss_scale(train, precision: str) -> None:
     """``train.loss_scale`` is fp16's: set for another precision, it is refused, naming the key."""
     if precision == "fp16":
         return
-    for key in ("init", "growth_interval"):
-        value = getattr(train.loss_scale, key)
-        if value != getattr(LossScaleConfig, key):
-            raise ConfigError(f"train.loss_scale.{key}={value:g} applies to train.precision=fp16 only, but this run "
-                              f"trains in {precision} (train.precision={train.precision.value}): set "
-                              f"train.precision=fp16, or drop train.loss_scale.{key}")
+    for key, value in _changed(train.loss_scale, LossScaleConfig).items():
+        raise ConfigError(f"train.loss_scale.{key}={value:g} applies to train.precision=fp16 only, but this run "
+                          f"trains in {precision} (train.precision={train.precision.value}): set "
+                          f"train.precision=fp16, or drop train.loss_scale.{key}")
 
 
 def resolve_memory_format(setting: str, model: torch.nn.Module, device: torch.device) -> torch.memory_format:
@@ -233,16 +227,16 @@ def fsdp_spec(cfg, precision: str, graph: GraphOptions, optimizer: "OptimizerSpe
     and what FSDP2 cannot carry (fp16's loss scale, partial and compile graphs, fused SGD) is refused by name."""
     t = cfg.train
     parallel = t.parallel.value
-    other, changed = ("fsdp", _changed(t.fsdp, FSDPConfig)) if parallel == "ddp" else ("ddp", _changed(t.ddp, DDPConfig))
+    # The other parallel's settings group: (its key, the train.parallel it belongs to, what this run changed there)
+    group, owner, changed = (("fsdp", "fsdp2", _changed(t.fsdp, FSDPConfig)) if parallel == "ddp" else
+                             ("ddp", "ddp", _changed(t.ddp, DDPConfig)))
     # FSDP2 never broadcasts buffers while training, as broadcast_buffers=false (a recipe's own choice, e.g.
     # cifar10_resnet18's) asks; evaluation takes rank 0's under both (trainer/loop.py take_rank0_buffers)
     changed.pop("broadcast_buffers", None)
-    if changed:
-        key = next(iter(changed))
-        shown = str(changed[key]).lower() if isinstance(changed[key], bool) else changed[key]
-        raise ConfigError(f"train.{other}.{key}={shown} is a setting of train.parallel="
-                          f"{'fsdp2' if other == 'fsdp' else 'ddp'}, but this run uses train.parallel={parallel}: "
-                          f"drop train.{other}.{key}, or set train.parallel={'fsdp2' if other == 'fsdp' else 'ddp'}")
+    for key, value in changed.items():
+        shown = str(value).lower() if isinstance(value, bool) else value
+        raise ConfigError(f"train.{group}.{key}={shown} is a setting of train.parallel={owner}, but this run uses "
+                          f"train.parallel={parallel}: drop train.{group}.{key}, or set train.parallel={owner}")
     if parallel == "ddp":
         return None
     if precision == "fp16":
@@ -254,8 +248,8 @@ def fsdp_spec(cfg, precision: str, graph: GraphOptions, optimizer: "OptimizerSpe
                           + ("torch.cuda.make_graphed_callables replays the model without FSDP2's all-gather and "
                              "reduce-scatter hooks" if graph.mode is GraphMode.partial else
                              "torch.compile's reduce-overhead graphs would capture FSDP2's collectives without "
-                             "their streams") + ": set graph=full (the whole step, FSDP2's collectives included), "
-                          "graph=full_compiled or graph=eager")
+                             "their streams") + ": set graph=full (the whole step, FSDP2's collectives included) "
+                          "or graph=eager")
     if graph.compile_model:
         raise ConfigError(
             "graph=full_compiled (graph.compile_model=true) with train.parallel=fsdp2: the compiled sharded step, once "

@@ -38,14 +38,14 @@ METADATA = ".metadata"  # DCP's, written last
 
 @dataclass(frozen=True)
 class ShardedState:
-    """The ``model`` or ``optimizer`` entry of a sharded checkpoint's state: read from its shards into the
+    """The ``model`` and ``optimizer`` entries of a sharded checkpoint's state: read from its shards into the
     live model or optimizer (``load_model``, ``load_optimizer``), never all at once into memory."""
     path: Path
-    part: str  # "model" | "optimizer"
 
 
-def is_sharded_checkpoint(path: Path) -> bool:
-    return Path(path).suffix == SUFFIX
+def is_sharded_checkpoint(path) -> bool:
+    """Whether ``path`` is a sharded checkpoint's directory (``step_<N>.dcp``)."""
+    return Path(path).suffix == SUFFIX and Path(path).is_dir()
 
 
 def damage(path: Path) -> Optional[str]:
@@ -62,7 +62,7 @@ def read(path: Path) -> Dict[str, Any]:
         raise FileNotFoundError(problem)
     state = torch.load(Path(path) / TRAINER_STATE, map_location="cpu", weights_only=True)
     if isinstance(state, dict):
-        state["model"], state["optimizer"] = ShardedState(Path(path), "model"), ShardedState(Path(path), "optimizer")
+        state["model"] = state["optimizer"] = ShardedState(Path(path))
     return state
 
 

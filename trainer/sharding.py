@@ -104,8 +104,7 @@ def check_blocks(model: torch.nn.Module, blocks: List[torch.nn.Module], recipe: 
 
 def check_optimizer(optimizer_target: str, cls: type, captured: bool) -> None:
     """Refuses an optimizer whose step cannot run on DTensor shards as this run needs it, by name."""
-    name = f"{cls.__module__}.{cls.__qualname__}"
-    if captured and issubclass(cls, torch.optim.SGD) and name not in FUSED_ON_SHARDS:
+    if captured and issubclass(cls, torch.optim.SGD):
         raise ConfigError(
             f"recipe.optim._target_={optimizer_target} under train.parallel=fsdp2 with a whole-step graph: SGD steps "
             "inside a CUDA graph only with fused=True (its other kernels read a tensor lr on the host), and torch's "

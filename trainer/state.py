@@ -22,7 +22,7 @@ from trainer.checkpoint import (UnreadableCheckpoint, check_compatible, check_sa
                                 publish_sharded_checkpoint, put_model_state, rng_state, save_best, save_checkpoint,
                                 set_rng_state, write_sharded_checkpoint)
 from trainer.errors import ConfigError, StorageError
-from trainer.sharded_checkpoint import local_bytes as sharded_checkpoint_bytes
+from trainer.sharded_checkpoint import SUFFIX, local_bytes as sharded_checkpoint_bytes
 from trainer.sharding import whole_model_state
 from trainer.runtime import Runtime, print_once, seed_rank_streams
 
@@ -82,14 +82,16 @@ class TrainingState:
         local = storage.HEADROOM + sharded_checkpoint_bytes(self.model, self.optimizer)
         problem = None
         try:
-            storage.check_room("checkpoint", checkpoint_dir(self.rt.run_dir) / f"step_{step:08d}.dcp", local)
+            storage.check_room("checkpoint", checkpoint_dir(self.rt.run_dir) / f"step_{step:08d}{SUFFIX}", local)
         except StorageError as e:
             problem = self.storage_advice(str(e))
         problems = [problem]
         if self.rt.distributed:
             problems = [None] * self.rt.world_size
             dist.all_gather_object(problems, problem)
-        self.agree_on_storage(next((p for p in problems if p), None))  # rank 0's word: every rank raises alike
+        failed = next((p for p in problems if p), None)  # every rank holds every rank's answer: all raise alike
+        if failed:
+            raise StorageError(failed)
         try:
             temp = write_sharded_checkpoint(self.rt.run_dir, step, self.model, self.optimizer, self.rt.is_main)
         except StorageError as e:
