@@ -218,19 +218,37 @@ class Launch:
                         output_root, ended, names)
 
 
-def launch(args: List[str], output_root: Optional[Path] = None, *, timeout: float = LAUNCH_TIMEOUT_S,
-           log_dir: Optional[Path] = None, **kw) -> Finished:
-    """Runs ``python train.py output_root=... args`` (or ``script``; under torchrun with ``nproc``) to its end.
-
-    ``output_root`` None: no output_root override (scripts with flags of their own). The output files go to
-    ``log_dir`` (default: beside output_root, or a folder of this session's, removed at its end). Other
-    keywords: ``Launch``'s.
-    """
+def start(args: List[str], output_root: Optional[Path] = None, *, log_dir: Optional[Path] = None, **kw) -> Launch:
+    """Starts ``python train.py output_root=... args`` (or ``script``; under torchrun with ``nproc``) in the
+    background. ``output_root`` None: no output_root override (scripts with flags of their own). The output files
+    go to ``log_dir`` (default: beside output_root, or a folder of this session's, removed at its end). Other
+    keywords: ``Launch``'s."""
     if output_root is not None:
         args = [f"output_root={output_root}", *args]
     if log_dir is None:
         log_dir = output_root.parent / "launch_logs" if output_root is not None else LOGS
-    return Launch(args, log_dir, name=uuid.uuid4().hex[:8], **kw).finish(timeout, output_root)
+    return Launch(args, log_dir, name=uuid.uuid4().hex[:8], **kw)
+
+
+def launch(args: List[str], output_root: Optional[Path] = None, *, timeout: float = LAUNCH_TIMEOUT_S,
+           log_dir: Optional[Path] = None, **kw) -> Finished:
+    """``start``'s launch, run to its end (at most ``timeout`` s)."""
+    return start(args, output_root, log_dir=log_dir, **kw).finish(timeout, output_root)
+
+
+def launch_together(args_by_name: Dict[str, List[str]], root: Optional[Path] = None, *,
+                    timeout: float = LAUNCH_TIMEOUT_S, **kw) -> Dict[str, Finished]:
+    """Several independent launches at once, each into ``root / name`` (root None: no output_root, as ``start``):
+    on a 2-core machine one launch's waits (process start, rendezvous) are another's compute, so two take about
+    0.8x the time of one after the other."""
+    roots = {name: None if root is None else root / name for name in args_by_name}
+    started = {name: start(args, roots[name], **kw) for name, args in args_by_name.items()}
+    try:
+        return {name: each.finish(timeout, roots[name]) for name, each in started.items()}
+    finally:
+        for each in started.values():  # a launch left running by a failed finish above
+            if each.proc.poll() is None:
+                each.kill()
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -276,6 +294,19 @@ def two_ranks_on_mnist_files(tmp_path_factory, mnist_files) -> Finished:
     return launch([f"recipe.data.root={mnist_files}", "recipe.data.source=auto", "recipe.data.eval_batch_size=128",
                    "train.max_steps=8", "train.log_every=8", "logger.wandb.all_ranks=true"],
                   tmp_path_factory.mktemp("real_data") / "outputs", nproc=2, timeout=120)
+
+
+# Two gloo ranks, one epoch of cifar10_resnet18 (4 steps of 16 per rank) on synthetic images, with the default
+# train.ddp settings: one launch, read by test_recipes and test_ddp_settings.
+TWO_RANKS_ON_CIFAR = ["recipe=cifar10_resnet18", "recipe.data.source=synthetic", "recipe.data.train_size=128",
+                      "recipe.data.batch_size=16", "recipe.data.test_size=64", "recipe.data.eval_batch_size=16",
+                      "train.epochs=1", "train.log_every=2", "recipe.schedule.warmup_steps=2", "logger=none",
+                      "train.progress=false"]
+
+
+@pytest.fixture(scope="session")
+def two_ranks_on_cifar(tmp_path_factory) -> Finished:
+    return launch(TWO_RANKS_ON_CIFAR, tmp_path_factory.mktemp("cifar") / "outputs", nproc=2, timeout=180)
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ parameter checksum and graph report. tests/test_shapes_gpu.py compares them.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -97,6 +98,8 @@ def main() -> None:
         results[name] = run(mode, args.steps, rank, shapes)
     if rank == 0:
         Path(args.out).write_text(json.dumps(results))
+    gc.collect()  # free the DDP models' reducers while the group is up, then meet before tearing it down
+    dist.barrier()
     dist.destroy_process_group()
 
 

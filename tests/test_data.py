@@ -11,7 +11,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import launch
+from conftest import launch_together
 from trainer.data import DeviceLoader, HostLoader, choose_loader, make_loader
 from trainer.errors import ConfigError
 from trainer.recipe import Split
@@ -297,8 +297,8 @@ def test_a_dataset_recipe_trains_under_two_gloo_ranks_alike_on_both_loaders(tmp_
     env = {"PYTHONPATH": os.pathsep.join(p for p in (str(package.parent), os.environ.get("PYTHONPATH")) if p)}
     args = ["recipe._target_=user_data.blobs.build", "recipe.name=blobs", "recipe.data.batch_size=32",
             "recipe.data.eval_batch_size=50", "train.epochs=2", "train.log_every=8", "logger=none", "graph=eager"]
-    runs = {kind: launch([*args, f"recipe.data.loader={kind}", "recipe.data.num_workers=2"], out / kind, nproc=2,
-                         env=env, timeout=180) for kind in ("host", "device")}
+    runs = launch_together({kind: [*args, f"recipe.data.loader={kind}", "recipe.data.num_workers=2"]
+                            for kind in ("host", "device")}, out, nproc=2, env=env, timeout=240)
     for done in runs.values():
         assert done.returncode == 0, done.stderr[-3000:]
     host, device = runs["host"].results(), runs["device"].results()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from conf.schema import compose
-from conftest import free_port, launch
+from conftest import TWO_RANKS_ON_CIFAR, Finished, free_port, launch
 from graphing import GraphOptions, build_executor
 from trainer.assembly import build_run
 from trainer.plan import plan_run
@@ -117,16 +118,16 @@ def test_torchs_default_buckets_stay_unless_a_bucket_size_is_set(process_group, 
     assert built(["train.ddp.bucket_cap_mb=0.5"]) == [layer] * 4
 
 
-def test_two_ranks_reducing_in_bf16_stay_identical_and_lose_only_rounding(tmp_path):
-    args = [*QUICK, "train.max_steps=8", "train.log_every=8"]
-    fp32 = launch(args, tmp_path / "fp32", nproc=2, timeout=120)
-    bf16 = launch([*args, "train.ddp.bucket_cap_mb=1", "train.ddp.grad_reduce=bf16", "train.ddp.static_graph=true"],
-                  tmp_path / "bf16", nproc=2, timeout=120)
+def test_two_ranks_reducing_in_bf16_stay_identical_and_lose_only_rounding(tmp_path, mnist_files, two_ranks_on_mnist_files):
+    fp32 = two_ranks_on_mnist_files  # the reference, reduced in fp32: tests/conftest.py's shared 8-step run
+    bf16 = launch([f"recipe.data.root={mnist_files}", "recipe.data.source=auto", "recipe.data.eval_batch_size=128",
+                   "train.max_steps=8", "train.log_every=8", "logger=none", "train.ddp.bucket_cap_mb=1",
+                   "train.ddp.grad_reduce=bf16", "train.ddp.static_graph=true"], tmp_path / "bf16", nproc=2, timeout=120)
     for done in (fp32, bf16):
         assert done.returncode == 0, done.stderr[-4000:]
     exact, rounded = fp32.results(), bf16.results()
     for results in (exact, rounded):
-        assert results["world_size"] == 2 and results["steps"] == 8
+        assert results["world_size"] == 2 and results["steps"] == 8 and results["data_source"] == "mnist"
         digests = results["param_digests"]
         assert len(digests) == 2 and digests[0] == digests[1]  # DDP kept the replicas identical
         assert math.isfinite(results["final/loss"])
@@ -137,14 +138,17 @@ def test_two_ranks_reducing_in_bf16_stay_identical_and_lose_only_rounding(tmp_pa
 
 
 @pytest.mark.parametrize("broadcast_buffers", ["true", "false"])
-def test_two_ranks_evaluate_the_model_their_checkpoint_holds(tmp_path, broadcast_buffers, train_here):
+def test_two_ranks_evaluate_the_model_their_checkpoint_holds(tmp_path, broadcast_buffers, train_here, request):
     """BatchNorm's running statistics differ between ranks, with DDP's per-forward broadcast
     (one batch apart) or without it (each rank's own): evaluation takes rank 0's first, so the
     two ranks' evaluation is that of the checkpoint, which holds rank 0's."""
-    args = ["recipe=cifar10_resnet18", "recipe.data.source=synthetic", "recipe.data.train_size=128",
-            "recipe.data.batch_size=16", "recipe.data.test_size=64", "recipe.data.eval_batch_size=16",
-            "train.epochs=1", "logger=none", "train.progress=false", f"train.ddp.broadcast_buffers={broadcast_buffers}"]
-    two = launch(args, tmp_path, nproc=2, timeout=180)
+    args = [*TWO_RANKS_ON_CIFAR, f"train.ddp.broadcast_buffers={broadcast_buffers}"]
+    if broadcast_buffers == "false":  # this project's default: the shared run of tests/conftest.py, copied here
+        shared = request.getfixturevalue("two_ranks_on_cifar")
+        two = Finished(shared.returncode, shared.stdout, shared.stderr, tmp_path / "outputs")
+        shutil.copytree(shared.output_root, two.output_root)
+    else:
+        two = launch(args, tmp_path / "outputs", nproc=2, timeout=180)
     assert two.returncode == 0, two.stderr[-4000:]
     trained = two.results()
     assert trained["world_size"] == 2 and trained["steps"] == 4  # one epoch of 128 samples, 2 ranks x 16

@@ -16,7 +16,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import launch
+from conftest import launch_together
 from trainer.checkpoint import list_checkpoints
 
 # A GPT small enough for seconds on two CPU ranks: 8 steps of 2 x 8 windows of 32 tokens.
@@ -37,9 +37,8 @@ def ddp_and_fsdp2(tmp_path_factory):
     """The same GPT run under DDP and under FSDP2 (its blocks sharded one by one), two gloo ranks each, two
     micro-batches a step (DDP's no_sync, FSDP2's set_requires_gradient_sync(False) on the first)."""
     root = tmp_path_factory.mktemp("fsdp2")
-    runs = {parallel: launch([*GPT, f"train.parallel={parallel}", "train.grad_accum=2"], root / parallel, nproc=2,
-                             timeout=120)
-            for parallel in ("ddp", "fsdp2")}
+    runs = launch_together({parallel: [*GPT, f"train.parallel={parallel}", "train.grad_accum=2"]
+                            for parallel in ("ddp", "fsdp2")}, root, nproc=2, timeout=180)
     for run in runs.values():
         assert run.returncode == 0, run.output[-3000:]
     return runs

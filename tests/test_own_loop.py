@@ -18,7 +18,7 @@ from typing import Dict, List, Optional
 import pytest
 import torch
 
-from conftest import ROOT, Finished, launch
+from conftest import ROOT, Finished, launch, launch_together
 
 SCRIPT = "scripts/own_loop.py"
 NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}
@@ -74,16 +74,19 @@ def test_the_readme_shows_the_scripts_loop_verbatim():
 
 
 @pytest.fixture(scope="module")
-def two_ranks_ddp(tmp_path_factory):
-    """The loop on 2 gloo ranks, the model in DDP: (the launch, its results)."""
-    output = tmp_path_factory.mktemp("own_loop") / "eager.json"
+def two_ranks(tmp_path_factory):
+    """The loop on 2 gloo ranks, the model in DDP ("ddp") and sharded with FSDP2 (--fsdp2), launched together:
+    {name: (the launch, its results)}."""
+    folder = tmp_path_factory.mktemp("own_loop")
     # No --mode: without CUDA the default is eager.
-    proc = run_own_loop(["--steps", "30", *SMALL, "--output", str(output)], nproc=2, env=NO_GPU)
-    return proc, results_of(proc, output)
+    args = {"ddp": ["--steps", "30", *SMALL, "--output", str(folder / "ddp.json")],
+            "fsdp2": ["--fsdp2", "--steps", "30", *SMALL, "--output", str(folder / "fsdp2.json")]}
+    done = launch_together(args, script=SCRIPT, nproc=2, env=NO_GPU, timeout=240)
+    return {name: (proc, results_of(proc, folder / f"{name}.json")) for name, proc in done.items()}
 
 
-def test_two_ranks_without_cuda_run_the_loop_eagerly_and_learn(two_ranks_ddp):
-    proc, res = two_ranks_ddp
+def test_two_ranks_without_cuda_run_the_loop_eagerly_and_learn(two_ranks):
+    proc, res = two_ranks["ddp"]
 
     assert (res["mode"], res["world_size"], res["device"], res["steps"], res["accum"]) == ("eager", 2, "cpu", 30, 2)
     assert res["info"]["mode"] == "eager" and res["info"]["capture_error_mode"] is None
@@ -109,15 +112,13 @@ def test_two_ranks_without_cuda_run_the_loop_eagerly_and_learn(two_ranks_ddp):
     assert "step    30/30 | loss" in proc.stdout and "val loss" in proc.stdout and "on every rank" in proc.stdout
 
 
-def test_two_ranks_sharded_with_fsdp2_learn_as_ddp_does_step_for_step(two_ranks_ddp, tmp_path):
+def test_two_ranks_sharded_with_fsdp2_learn_as_ddp_does_step_for_step(two_ranks):
     # The same run on 2 gloo ranks with the model sharded with FSDP2 (--fsdp2) instead of in DDP. fp32 on the
     # CPU, the same data and initial weights: the losses differ only by the order in which gradients are
     # summed (DDP's all-reduce, FSDP2's reduce-scatter), a few ulps.
-    output = tmp_path / "fsdp2.json"
-    proc = run_own_loop(["--fsdp2", "--steps", "30", *SMALL, "--output", str(output)], nproc=2, env=NO_GPU)
-    fsdp2 = results_of(proc, output)
+    proc, fsdp2 = two_ranks["fsdp2"]
     assert "own_loop: mode=eager world_size=2 fsdp2" in proc.stdout and "on every rank" in proc.stdout, proc.stdout
-    ddp = two_ranks_ddp[1]
+    ddp = two_ranks["ddp"][1]
     assert (ddp["fsdp2"], fsdp2["fsdp2"]) == (False, True)
     assert (fsdp2["mode"], fsdp2["world_size"], fsdp2["device"]) == ("eager", 2, "cpu")
     assert fsdp2["info"]["mode"] == "eager"

@@ -116,15 +116,6 @@ def test_compare_with_two_processes_launches_torchrun(comparison):
 
 
 @cpu_only
-def test_a_failed_run_records_its_exit_code_and_message(tmp_path):
-    proc = script("compare.py", "--modes", "eager", "--nproc", "1", "--output", str(tmp_path),
-                  "--", "experiment=debug", "train.epochs=0")
-    assert proc.returncode == 1
-    status = json.loads((tmp_path / "compare.json").read_text())["rows"][0]["status"]
-    assert status.startswith("failed (exit 2): Error: train.epochs=0 must be at least 1"), status
-    assert "failed (exit 2)" in (tmp_path / "compare.md").read_text()
-
-
 def test_overrides_the_script_sets_itself_are_refused(tmp_path):
     proc = script("compare.py", "--output", str(tmp_path), "--", "graph=full")
     assert proc.returncode != 0 and "'graph=full' is set by this script" in proc.stderr
@@ -365,7 +356,7 @@ def test_the_doctor_diagnoses_a_recipe_from_the_users_own_config_dir(user_config
 
 
 @cpu_only
-def test_compare_passes_the_config_dir_to_the_train_runs_it_launches(user_configs):
+def test_compare_passes_the_config_dir_to_its_runs_and_records_a_failed_runs_exit_code_and_message(user_configs):
     home, env = user_configs  # train.epochs=0 stops each run at its config check: quick, and only
     # a train.py that found recipe/mine.yaml gets that far (without it: "Could not find 'recipe/mine'")
     proc = script("compare.py", "--modes", "eager", "--nproc", "1", "--output", "cmp", "--",
@@ -373,6 +364,7 @@ def test_compare_passes_the_config_dir_to_the_train_runs_it_launches(user_config
     assert proc.returncode == 1, proc.stdout + proc.stderr
     [row] = json.loads((home / "cmp" / "compare.json").read_text())["rows"]
     assert row["status"].startswith("failed (exit 2): Error: train.epochs=0 must be at least 1"), row["status"]
+    assert "failed (exit 2)" in (home / "cmp" / "compare.md").read_text()
     assert f"train.py --config-dir {home / 'my_conf'} recipe=mine" in (home / "cmp/runs/eager/command.txt").read_text()
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import math
 import os
 import random
@@ -125,6 +126,11 @@ def _accumulate_under_ddp(rank: int, world_size: int, init_file: str, out_dir: s
                 "whole_batch": [p.grad for p in reference.parameters()],
                 "job_mean": metrics.read_and_reset(all_ranks=True)["value"]},
                os.path.join(out_dir, f"rank{rank}.pt"))
+    # Free DDP's reducer while the group is up, then meet: a rank that tears gloo down while its peer's
+    # reducer still holds the group aborts ("terminate called without an active exception").
+    del ddp
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
 
 
