@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import math
 import os
@@ -140,6 +141,7 @@ def main() -> int:
     if rank == 0:
         args.out.write_text(json.dumps(results))
     if dist.is_initialized():
+        gc.collect()  # free the DDP models' reducers (in reference cycles) while the group is up, then meet
         dist.barrier()
         dist.destroy_process_group()
     return 0
