@@ -4,14 +4,18 @@ masked so every sample counts once."""
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import launch_together
+from conftest import ROOT, launch_together
 from trainer.data import DeviceLoader, HostLoader, choose_loader, make_loader
 from trainer.errors import ConfigError
 from trainer.recipe import Split
@@ -313,3 +317,48 @@ def test_a_host_loader_with_workers_exits_when_training_ends(debug_run_with_host
     assert done.returncode == 0, done.stderr[-3000:]
     assert "done:" in done.stdout
     assert OmegaConf.load(done.run_dir / "config.yaml").recipe.data.loader_used == "host"
+
+
+DIES_WITH_ITS_RANK = '''
+import os, sys, time
+import torch
+sys.path.insert(0, os.getcwd())
+from trainer.data import HostLoader
+from trainer.recipe import Split
+from trainer.runtime import Runtime
+
+rt = Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), distributed=False, run_dir=None)
+loader = HostLoader(Split(torch.randn(64, 3), torch.zeros(64).long()), 8, rt, train=True, seed=0, num_workers=2)
+loader.stage()  # the workers run, then wait for more work, their parent's watchdog 5 s away
+print(" ".join(str(w.pid) for w in loader.loader._iterator._workers), flush=True)
+time.sleep(60)
+'''
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_host_loader_workers_die_with_their_rank():
+    """A worker holds copies of its rank's sockets (gloo's, inherited by fork): alive after its rank is killed,
+    it keeps the other ranks' connections to the dead one open, and they learn of the death only when it goes.
+    DataLoader's own watchdog ends it up to 5 s later; it must go with its rank instead."""
+    rank = subprocess.Popen([sys.executable, "-c", DIES_WITH_ITS_RANK], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        workers = [int(pid) for pid in rank.stdout.readline().split()]
+        assert len(workers) == 2, workers
+    finally:
+        rank.kill()
+        rank.wait()
+    deadline = time.monotonic() + 2.0
+
+    def alive(pid):  # a zombie (dead, not yet reaped by init) counts as gone
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    left = [pid for pid in workers if alive(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"workers {left} outlived their rank by 2 s"

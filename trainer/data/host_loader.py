@@ -8,7 +8,11 @@ calling CUDA while a graph is captured, so the default ``capture_error_mode=glob
 """
 from __future__ import annotations
 
+import ctypes
+import functools
+import os
 import signal
+import sys
 import time
 from typing import List
 
@@ -23,10 +27,26 @@ from trainer.recipe import PADDING_MASK, Batch, SplitLike
 from trainer.runtime import Runtime
 
 
-def _worker_init(_worker_id: int) -> None:
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _worker_init(parent: int, _worker_id: int) -> None:
     """Workers fork from a process that blocks SIGINT/SIGTERM for its signal thread
-    (trainer/stop.py); unblocked here, so that shutting a worker down can end it."""
+    (trainer/stop.py); unblocked here, so that shutting a worker down can end it.
+
+    A worker also holds copies of its rank's sockets (gloo's connections to the other ranks among
+    them, inherited by the fork). Left running after its rank dies, it keeps those connections open
+    until DataLoader's watchdog notices the parent is gone (every 5 s), and the other ranks wait that
+    long to learn that this one is gone. On Linux it is killed with its rank instead.
+    """
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        except (OSError, AttributeError):  # no prctl here: the watchdog's 5 s it is
+            return
+        if os.getppid() != parent:  # the rank died before the line above
+            os._exit(1)
 
 
 class _EpochBatches:
@@ -73,7 +93,7 @@ class HostLoader:
         self.loader = torch.utils.data.DataLoader(
             BatchReader(dataset), batch_sampler=self.sampler, collate_fn=keep_batch, num_workers=num_workers,
             persistent_workers=num_workers > 0, prefetch_factor=prefetch_factor if num_workers > 0 else None,
-            worker_init_fn=_worker_init if num_workers > 0 else None,
+            worker_init_fn=functools.partial(_worker_init, os.getpid()) if num_workers > 0 else None,
             pin_memory=False,  # pinned here, in the loop's thread (see the module docstring)
             generator=torch.Generator().manual_seed(seed))  # its worker seeds must not draw from the global RNG
         self._micro = 0
