@@ -319,7 +319,7 @@ def test_a_host_loader_with_workers_exits_when_training_ends(debug_run_with_host
     assert OmegaConf.load(done.run_dir / "config.yaml").recipe.data.loader_used == "host"
 
 
-DIES_WITH_ITS_RANK = '''
+A_RANK_WITH_WORKERS = '''
 import os, sys, time
 import torch
 sys.path.insert(0, os.getcwd())
@@ -327,21 +327,36 @@ from trainer.data import HostLoader
 from trainer.recipe import Split
 from trainer.runtime import Runtime
 
-rt = Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), distributed=False, run_dir=None)
-loader = HostLoader(Split(torch.randn(64, 3), torch.zeros(64).long()), 8, rt, train=True, seed=0, num_workers=2)
-loader.stage()  # the workers run, then wait for more work, their parent's watchdog 5 s away
-print(" ".join(str(w.pid) for w in loader.loader._iterator._workers), flush=True)
-time.sleep(60)
+if __name__ == "__main__":
+    if len(sys.argv) > 1:
+        torch.multiprocessing.set_start_method(sys.argv[1])
+    rt = Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), distributed=False, run_dir=None)
+    x = torch.arange(64.0).unsqueeze(1)
+    loader = HostLoader(Split(x, torch.zeros(64).long()), 8, rt, train=True, seed=0, num_workers=2)
+    seen = []
+    for _ in range(3):  # the workers run, then wait for more work, their parent's watchdog 5 s away
+        loader.stage()
+        seen += loader.next_batch()["x"].view(-1).tolist()
+    assert len(set(seen)) == 24 and set(seen) <= set(x.view(-1).tolist()), seen
+    print(" ".join(str(w.pid) for w in loader.loader._iterator._workers), flush=True)
+    time.sleep(60)
 '''
 
 
+def start_a_rank_with_workers(tmp_path, *start_method):
+    """A process that reads 3 batches through a HostLoader with 2 workers, prints their pids and waits."""
+    script = tmp_path / "rank.py"
+    script.write_text(A_RANK_WITH_WORKERS)
+    return subprocess.Popen([sys.executable, str(script), *start_method], cwd=ROOT, stdout=subprocess.PIPE,
+                            text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
-def test_host_loader_workers_die_with_their_rank():
+def test_host_loader_workers_die_with_their_rank(tmp_path):
     """A worker holds copies of its rank's sockets (gloo's, inherited by fork): alive after its rank is killed,
     it keeps the other ranks' connections to the dead one open, and they learn of the death only when it goes.
     DataLoader's own watchdog ends it up to 5 s later; it must go with its rank instead."""
-    rank = subprocess.Popen([sys.executable, "-c", DIES_WITH_ITS_RANK], cwd=ROOT, stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    rank = start_a_rank_with_workers(tmp_path)
     try:
         workers = [int(pid) for pid in rank.stdout.readline().split()]
         assert len(workers) == 2, workers
@@ -362,3 +377,16 @@ def test_host_loader_workers_die_with_their_rank():
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     assert not left, f"workers {left} outlived their rank by 2 s"
+
+
+@pytest.mark.skipif("forkserver" not in __import__("multiprocessing").get_all_start_methods(), reason="no forkserver")
+def test_host_loader_workers_started_by_a_forkserver_serve_batches(tmp_path):
+    """Python 3.14 starts workers by forkserver on Linux: they are not the rank's children and inherit none of
+    its sockets, so the tie to the rank is not made (it would end them at once)."""
+    rank = start_a_rank_with_workers(tmp_path, "forkserver")
+    try:
+        line = rank.stdout.readline()
+    finally:
+        rank.kill()
+        rank.wait()
+    assert len(line.split()) == 2, f"no batches read: {line!r}"

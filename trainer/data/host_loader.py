@@ -14,7 +14,7 @@ import os
 import signal
 import sys
 import time
-from typing import List
+from typing import List, Optional
 
 import numpy as np
 import torch
@@ -30,23 +30,31 @@ from trainer.runtime import Runtime
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
-def _worker_init(parent: int, _worker_id: int) -> None:
+def _worker_init(forked_from: Optional[int], _worker_id: int) -> None:
     """Workers fork from a process that blocks SIGINT/SIGTERM for its signal thread
     (trainer/stop.py); unblocked here, so that shutting a worker down can end it.
 
-    A worker also holds copies of its rank's sockets (gloo's connections to the other ranks among
-    them, inherited by the fork). Left running after its rank dies, it keeps those connections open
-    until DataLoader's watchdog notices the parent is gone (every 5 s), and the other ranks wait that
-    long to learn that this one is gone. On Linux it is killed with its rank instead.
+    A worker forked from its rank (``forked_from``: the rank's pid) also holds copies of the rank's
+    sockets (gloo's connections to the other ranks among them). Left running after its rank dies, it
+    keeps those connections open until DataLoader's watchdog notices the parent is gone (every 5 s),
+    and the other ranks wait that long to learn that this one is gone. On Linux it is killed with its
+    rank instead. (A worker started by spawn or forkserver inherits no sockets.)
     """
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
-    if sys.platform.startswith("linux"):
+    if forked_from is not None and sys.platform.startswith("linux"):
         try:
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
         except (OSError, AttributeError):  # no prctl here: the watchdog's 5 s it is
             return
-        if os.getppid() != parent:  # the rank died before the line above
+        if os.getppid() != forked_from:  # the rank died before the line above
             os._exit(1)
+
+
+def _forking_pid() -> Optional[int]:
+    """This process's pid where DataLoader workers fork from it (torch's default start method is fork
+    on Linux up to Python 3.13), else None."""
+    mp = torch.multiprocessing  # the start method as set, else the default (listed first), without fixing it
+    return os.getpid() if (mp.get_start_method(allow_none=True) or mp.get_all_start_methods()[0]) == "fork" else None
 
 
 class _EpochBatches:
@@ -93,7 +101,7 @@ class HostLoader:
         self.loader = torch.utils.data.DataLoader(
             BatchReader(dataset), batch_sampler=self.sampler, collate_fn=keep_batch, num_workers=num_workers,
             persistent_workers=num_workers > 0, prefetch_factor=prefetch_factor if num_workers > 0 else None,
-            worker_init_fn=functools.partial(_worker_init, os.getpid()) if num_workers > 0 else None,
+            worker_init_fn=functools.partial(_worker_init, _forking_pid()) if num_workers > 0 else None,
             pin_memory=False,  # pinned here, in the loop's thread (see the module docstring)
             generator=torch.Generator().manual_seed(seed))  # its worker seeds must not draw from the global RNG
         self._micro = 0
