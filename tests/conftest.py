@@ -1,8 +1,9 @@
 """Shared helpers: launch a script the way a user does (python or torchrun) and find its outputs.
 
-``launch`` and ``Launch`` are the tests' one way to start a process: ``python train.py`` (or any
-script), or torchrun with ``nproc`` gloo/NCCL ranks. Every launch has a hard time limit: a hung
-rank fails its test, with the stacks of the hung processes, and never hangs the suite.
+``Launch`` is the tests' one way to start a process: ``python train.py`` (or any script), or torchrun
+with ``nproc`` gloo/NCCL ranks; ``start`` begins one, ``launch`` runs one to its end, ``launch_together``
+runs several side by side. Every launch has a hard time limit: a hung rank fails its test, with the
+stacks of the hung processes, and never hangs the suite.
 """
 from __future__ import annotations
 
