@@ -4,8 +4,8 @@
 |-----------------------------------------|------------------------|------------------------------------------|-----------------------------------------------------|
 | SIGINT (Ctrl-C) under torchrun          | 1, within 5 s          | interrupted (SIGINT): stopping now       | checkpoints intact; the next launch takes over      |
 | SIGINT to `python train.py`             | 130, within 5 s        | interrupted (SIGINT)                     | checkpoints intact                                  |
-| SIGTERM (preemption)                    | 1, within 10 s         | stopped on SIGTERM at step N ... run_dir | step_N.pt newest; the resumed run ends bit for bit  |
-|                                         |                        |                                          | like an unbroken one                                |
+| SIGTERM (preemption) to the whole group | 1, within 10 s         | stopped on SIGTERM at step N ... run_dir | step_N.pt newest; the resumed run ends bit for bit  |
+| (host loader, 2 workers each)           |                        |                                          | like an unbroken one                                |
 | SIGKILL of rank 1 (host loader, 2       | 0 (restarted)          | killing this rank (the test's); rank 0:  | bit for bit like an unbroken run; newest 2 kept     |
 | workers each), --max-restarts=1         |                        | another rank is gone, one line           |                                                     |
 | re-run of a finished run                | 0                      | run ... is complete: 64 of 64 steps      | results.json, metrics.jsonl unchanged               |
@@ -76,6 +76,8 @@ STEPS = 64
 # a 64-step run stops within a few steps of the signal.
 QUICK_STOP = {STOP_CHECK_S_ENV: "0.2"}
 FSDP2_ARGS = [*ARGS, "train.parallel=fsdp2"]
+# DataLoader workers under each rank: they get the group's signals too, and the rank alone may end them.
+HOST_WORKERS = [*ARGS, "recipe.data.loader=host", "recipe.data.num_workers=2"]
 QUICK = ["recipe.data.source=synthetic", "recipe.data.train_size=2048", "recipe.data.test_size=256",
          "logger=none", "train.max_steps=2"]
 OFFLINE = {"http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9",
@@ -243,13 +245,13 @@ def _owner_and_second_launch(jobs: Jobs) -> Dict[str, Observed]:
     then it continues and gets SIGTERM (the resume is the "resumed" job)."""
     tmp = jobs.tmp
     run_dir = tmp / "sigterm" / "run"
-    owner = start(tmp, ARGS, "owner", run_dir, tmp / "sigterm" / "outputs", faults=QUICK_STOP)
+    owner = start(tmp, HOST_WORKERS, "owner", run_dir, tmp / "sigterm" / "outputs", faults=QUICK_STOP)
     owner.wait_until(lambda: train_rows(run_dir) >= 1, "a row in metrics.jsonl")
     owner.signal_all(signal.SIGSTOP)  # nothing of the owner writes while the second launch runs
     try:
         time.sleep(0.2)
         before = snapshot(run_dir)
-        second = start(tmp, ARGS, "second", run_dir, tmp / "sigterm" / "outputs")
+        second = start(tmp, HOST_WORKERS, "second", run_dir, tmp / "sigterm" / "outputs")
         second_done = finish(second, since=second.started, timeout=60)
         after = snapshot(run_dir)
     finally:
@@ -333,7 +335,7 @@ def _more(jobs: Jobs) -> Observed:
 
 def _resumed(jobs: Jobs) -> Observed:
     """The run stopped by SIGTERM, resumed by the same command."""
-    return run(jobs.tmp, ARGS, "resumed", run_dir=jobs.get("owner")["sigterm"].run_dir,
+    return run(jobs.tmp, HOST_WORKERS, "resumed", run_dir=jobs.get("owner")["sigterm"].run_dir,
                output_root=jobs.tmp / "sigterm" / "outputs")
 
 
@@ -342,7 +344,7 @@ def _killed(jobs: Jobs) -> Observed:
     torchrun stops rank 0 (the run directory's lock holder) and its workers, and the restart takes the
     directory over at once, resumes at the exact batch and ends the job. (A new launch taking over from a
     dead lock holder is the NaN row's; a fork child outliving it, tests/test_run_lock.py.)"""
-    return run(jobs.tmp, [*ARGS, "recipe.data.loader=host", "recipe.data.num_workers=2"], "kill",
+    return run(jobs.tmp, HOST_WORKERS, "kill",
                run_dir=jobs.tmp / "kill" / "run", faults={KILL_AT_STEP_ENV: "25:1"}, max_restarts=1)
 
 

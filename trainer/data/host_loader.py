@@ -31,16 +31,20 @@ _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def _worker_init(forked_from: Optional[int], _worker_id: int) -> None:
-    """Workers fork from a process that blocks SIGINT/SIGTERM for its signal thread
-    (trainer/stop.py); unblocked here, so that shutting a worker down can end it.
+    """A worker ends when its rank says so, or when its rank is gone; never on a signal of its own.
+
+    SIGINT and SIGTERM stay blocked here, as in the rank's threads (trainer/stop.py): they reach a
+    whole process group (Ctrl-C, torchrun stopping its ranks, SLURM preemption), and a worker ended
+    by one makes DataLoader raise in its rank ("worker killed by signal") wherever the rank is, in the
+    middle of an orderly SIGTERM stop too. The rank stops in its own time and then shuts its workers down.
 
     A worker forked from its rank (``forked_from``: the rank's pid) also holds copies of the rank's
     sockets (gloo's connections to the other ranks among them). Left running after its rank dies, it
-    keeps those connections open until DataLoader's watchdog notices the parent is gone (every 5 s),
-    and the other ranks wait that long to learn that this one is gone. On Linux it is killed with its
-    rank instead. (A worker started by spawn or forkserver inherits no sockets.)
+    would keep those connections open until DataLoader's watchdog noticed the parent was gone (every
+    5 s), and the other ranks would wait that long to learn that this one is gone. On Linux it is
+    killed with its rank instead. (A worker started by spawn or forkserver inherits no sockets.)
     """
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     if forked_from is not None and sys.platform.startswith("linux"):
         try:
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
