@@ -238,18 +238,20 @@ def launch(args: List[str], output_root: Optional[Path] = None, *, timeout: floa
 
 
 def launch_together(args_by_name: Dict[str, List[str]], root: Optional[Path] = None, *,
-                    timeout: float = LAUNCH_TIMEOUT_S, **kw) -> Dict[str, Finished]:
+                    timeout: float = LAUNCH_TIMEOUT_S, each: Optional[Dict[str, Dict]] = None,
+                    **kw) -> Dict[str, Finished]:
     """Several independent launches at once, each into ``root / name`` (root None: no output_root, as ``start``):
     on a 2-core machine one launch's waits (process start, rendezvous) are another's compute, so two take about
-    0.8x the time of one after the other."""
+    0.8x the time of one after the other. ``kw``: ``Launch``'s keywords for all; ``each[name]``: for one."""
     roots = {name: None if root is None else root / name for name in args_by_name}
-    started = {name: start(args, roots[name], **kw) for name, args in args_by_name.items()}
+    started = {name: start(args, roots[name], **{**kw, **(each or {}).get(name, {})})
+               for name, args in args_by_name.items()}
     try:
-        return {name: each.finish(timeout, roots[name]) for name, each in started.items()}
+        return {name: one.finish(timeout, roots[name]) for name, one in started.items()}
     finally:
-        for each in started.values():  # a launch left running by a failed finish above
-            if each.proc.poll() is None:
-                each.kill()
+        for one in started.values():  # a launch left running by a failed finish above
+            if one.proc.poll() is None:
+                one.kill()
 
 
 @pytest.fixture(scope="session", autouse=True)

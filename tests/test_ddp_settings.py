@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from conf.schema import compose
-from conftest import TWO_RANKS_ON_CIFAR, Finished, free_port, launch
+from conftest import TWO_RANKS_ON_CIFAR, Finished, free_port, launch_together
 from graphing import GraphOptions, build_executor
 from trainer.assembly import build_run
 from trainer.plan import plan_run
@@ -118,11 +118,21 @@ def test_torchs_default_buckets_stay_unless_a_bucket_size_is_set(process_group, 
     assert built(["train.ddp.bucket_cap_mb=0.5"]) == [layer] * 4
 
 
-def test_two_ranks_reducing_in_bf16_stay_identical_and_lose_only_rounding(tmp_path, mnist_files, two_ranks_on_mnist_files):
+@pytest.fixture(scope="module")
+def tuned_runs(tmp_path_factory, mnist_files):
+    """This module's two launches, side by side, two gloo ranks each: the 8-step mnist run of tests/conftest.py
+    reducing in bf16 ("bf16"), and its cifar run with BatchNorm's buffers broadcast ("broadcast_buffers")."""
+    bf16 = [f"recipe.data.root={mnist_files}", "recipe.data.source=auto", "recipe.data.eval_batch_size=128",
+            "train.max_steps=8", "train.log_every=8", "logger=none", "train.ddp.bucket_cap_mb=1",
+            "train.ddp.grad_reduce=bf16", "train.ddp.static_graph=true"]
+    broadcast = [*TWO_RANKS_ON_CIFAR, "train.ddp.broadcast_buffers=true"]
+    return launch_together({"bf16": bf16, "broadcast_buffers": broadcast}, tmp_path_factory.mktemp("ddp_settings"),
+                           nproc=2, timeout=240)
+
+
+def test_two_ranks_reducing_in_bf16_stay_identical_and_lose_only_rounding(tuned_runs, two_ranks_on_mnist_files):
     fp32 = two_ranks_on_mnist_files  # the reference, reduced in fp32: tests/conftest.py's shared 8-step run
-    bf16 = launch([f"recipe.data.root={mnist_files}", "recipe.data.source=auto", "recipe.data.eval_batch_size=128",
-                   "train.max_steps=8", "train.log_every=8", "logger=none", "train.ddp.bucket_cap_mb=1",
-                   "train.ddp.grad_reduce=bf16", "train.ddp.static_graph=true"], tmp_path / "bf16", nproc=2, timeout=120)
+    bf16 = tuned_runs["bf16"]
     for done in (fp32, bf16):
         assert done.returncode == 0, done.stderr[-4000:]
     exact, rounded = fp32.results(), bf16.results()
@@ -143,12 +153,11 @@ def test_two_ranks_evaluate_the_model_their_checkpoint_holds(tmp_path, broadcast
     (one batch apart) or without it (each rank's own): evaluation takes rank 0's first, so the
     two ranks' evaluation is that of the checkpoint, which holds rank 0's."""
     args = [*TWO_RANKS_ON_CIFAR, f"train.ddp.broadcast_buffers={broadcast_buffers}"]
-    if broadcast_buffers == "false":  # this project's default: the shared run of tests/conftest.py, copied here
-        shared = request.getfixturevalue("two_ranks_on_cifar")
-        two = Finished(shared.returncode, shared.stdout, shared.stderr, tmp_path / "outputs")
-        shutil.copytree(shared.output_root, two.output_root)
-    else:
-        two = launch(args, tmp_path / "outputs", nproc=2, timeout=180)
+    # false is this project's default: tests/conftest.py's shared run. Evaluated here in a copy.
+    shared = (request.getfixturevalue("tuned_runs")["broadcast_buffers"] if broadcast_buffers == "true"
+              else request.getfixturevalue("two_ranks_on_cifar"))
+    two = Finished(shared.returncode, shared.stdout, shared.stderr, tmp_path / "outputs")
+    shutil.copytree(shared.output_root, two.output_root)
     assert two.returncode == 0, two.stderr[-4000:]
     trained = two.results()
     assert trained["world_size"] == 2 and trained["steps"] == 4  # one epoch of 128 samples, 2 ranks x 16

@@ -75,18 +75,21 @@ def test_the_readme_shows_the_scripts_loop_verbatim():
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    """The loop on 2 gloo ranks, the model in DDP ("ddp") and sharded with FSDP2 (--fsdp2), launched together:
-    {name: (the launch, its results)}."""
+    """The loop on 2 gloo ranks without CUDA, three launches together: the model in DDP ("ddp"), sharded with
+    FSDP2 ("fsdp2", --fsdp2), and asking for a graph ("full", --mode full): {name: (the launch, its output file)}."""
     folder = tmp_path_factory.mktemp("own_loop")
     # No --mode: without CUDA the default is eager.
-    args = {"ddp": ["--steps", "30", *SMALL, "--output", str(folder / "ddp.json")],
-            "fsdp2": ["--fsdp2", "--steps", "30", *SMALL, "--output", str(folder / "fsdp2.json")]}
-    done = launch_together(args, script=SCRIPT, nproc=2, env=NO_GPU, timeout=240)
-    return {name: (proc, results_of(proc, folder / f"{name}.json")) for name, proc in done.items()}
+    args = {"ddp": ["--steps", "30", *SMALL],
+            "fsdp2": ["--fsdp2", "--steps", "30", *SMALL],
+            "full": ["--mode", "full", "--steps", "20", *SMALL]}
+    done = launch_together({name: [*a, "--output", str(folder / f"{name}.json")] for name, a in args.items()},
+                           script=SCRIPT, nproc=2, env=NO_GPU, timeout=240)
+    return {name: (proc, folder / f"{name}.json") for name, proc in done.items()}
 
 
 def test_two_ranks_without_cuda_run_the_loop_eagerly_and_learn(two_ranks):
-    proc, res = two_ranks["ddp"]
+    proc, output = two_ranks["ddp"]
+    res = results_of(proc, output)
 
     assert (res["mode"], res["world_size"], res["device"], res["steps"], res["accum"]) == ("eager", 2, "cpu", 30, 2)
     assert res["info"]["mode"] == "eager" and res["info"]["capture_error_mode"] is None
@@ -116,9 +119,10 @@ def test_two_ranks_sharded_with_fsdp2_learn_as_ddp_does_step_for_step(two_ranks)
     # The same run on 2 gloo ranks with the model sharded with FSDP2 (--fsdp2) instead of in DDP. fp32 on the
     # CPU, the same data and initial weights: the losses differ only by the order in which gradients are
     # summed (DDP's all-reduce, FSDP2's reduce-scatter), a few ulps.
-    proc, fsdp2 = two_ranks["fsdp2"]
+    proc, output = two_ranks["fsdp2"]
+    fsdp2 = results_of(proc, output)
     assert "own_loop: mode=eager world_size=2 fsdp2" in proc.stdout and "on every rank" in proc.stdout, proc.stdout
-    ddp = two_ranks["ddp"][1]
+    ddp = results_of(*two_ranks["ddp"])
     assert (ddp["fsdp2"], fsdp2["fsdp2"]) == (False, True)
     assert (fsdp2["mode"], fsdp2["world_size"], fsdp2["device"]) == ("eager", 2, "cpu")
     assert fsdp2["info"]["mode"] == "eager"
@@ -140,11 +144,8 @@ def test_two_ranks_sharded_with_fsdp2_learn_as_ddp_does_step_for_step(two_ranks)
     assert fsdp2["evaluated"][-1]["val_loss"] == pytest.approx(ddp["evaluated"][-1]["val_loss"], rel=1e-5)
 
 
-@pytest.mark.parametrize("nproc", [2], ids=["torchrun2"])  # one rank's case is the same code, printing once
-def test_full_without_cuda_fails_once_with_graphings_message(tmp_path, nproc):
-    output = tmp_path / "full.json"
-    proc = run_own_loop(["--mode", "full", "--steps", "20", *SMALL, "--output", str(output)], nproc=nproc,
-                        env=NO_GPU)
+def test_full_without_cuda_fails_once_with_graphings_message(two_ranks):
+    proc, output = two_ranks["full"]  # 2 ranks; one rank's case is the same code, printing once
     text = proc.stdout + proc.stderr
     assert proc.returncode != 0, text
     assert text.count("needs a CUDA GPU") == 1, text  # rank 0 only, however many ranks

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, Finished, cuda_count, launch
+from conftest import ROOT, Finished, cuda_count, launch, launch_together
 from scripts.lib.comparison import comparison_rows, markdown_table, plot_comparison
 from scripts.lib.launch import NOT_AVAILABLE
 from scripts.sweep import plot_sweep, sweep_table
@@ -42,13 +42,25 @@ def table_rows(markdown: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def comparison(tmp_path_factory):
-    """One comparison of every mode, two processes each, W&B offline: what the tests below read.
+def compare_and_sweep(tmp_path_factory):
+    """Launched together: one comparison of every mode, two processes each, W&B offline ("compare"), and a
+    sweep of mnist over two batch sizes, one process each ("sweep", the one-process path of compare):
+    {name: (its output folder, the launch)}."""
+    folder = tmp_path_factory.mktemp("compare_and_sweep")
+    outputs = {"compare": folder / "cmp-test", "sweep": folder / "sw"}
+    args = {"compare": ["--nproc", "2", "--timeout", "90", "--output", str(outputs["compare"]), "--",
+                        "experiment=debug"],
+            "sweep": ["--recipes", "mnist", "--batch-sizes", "16,32", "--nprocs", "1", "--timeout", "90",
+                      "--output", str(outputs["sweep"]), "--", "experiment=debug", "logger=none"]}
+    done = launch_together(args, timeout=240, each={name: {"script": str(ROOT / "scripts" / f"{name}.py")}
+                                                    for name in args})
+    return {name: (outputs[name], proc) for name, proc in done.items()}
 
-    (The one-process path is the sweep's, below: it compares with --nprocs 1.)
-    """
-    output = tmp_path_factory.mktemp("compare") / "cmp-test"
-    proc = script("compare.py", "--nproc", "2", "--timeout", "90", "--output", str(output), "--", "experiment=debug")
+
+@pytest.fixture(scope="module")
+def comparison(compare_and_sweep):
+    """The comparison of every mode: what the tests below read."""
+    output, proc = compare_and_sweep["compare"]
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return output, proc
 
@@ -160,11 +172,10 @@ def test_language_model_results_are_reported_in_tokens(tmp_path):
 
 
 @cpu_only
-def test_sweep_on_cpu_writes_json_and_plot_with_graph_points_unavailable(tmp_path):
-    proc = script("sweep.py", "--recipes", "mnist", "--batch-sizes", "16,32", "--nprocs", "1", "--timeout", "90",
-                  "--output", str(tmp_path / "sw"), "--", "experiment=debug", "logger=none")
+def test_sweep_on_cpu_writes_json_and_plot_with_graph_points_unavailable(compare_and_sweep):
+    output, proc = compare_and_sweep["sweep"]
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    sweep = json.loads((tmp_path / "sw" / "sweep.json").read_text())
+    sweep = json.loads((output / "sweep.json").read_text())
     points = {(p["batch_size"], p["mode"]): p for p in sweep["points"]}
     assert set(points) == {(16, "eager"), (32, "eager"), (16, "full"), (32, "full")}
     for batch_size in (16, 32):
@@ -173,8 +184,8 @@ def test_sweep_on_cpu_writes_json_and_plot_with_graph_points_unavailable(tmp_pat
         assert full["status"] == NOT_AVAILABLE and full["speedup"] is None
         results = json.loads((Path(eager["run_dir"]) / "results.json").read_text())
         assert results["global_batch"] == batch_size
-    assert (tmp_path / "sw" / "sweep_mnist.png").stat().st_size > 0
-    assert (tmp_path / "sw" / "mnist_n1_bs16" / "compare.md").exists()
+    assert (output / "sweep_mnist.png").stat().st_size > 0
+    assert (output / "mnist_n1_bs16" / "compare.md").exists()
 
 
 def test_sweep_table_and_plot_from_gpu_like_points(tmp_path):
