@@ -27,7 +27,9 @@ def _worker_init(forked_from: Optional[int], _worker_id: int) -> None:
     sockets (gloo's connections to the other ranks among them). Left running after its rank dies, it
     would keep those connections open until DataLoader's watchdog noticed the parent was gone (every
     5 s), and the other ranks would wait that long to learn that this one is gone. On Linux it is
-    killed with its rank instead. (A worker started by spawn or forkserver inherits no sockets.)
+    killed with its rank instead: strictly, when the thread that started it ends, so the loaders are
+    iterated from one long-lived thread (the training loop's). (A worker started by spawn or
+    forkserver inherits no sockets.)
     """
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     if forked_from is not None and sys.platform.startswith("linux"):
