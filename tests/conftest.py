@@ -50,6 +50,19 @@ def torchrun(nproc: int, *, rdzv_endpoint: Optional[str] = None, rdzv_id: str = 
             f"--max-restarts={max_restarts}", *(extra or [])]
 
 
+def process_state(pid: int) -> Optional[str]:
+    """The kernel's one-letter state of a process (R, S, D, Z for a zombie, ...); None once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
+def is_live(pid: int) -> bool:
+    """Neither gone nor a zombie (dead, not yet reaped by its parent)."""
+    return process_state(pid) not in (None, "Z")
+
+
 def marked_pids(value: str, prefix: bool = False) -> List[int]:
     """Live (not zombie) processes whose environment holds ``MARK=value`` (or a value starting with it)."""
     needle = f"{MARK}={value}".encode()
@@ -59,10 +72,9 @@ def marked_pids(value: str, prefix: bool = False) -> List[int]:
             continue
         try:
             environ = Path(f"/proc/{entry}/environ").read_bytes()
-            state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if state != "Z" and any(v == needle or (prefix and v.startswith(needle)) for v in environ.split(b"\0")):
+        if any(v == needle or (prefix and v.startswith(needle)) for v in environ.split(b"\0")) and is_live(int(entry)):
             found.append(int(entry))
     return found
 
@@ -76,9 +88,9 @@ def _cmdline(pid: int) -> str:
 
 def _state(pid: int) -> str:
     """The kernel's view of a process: its state and what it waits in (wchan)."""
+    state = process_state(pid)
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        return f"state {state}, waiting in {Path(f'/proc/{pid}/wchan').read_text() or '-'}"
+        return "gone" if state is None else f"state {state}, waiting in {Path(f'/proc/{pid}/wchan').read_text() or '-'}"
     except OSError:
         return "gone"
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import ROOT, launch_together
+from conftest import ROOT, is_live, launch_together
 from trainer.data import DeviceLoader, HostLoader, choose_loader, make_loader
 from trainer.errors import ConfigError
 from trainer.recipe import Split
@@ -364,16 +364,9 @@ def test_host_loader_workers_die_with_their_rank(tmp_path):
         rank.kill()
         rank.wait()
     deadline = time.monotonic() + 2.0
-
-    def alive(pid):  # a zombie (dead, not yet reaped by init) counts as gone
-        try:
-            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-        except OSError:
-            return False
-
-    while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
+    while any(is_live(pid) for pid in workers) and time.monotonic() < deadline:  # a zombie counts as gone
         time.sleep(0.02)
-    left = [pid for pid in workers if alive(pid)]
+    left = [pid for pid in workers if is_live(pid)]
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     assert not left, f"workers {left} outlived their rank by 2 s"
