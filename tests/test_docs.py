@@ -18,8 +18,9 @@ Nothing is trained here; each command line of a marked block is checked by what 
   ``--help`` appended to its own options (before ``--``), which parses their values and must
   exit 0; every ``--option`` named must be in its help; a script that takes train.py's config
   gets its overrides composed as above.
-- ``pip install -r FILE``: this environment satisfies FILE. ``pytest -m EXPR``: every marker in
-  EXPR is registered.
+- ``pip install -r FILE``: this environment satisfies FILE; an optional extra's FILE (conftest's
+  ``EXTRAS``) that is not installed skips its block, naming the package and the command (marked
+  ``extras``). ``pytest -m EXPR``: every marker in EXPR is registered.
 
 Any other command in a marked block fails: teach this file to check it, or leave the block
 unmarked. Continuation lines (``\\``) are joined, ``# comments`` dropped, ``&&`` splits commands.
@@ -40,7 +41,7 @@ from typing import Dict, List, Optional, Tuple
 
 import pytest
 
-from conftest import ROOT
+from conftest import EXTRAS, ROOT
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 MARKS = ("cpu", "gpu")
@@ -209,7 +210,7 @@ class Checker:
         file = ROOT / args[2]
         if not file.is_file():
             return [f"{args[2]} does not exist"]
-        problems = []
+        problems, missing = [], []
         for line in file.read_text().splitlines():
             line = line.split("#", 1)[0].strip()
             if not line:
@@ -218,10 +219,13 @@ class Checker:
             try:
                 installed = version(requirement.name)
             except PackageNotFoundError:
+                missing.append(requirement.name)
                 problems.append(f"{args[2]}: {requirement.name} is not installed")
                 continue
             if not requirement.specifier.contains(installed, prereleases=True):
                 problems.append(f"{args[2]}: {requirement} but {installed} is installed")
+        if missing and args[2] in EXTRAS.values():  # an optional extra the README's set-up does not install
+            pytest.skip(f"needs the optional {', '.join(missing)}: pip install -r {args[2]}")
         return problems
 
     def pytest(self, args: List[str]) -> List[str]:
@@ -332,7 +336,13 @@ def test_the_docs_have_runnable_blocks_and_every_bash_fence_names_a_known_mark()
                     f"{block.where}: ```{block.info}: after `bash` write `cpu`, `gpu` or nothing")
 
 
-@pytest.mark.parametrize("block", BLOCKS, ids=lambda b: f"{b.where}-{b.mark}")
+def installs_an_extra(block: Block) -> bool:
+    return any(tokens[:3] == ["pip", "install", "-r"] and tokens[3:4] and tokens[3] in EXTRAS.values()
+               for tokens in commands(block.text))
+
+
+@pytest.mark.parametrize("block", [pytest.param(b, marks=[pytest.mark.extras] * installs_an_extra(b)) for b in BLOCKS],
+                         ids=lambda b: f"{b.where}-{b.mark}")
 def test_every_command_of_a_marked_block_works(block, checker):
     found = commands(block.text)
     assert found, f"{block.where}: a marked block without commands"

@@ -25,9 +25,11 @@ import torch
 import torch.nn.functional as F
 
 import graphing
+from conftest import needs_extra
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-transformers = pytest.importorskip("transformers")
+pytestmark = [pytest.mark.gpu, pytest.mark.extras,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+transformers = needs_extra("transformers")
 
 SIZES = {  # tiny, and each architecture's own names for the sizes
     "llama": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

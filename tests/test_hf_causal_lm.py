@@ -1,6 +1,7 @@
 """recipe=hf_causal_lm: a Hugging Face transformers causal LM, from a config or a local directory.
 
-Skipped where transformers is not installed (CI installs requirements-hf.txt). The GPU checks
+Skipped where transformers is not installed (`pip install -r requirements-hf.txt`; CI does, after the
+README's pytest, and runs `pytest -m extras`). The GPU checks
 (graph=full against graph=eager for llama, qwen2 and gpt2) are tests/test_hf_causal_lm_gpu.py.
 """
 from __future__ import annotations
@@ -12,9 +13,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import launch
+from conftest import launch, needs_extra
 
-transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.extras
+transformers = needs_extra("transformers")
 
 # experiment=debug's tiny llama (conf/experiment_recipe/debug_hf_causal_lm.yaml) on fewer windows.
 DEBUG = ["recipe=hf_causal_lm", "experiment=debug", "logger=none", "recipe.data.train_size=64",

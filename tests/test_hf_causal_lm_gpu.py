@@ -10,10 +10,10 @@ import math
 
 import pytest
 
-from conftest import cuda_count, launch
+from conftest import cuda_count, launch, needs_extra
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(cuda_count() < 1, reason="needs a CUDA GPU")]
-pytest.importorskip("transformers")
+pytestmark = [pytest.mark.gpu, pytest.mark.extras, pytest.mark.skipif(cuda_count() < 1, reason="needs a CUDA GPU")]
+needs_extra("transformers")
 two_gpus = pytest.mark.skipif(cuda_count() < 2, reason="needs 2 GPUs")
 
 STEPS = 30  # > graph.warmup_iters (11): about 18 of them replay the captured graph
