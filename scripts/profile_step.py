@@ -1,13 +1,14 @@
-"""Where the time of one training step goes, on one GPU.
+"""Where the time of one training step goes, on one GPU (or each of torchrun's).
 
     python scripts/profile_step.py graph=full                # any train.py overrides
     python scripts/profile_step.py graph=eager --steps 100
     python scripts/profile_step.py --config-dir my_conf recipe=mine   # your own configs, as train.py
 
 Builds the trainer as train.py does, warms up (and captures, in graph modes), then
-profiles ``--steps`` steps: the step's wall time from CUDA events, the summed time of
-the kernels and copies it ran (CUPTI), their ratio (how busy the GPU was), and the
-kernel count per step, throughput and MFU. ``--top N`` adds the N kernels that took the
+profiles ``--steps`` steps: the step's wall time from CUDA events, the time during which at least one kernel or copy
+ran (CUPTI; ``kernel_ms`` sums them over streams), its ratio to the step (how busy the GPU
+was), and the kernel count per step, throughput (global and per GPU) and MFU per GPU, as
+train.py's results compute it. Under torchrun every rank profiles; rank 0 reports. ``--top N`` adds the N kernels that took the
 most time per step, with their counts (where the time goes, and where each op comes from);
 ``--gaps N`` the N places where the GPU sat idle longest in a step, summed per step, each
 named by the ops before and after it (where a graphed step still waits). ``--streams`` lists
@@ -77,27 +78,33 @@ def profile_job(session, args) -> int:
         for _ in range(args.steps):
             run_train_step(run)
         torch.cuda.synchronize()
-    gpu_events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
-    busy_ms = sum(e.device_time for e in gpu_events) / 1e3 / args.steps
+    device = torch.cuda.current_device()  # this rank's GPU: the trace may hold another's peer copies
+    gpu_events = [e for e in prof.events() if e.device_type == DeviceType.CUDA and e.device_index in (device, -1)]
+    spans = [(e.time_range.start, e.time_range.end, e.name, e.device_resource_id) for e in gpu_events]
+    kernel_ms = sum(e.device_time for e in gpu_events) / 1e3 / args.steps
+    busy_ms = sum(end - start for start, end in union(spans)) / 1e3 / args.steps  # streams overlap: not a sum
     mode = ex.report.mode + ("+compile_model" if run.plan.graph.compile_model else "")
     result = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "mode": mode, "recipe": run.recipe.name,
-        "batch_size": session.cfg.recipe.data.batch_size, "precision": run.plan.precision, "step_ms": wall_ms,
-        "gpu_busy_ms": busy_ms, "gpu_busy_fraction": busy_ms / wall_ms, "gpu_ops_per_step": len(gpu_events) / args.steps,
+        "world_size": run.rt.world_size, "batch_size": session.cfg.recipe.data.batch_size,
+        "precision": run.plan.precision, "step_ms": wall_ms, "gpu_busy_ms": busy_ms,
+        "gpu_busy_fraction": busy_ms / wall_ms, "kernel_ms": kernel_ms, "gpu_ops_per_step": len(gpu_events) / args.steps,
     }
     units_per_s = run.global_batch * run.recipe.units_per_sample * 1e3 / wall_ms
     result[f"{run.recipe.unit}_per_s"] = units_per_s
-    peak = run.perf.peak()
-    if peak is not None and run.recipe.flops_per_unit > 0:
-        result["mfu_pct"] = 100 * units_per_s * run.recipe.flops_per_unit / (peak[1] * 1e12)
+    result[f"{run.recipe.unit}_per_s_per_gpu"] = units_per_s / run.rt.world_size
+    mfu = run.perf.mfu_pct(units_per_s / run.rt.world_size)  # train.py's MFU: per GPU
+    if mfu is not None:
+        result["mfu_pct"] = mfu
     if args.top:
         result["top_kernels"] = top_kernels(gpu_events, args.steps, args.top)
     if args.gaps:
         result["idle_ms"], result["idle_gaps"] = idle_gaps(gpu_events, args.steps, args.gaps)
     if args.streams:
-        spans = [(e.time_range.start, e.time_range.end, e.name, e.device_resource_id) for e in gpu_events]
         result["streams"] = stream_table(spans, args.steps)
         result["collective_ms"], result["collective_beside_compute_ms"] = collective_overlap(spans, args.steps)
+    if not run.rt.is_main:  # one report: rank 0's (every rank ran the same steps)
+        return 0
     print(json.dumps({k: v for k, v in result.items() if k not in ("top_kernels", "idle_gaps", "streams")}))
     for row in result.get("streams", []):
         print(f"  stream {row['stream']}: {row['ms_per_step']:8.4f} ms {row['ops_per_step']:7.1f} ops per step; "
@@ -142,15 +149,20 @@ def stream_table(spans, steps: int, busiest: int = 3):
     return sorted(rows, key=lambda r: -r["ms_per_step"])
 
 
-def collective_overlap(spans, steps: int):
-    """(ms per step of collective kernels, ms per step of it during which another, non-collective kernel ran)."""
-    compute = sorted((s, e) for s, e, name, _ in spans if not is_collective(name))
+def union(spans):
+    """The time covered by ``spans`` ((start, end, ...) tuples) as disjoint [start, end] intervals, in order."""
     merged = []
-    for start, end in compute:  # the union of compute time
+    for start, end, *_ in sorted(spans):
         if merged and start <= merged[-1][1]:
             merged[-1][1] = max(merged[-1][1], end)
         else:
             merged.append([start, end])
+    return merged
+
+
+def collective_overlap(spans, steps: int):
+    """(ms per step of collective kernels, ms per step of it during which another, non-collective kernel ran)."""
+    merged = union(span for span in spans if not is_collective(span[2]))  # the union of compute time
     total = beside = 0.0
     for start, end, name, _ in spans:
         if not is_collective(name):

@@ -93,10 +93,18 @@ class Perf:
         per_s = f"{self.unit}_per_s"
         s[per_s] = (units_per_step or self.units_per_step) * 1e3 / s["step_ms_mean"]
         s[f"{per_s}_per_gpu"] = s[per_s] / self.world_size
-        peak = self.peak()
-        if peak is not None and self.flops_per_unit > 0:
-            s["mfu_pct"] = 100 * s[f"{per_s}_per_gpu"] * self.flops_per_unit / (peak[1] * 1e12)
+        mfu = self.mfu_pct(s[f"{per_s}_per_gpu"])
+        if mfu is not None:
+            s["mfu_pct"] = mfu
         return s
+
+    def mfu_pct(self, units_per_s_per_gpu: float) -> Optional[float]:
+        """Model FLOPs utilization of one GPU training ``units_per_s_per_gpu`` (None: no peak or no FLOP count).
+        Per GPU: a rank's share of the global throughput against one GPU's peak."""
+        peak = self.peak()
+        if peak is None or self.flops_per_unit <= 0:
+            return None
+        return 100 * units_per_s_per_gpu * self.flops_per_unit / (peak[1] * 1e12)
 
     def run_summary(self, headline_phase: str) -> Dict[str, Any]:
         """``perf/*`` for the results: the headline phase's numbers, the MFU peak used, memory."""
