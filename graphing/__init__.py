@@ -63,6 +63,7 @@ if TYPE_CHECKING:
     from graphing.metrics import RunningMeans
     from graphing.optimizers import (closure_problem, float_learning_rate, graph_safe_optimizer_kwargs,
                                      optimizer_capture_problem)
+    from graphing.digest import weights_digest
     from graphing.timing import StepTimer
 
 _LAZY = {
@@ -82,6 +83,7 @@ _LAZY = {
     "micro_batches": "graphing.accumulation",
     "no_sync_except_last": "graphing.accumulation",
     "optimizer_capture_problem": "graphing.optimizers",
+    "weights_digest": "graphing.digest",
 }
 
 

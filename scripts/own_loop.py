@@ -13,7 +13,7 @@ What you should see (rank 0 prints for the job). Two processes on a busy 2-core 
     ...
     step   300/300 | loss 0.8905 | grad norm 0.074 | lr 1.00e-03 | eager  |   99.58 ms/step
     step   300/300 | val loss 0.9422
-    done: final loss 0.8090, val loss 0.9422, params sha256 f106bb615a5a9874 on every rank
+    done: final loss 0.8090, val loss 0.9422, weights digest f106bb615a5a9874 on every rank
 
 "loss" and "grad norm" are the job's means over the log interval, "final loss" is rank 0's
 last step. With CUDA the default is ``--mode full``: after the 11 warm-up steps the step is
@@ -54,7 +54,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import hashlib
 import json
 import math
 import os
@@ -325,7 +324,7 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
     # <<< README
 
     report = step.report  # leaving the `with` closed the step: its graph is released before the process group goes
-    digest = param_digest(model)  # under --fsdp2 gathers each parameter whole: a collective, on every rank
+    digest = graphing.weights_digest(model)  # on the device; under --fsdp2 over the shards (a collective, every rank)
     digests = [digest] * world_size
     if world_size > 1:
         dist.all_gather_object(digests, digest)  # one per rank: DDP should keep them equal
@@ -342,24 +341,12 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
         "info": {k: v for k, v in info.items() if not (isinstance(v, float) and not math.isfinite(v))},
     }
     progress.say(f"done: final loss {results['losses'][-1]:.4f}, val loss {progress.evaluated[-1]['val_loss']:.4f}, "
-                 f"params sha256 {digest}"
+                 f"weights digest {digest}"
                  + (" on every rank" if len(set(digests)) == 1 else f" DIFFER across ranks: {digests}"))
     if rank == 0 and args.output is not None:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(json.dumps(results, indent=1))
     return 0 if len(set(digests)) == 1 else 1
-
-
-def param_digest(model: nn.Module) -> str:
-    """First 16 hex chars of the sha256 of every parameter's bytes: equal iff bitwise equal. A sharded
-    parameter (a DTensor, under --fsdp2) is gathered whole first: a collective, so every rank calls this."""
-    h = hashlib.sha256()
-    for p in model.parameters():
-        p = p.detach()
-        if hasattr(p, "full_tensor"):  # a DTensor: this rank holds a shard
-            p = p.full_tensor()
-        h.update(p.cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()[:16]
 
 
 def main() -> int:

@@ -18,6 +18,11 @@
   many seconds of training instead of 2 (``trainer.stop.StopAgreement``'s spacing), so that a short
   test run stops within a few steps of the signal; the agreement itself is the same code.
 
+- REPORT_GATHERS, "1": each time a sharded tensor (a DTensor with a Shard placement, more than one
+  element) is gathered whole (``DTensor.full_tensor``, or ``redistribute`` to no Shard placement), the
+  rank prints "[rank R] gathered a sharded tensor whole: SHAPE" and where; the gather itself runs as
+  usual. Tests assert that a sharded run without checkpoints prints none.
+
 Every rank that torchrun starts runs this file, so the hooks reach every rank; train.py itself
 never reads these variables.
 """
@@ -29,7 +34,9 @@ from pathlib import Path
 KILL_AT_STEP_ENV = "GRAPHED_DDP_TEST_KILL_AT_STEP"
 QUOTA_AT_STEP_ENV = "GRAPHED_DDP_TEST_QUOTA_AT_STEP"
 STOP_CHECK_S_ENV = "GRAPHED_DDP_TEST_STOP_CHECK_S"
-FAULT_ENVS = (KILL_AT_STEP_ENV, QUOTA_AT_STEP_ENV, STOP_CHECK_S_ENV)
+REPORT_GATHERS_ENV = "GRAPHED_DDP_TEST_REPORT_GATHERS"
+FAULT_ENVS = (KILL_AT_STEP_ENV, QUOTA_AT_STEP_ENV, STOP_CHECK_S_ENV, REPORT_GATHERS_ENV)
+GATHER_REPORT = "gathered a sharded tensor whole"
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -69,6 +76,37 @@ def quota_at(spec: str):
     return hook
 
 
+def report_whole_gathers() -> None:
+    """Wraps DTensor's whole-tensor gathers so that each one says so (REPORT_GATHERS)."""
+    import traceback
+
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    def sharded(tensor) -> bool:
+        return tensor.numel() > 1 and any(p.is_shard() for p in tensor.placements)
+
+    def say(tensor) -> None:
+        caller = next((f for f in reversed(traceback.extract_stack()[:-2])
+                       if "torch" not in f.filename and f.filename != __file__), None)
+        where = f" from {caller.filename}:{caller.lineno}" if caller else ""
+        print(f"[rank {dist.get_rank()}] {GATHER_REPORT}: {tuple(tensor.shape)}{where}", flush=True)
+
+    real_full, real_redistribute = DTensor.full_tensor, DTensor.redistribute
+
+    def full_tensor(self, *args, **kwargs):
+        if sharded(self):
+            say(self)
+        return real_full(self, *args, **kwargs)
+
+    def redistribute(self, device_mesh=None, placements=None, *args, **kwargs):
+        if sharded(self) and placements is not None and not any(p.is_shard() for p in placements):
+            say(self)
+        return real_redistribute(self, device_mesh, placements, *args, **kwargs)
+
+    DTensor.full_tensor, DTensor.redistribute = full_tensor, redistribute
+
+
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
     from trainer import hooks  # import-free: train.py still takes the signals before any thread starts
@@ -83,5 +121,7 @@ if __name__ == "__main__":
         from trainer.stop import StopAgreement  # import-free of threads: the signals are taken in train.py
 
         StopAgreement.__init__.__defaults__ = (float(os.environ[STOP_CHECK_S_ENV]),)
+    if os.environ.get(REPORT_GATHERS_ENV):
+        report_whole_gathers()
     sys.argv[0] = str(ROOT / "train.py")
     runpy.run_path(sys.argv[0], run_name="__main__")

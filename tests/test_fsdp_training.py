@@ -17,6 +17,7 @@ import torch
 import yaml
 
 from conftest import launch_together
+from fault_injection import GATHER_REPORT, REPORT_GATHERS_ENV
 from trainer.checkpoint import list_checkpoints
 
 # A GPT small enough for seconds on two CPU ranks: 8 steps of 2 x 8 windows of 32 tokens.
@@ -38,7 +39,8 @@ def ddp_and_fsdp2(tmp_path_factory):
     micro-batches a step (DDP's no_sync, FSDP2's set_requires_gradient_sync(False) on the first)."""
     root = tmp_path_factory.mktemp("fsdp2")
     runs = launch_together({parallel: [*GPT, f"train.parallel={parallel}", "train.grad_accum=2"]
-                            for parallel in ("ddp", "fsdp2")}, root, nproc=2, timeout=180)
+                            for parallel in ("ddp", "fsdp2")}, root, nproc=2, timeout=180,
+                           each={"fsdp2": {"faults": {REPORT_GATHERS_ENV: "1"}}})
     for run in runs.values():
         assert run.returncode == 0, run.output[-3000:]
     return runs
@@ -51,7 +53,7 @@ def test_fsdp2_trains_a_gpt_on_two_ranks_as_ddp_does(ddp_and_fsdp2):
         assert res["recipe"] == "gpt_tiny" and res["world_size"] == 2 and res["data_source"] == "synthetic"
         assert res["steps"] == 8 and math.isfinite(res["final/loss"]) and math.isfinite(res["final/eval_loss"])
         assert res["perf/tokens_per_s"] > 0 and "perf/mfu_pct" not in res  # MFU only on a GPU with a known peak
-        assert len(set(res["param_digests"])) == 1  # DDP's replicas, fsdp2's gathered parameters: alike on each rank
+        assert len(set(res["param_digests"])) == 1  # DDP's replicas alike; fsdp2's one digest of all shards
         assert yaml.safe_load((done.run_dir / "config.yaml").read_text())["recipe"]["data"]["source_used"] == \
             "synthetic"
     # Same seed, same weights, same data: the losses of every step agree to fp32 rounding (the gradient
@@ -60,7 +62,9 @@ def test_fsdp2_trains_a_gpt_on_two_ranks_as_ddp_does(ddp_and_fsdp2):
     assert len(losses(ddp.run_dir)) == 8
     a, b = ddp.results(), fsdp2.results()
     assert b["final/eval_loss"] == pytest.approx(a["final/eval_loss"], rel=1e-5)
-    assert len(set(b["param_digests"])) == 1  # every rank gathered the same whole parameters
+    # Digested on the device over the shards, summed over the ranks: no parameter was gathered whole, in the
+    # run or at its end (its checkpoints are each rank's own shards).
+    assert GATHER_REPORT not in fsdp2.output, fsdp2.output[-3000:]
     config = yaml.safe_load((fsdp2.run_dir / "config.yaml").read_text())
     assert config["train"]["parallel"] == "fsdp2" and config["train"]["fsdp"]["blocks_used"] == 2
     assert "names no blocks" not in fsdp2.output

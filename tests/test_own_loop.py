@@ -126,7 +126,7 @@ def test_two_ranks_sharded_with_fsdp2_learn_as_ddp_does_step_for_step(two_ranks)
     assert (ddp["fsdp2"], fsdp2["fsdp2"]) == (False, True)
     assert (fsdp2["mode"], fsdp2["world_size"], fsdp2["device"]) == ("eager", 2, "cpu")
     assert fsdp2["info"]["mode"] == "eager"
-    digests = fsdp2["param_digests"]  # of the whole parameters, gathered on every rank
+    digests = fsdp2["param_digests"]  # one digest of every rank's shards, which every rank returns
     assert len(digests) == 2 and digests[0] == digests[1], digests
 
     losses = fsdp2["losses"]

@@ -7,7 +7,6 @@ trainer/policies.py, when to stop early of the ranks' agreement (trainer/stop.py
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import time
@@ -19,7 +18,7 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from graphing import StepRole
+from graphing import StepRole, weights_digest
 from trainer.assembly import Run
 from trainer import hooks
 from trainer.errors import NonFiniteLossError, Preempted
@@ -27,7 +26,6 @@ from trainer.metrics_logger import MetricsLogger
 from trainer.policies import CheckpointPolicy, EvalPolicy, LogPolicy, StepPoint
 from trainer.process_clock import process_started_at
 from trainer.runtime import print_once
-from trainer.sharding import full_tensor
 from trainer.stop import StopAgreement
 
 log = logging.getLogger("train")
@@ -223,12 +221,14 @@ class TrainingLoop:
             **{f"final/eval_{k.split('/')[-1]}": v for k, v in self._last_eval.items()},
             **{f"graph/{k}": v for k, v in report.as_results().items()},
         }
-        # DDP keeps replicas identical; record every rank's parameter digest to prove it (FSDP2: of the
-        # whole parameters, gathered from the shards by every rank, so the ranks agree by construction).
-        digests = [param_digest(run.executor.eval_model)]
+        # DDP keeps replicas identical; record every rank's digest of its weights to prove it. FSDP2: one digest
+        # of the shards of all ranks (graphing/digest.py: the same weights give the same digest under DDP), which
+        # every rank returns. Computed on the device, once, gathering no parameter.
+        digest = weights_digest(run.executor.eval_model)
+        digests = [digest]
         if self.rt.distributed:
             digests = [None] * self.rt.world_size
-            dist.all_gather_object(digests, param_digest(run.executor.eval_model))
+            dist.all_gather_object(digests, digest)
         out["param_digests"] = digests
         if self.cfg.graph.compare and self.comparison is None:
             self.comparison = run.perf.comparison(self.logger)
@@ -247,15 +247,6 @@ def take_rank0_buffers(model: torch.nn.Module) -> None:
     """
     for buffer in model.buffers():
         dist.broadcast(buffer, src=0)
-
-
-def param_digest(model: torch.nn.Module) -> str:
-    """sha256 of every parameter's bytes, in order: equal digests mean bitwise-equal replicas. A sharded
-    model's parameters are gathered whole first (a collective: every rank calls it)."""
-    h = hashlib.sha256()
-    for p in model.parameters():
-        h.update(full_tensor(p.detach()).float().cpu().numpy().tobytes())
-    return h.hexdigest()[:16]
 
 
 def _progress(show: bool, total: int, desc: str):

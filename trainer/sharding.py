@@ -119,12 +119,6 @@ def full_norm(norm: torch.Tensor) -> torch.Tensor:
     return to_local() if to_local is not None else norm
 
 
-def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's whole value (a collective: every rank calls it), a plain tensor as it is."""
-    full = getattr(tensor, "full_tensor", None)
-    return full() if full is not None else tensor
-
-
 def sharded_model(recipe, device: torch.device, spec, precision: str) -> torch.nn.Module:
     """The recipe's model, sharded over every rank as ``spec`` (the plan's ``train.fsdp``) says, on ``device``."""
     from trainer.runtime import print_once
