@@ -1,9 +1,11 @@
-"""Two GPUs against one: how much of the graphed step is DDP's gradient all-reduce that
-backward does not hide, what `train.ddp` does about it, and strong scaling (issue 24, part 2).
+"""Two GPUs against one, and strong scaling over every GPU count the machine has: how much of the
+graphed step is DDP's gradient all-reduce that backward does not hide, what `train.ddp` does
+about it, and throughput at a fixed global batch on 1, 2, 4, ... GPUs (issue 24, part 2; issue 37).
 
-    python scripts/bench_allreduce.py                        # both parts, on a machine with 2 GPUs
+    python scripts/bench_allreduce.py                        # both parts, on a machine with 2 or more GPUs
     python scripts/bench_allreduce.py --parts allreduce --batch-size 128
     python scripts/bench_allreduce.py --parts scaling --global-batches 64,256 --modes eager,full,full_compiled
+    python scripts/bench_allreduce.py --parts scaling --gpus 1,2,4,8 --recipe gpt2_small --global-batches 32
 
 ``allreduce``: ``recipe`` (default cifar10_resnet18) with ``graph=full`` at ``--batch-size`` per
 GPU, once on one GPU in one process (no DDP), then on two GPUs under torchrun once per
@@ -13,8 +15,9 @@ variant: the recipe's settings, ``train.ddp.bucket_cap_mb`` of each of ``--bucke
 its own work without communication). Each 2-GPU step over the
 1-GPU step (target: at most 1.05x), and the exposed all-reduce (their difference) against
 scripts/project_scaling.py's no-overlap model of it, as the ``--allreduce-scale`` that
-script takes. ``scaling``: the same recipe at each global batch on 1 and 2 GPUs in each
-mode: throughput and efficiency (throughput on 2 / twice that on 1).
+script takes. ``scaling``: the same recipe at each global batch on each of ``--gpus`` (default:
+1, 2, 4 and 8, as many as the machine has) in each mode: throughput, speedup over one GPU and
+efficiency (throughput on N over N times that on 1).
 
 Synthetic data, evaluation off, ``--steps`` optimizer steps per run; step ms is the median after
 warm-up and capture. On machines with NVLink multicast, export NCCL_NVLS_ENABLE=0 first if
@@ -48,6 +51,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--bucket-caps", default="5,2", help="allreduce: train.ddp.bucket_cap_mb values to try (MiB)")
     parser.add_argument("--global-batches", default="64,256", help="scaling: samples per optimizer step")
     parser.add_argument("--modes", default="eager,full,full_compiled", help="scaling: graph modes")
+    parser.add_argument("--gpus", default=None,
+                        help="scaling: GPU counts, e.g. 1,2,4 (default: 1, 2, 4 and 8, up to the machine's)")
     parser.add_argument("--steps", type=int, default=120, help="optimizer steps per run")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds one run may take")
     parser.add_argument("--output", type=Path, default=None)
@@ -58,8 +63,13 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     import torch  # after the command line: --help answers at once
 
-    if torch.cuda.device_count() < 2:
-        sys.exit(f"bench_allreduce.py compares 1 and 2 GPUs: this machine has {torch.cuda.device_count()}")
+    have = torch.cuda.device_count()
+    if have < 2:
+        sys.exit(f"bench_allreduce.py compares 2 or more GPUs with one: this machine has {have}")
+    try:
+        args.gpu_counts = gpu_counts(args.gpus, have)
+    except ValueError as e:
+        parser.error(str(e))
     out: Dict[str, Any] = {"recipe": args.recipe, "device": torch.cuda.get_device_name(0), "torch": torch.__version__}
     text = []
     with tempfile.TemporaryDirectory() as scratch:
@@ -138,25 +148,48 @@ def allreduce_markdown(part: Dict[str, Any], args) -> str:
     return "\n".join(lines)
 
 
+def gpu_counts(asked: Optional[str], have: int) -> List[int]:
+    """The GPU counts the scaling part compares: ``asked`` ("1,2,4"), or 1, 2, 4, 8 up to ``have``; 1 always first."""
+    if asked is None:
+        return [n for n in (1, 2, 4, 8) if n <= have]
+    counts = sorted({int(n) for n in asked.split(",")} | {1})
+    if counts[0] < 1 or counts[-1] > have:
+        raise ValueError(f"--gpus {asked}: this machine has {have} GPUs; choose counts from 1 to {have}")
+    if len(counts) < 2:
+        raise ValueError(f"--gpus {asked}: name a count above 1 to compare with one GPU")
+    return counts
+
+
 def scaling_part(run: Runner, args) -> List[Dict[str, Any]]:
     rows = []
     for global_batch in (int(b) for b in args.global_batches.split(",")):
         for mode in args.modes.split(","):
-            one = run(f"{mode}, global {global_batch}, 1 GPU", 1, global_batch, f"graph={mode}")
-            two = run(f"{mode}, global {global_batch}, 2 GPUs", 2, global_batch // 2, f"graph={mode}")
-            rows.append({"global_batch": global_batch, "mode": mode, "one_gpu": one, "two_gpus": two,
-                         "efficiency": two["throughput"] / (2 * one["throughput"])})
+            runs = []
+            for gpus in args.gpu_counts:
+                if global_batch % gpus:
+                    sys.exit(f"bench_allreduce.py: --global-batches {global_batch} does not split over {gpus} GPUs: "
+                             "choose global batches that every --gpus count divides")
+                runs.append(run(f"{mode}, global {global_batch}, {gpus} GPU{'s' * (gpus > 1)}", gpus,
+                                global_batch // gpus, f"graph={mode}"))
+            one = runs[0]["throughput"]
+            for r in runs:
+                r["speedup"], r["efficiency"] = r["throughput"] / one, r["throughput"] / (r["gpus"] * one)
+            rows.append({"global_batch": global_batch, "mode": mode, "runs": runs})
     return rows
 
 
 def scaling_markdown(rows: List[Dict[str, Any]]) -> str:
-    unit = rows[0]["one_gpu"]["unit"] if rows else "samples"
-    lines = ["### Strong scaling: 1 vs 2 GPUs at a fixed global batch", "",
-             f"| global batch | mode | 1 GPU {unit}/s | 2 GPUs {unit}/s | speedup | efficiency |", "|---|---|---|---|---|---|"]
+    if not rows:
+        return ""
+    unit = rows[0]["runs"][0]["unit"]
+    counts = [r["gpus"] for r in rows[0]["runs"]]
+    head = [f"{n} GPU{'s' * (n > 1)} {unit}/s" + (" (speedup, efficiency)" if n > 1 else "") for n in counts]
+    lines = [f"### Strong scaling: {', '.join(map(str, counts))} GPUs at a fixed global batch", "",
+             f"| global batch | mode | {' | '.join(head)} |", "|---|---|" + "---|" * len(counts)]
     for r in rows:
-        one, two = r["one_gpu"]["throughput"], r["two_gpus"]["throughput"]
-        lines.append(f"| {r['global_batch']} | {r['mode']} | {one:,.0f} | {two:,.0f} | {two / one:.2f}x | "
-                     f"{r['efficiency']:.2f} |")
+        cells = [f"{x['throughput']:,.0f}" + (f" ({x['speedup']:.2f}x, {x['efficiency']:.2f})" if x["gpus"] > 1 else "")
+                 for x in r["runs"]]
+        lines.append(f"| {r['global_batch']} | {r['mode']} | {' | '.join(cells)} |")
     return "\n".join(lines)
 
 

@@ -487,3 +487,29 @@ def test_profile_step_tells_streams_apart_and_measures_collectives_beside_comput
     assert table[0]["ms_per_step"] == pytest.approx(0.010) and table[1]["ops_per_step"] == 1.0
     total, beside = collective_overlap(spans, steps=2)
     assert total == pytest.approx(0.010) and beside == pytest.approx(0.004)  # 8 of the 20 us beside a gemm
+
+
+@pytest.mark.fast
+def test_profile_steps_busy_time_counts_overlapping_streams_once():
+    from scripts.profile_step import union
+
+    # A gemm on one stream and an all-gather beside it: the GPU was busy 0-15 and 30-40 us, not 10 + 10 + 10.
+    spans = [(0, 10, "sm90_gemm", 7), (5, 15, "ncclDevKernel_AllGather", 13), (30, 40, "sm90_gemm", 7)]
+    assert union(spans) == [[0, 15], [30, 40]]
+    assert union([]) == []
+
+
+@pytest.mark.fast
+def test_bench_allreduce_scales_over_every_gpu_count_the_machine_has():
+    from scripts.bench_allreduce import gpu_counts, scaling_markdown
+
+    assert gpu_counts(None, 2) == [1, 2] and gpu_counts(None, 4) == [1, 2, 4] and gpu_counts(None, 8) == [1, 2, 4, 8]
+    assert gpu_counts("4,2", 4) == [1, 2, 4]  # one GPU is always the baseline
+    with pytest.raises(ValueError, match="this machine has 4 GPUs"):
+        gpu_counts("1,8", 4)
+    with pytest.raises(ValueError, match="a count above 1"):
+        gpu_counts("1", 4)
+    runs = [{"gpus": n, "throughput": t, "unit": "samples", "speedup": t / 100, "efficiency": t / (100 * n)}
+            for n, t in ((1, 100.0), (2, 150.0), (4, 300.0))]
+    table = scaling_markdown([{"global_batch": 256, "mode": "full", "runs": runs}])
+    assert "| 256 | full | 100 | 150 (1.50x, 0.75) | 300 (3.00x, 0.75) |" in table, table
