@@ -7,8 +7,9 @@ from conftest import launch
 from wandb_offline import find_runs, read_run
 
 # 4000 samples on 2 ranks at 64: 31 full steps and the tail, 32 samples (16 per rank), per epoch.
+# train.max_steps is above the 2 epochs' 64 steps: the epochs end the run.
 SMALL = ["recipe.data.source=synthetic", "recipe.data.train_size=4000", "recipe.data.test_size=1000",
-         "recipe.data.eval_batch_size=256", "train.epochs=2", "train.log_every=8"]
+         "recipe.data.eval_batch_size=256", "train.epochs=2", "train.max_steps=100", "train.log_every=8"]
 
 
 # A closed local proxy makes this machine offline for the download, whatever its network.
@@ -39,6 +40,15 @@ def test_two_rank_gloo_run_keeps_replicas_identical(ddp_run):
     digests = results["param_digests"]
     assert len(digests) == 2 and digests[0] == digests[1]
     assert results["final/eval_samples"] == 1000  # every test sample counted once, across both ranks
+
+
+def test_the_run_says_its_fixed_costs(ddp_run):
+    results = ddp_run.results()
+    # Launch to the first step; the first step itself; the last step's end to the results written.
+    assert 0 < results["time/startup_s"] < results["time/total_s"]
+    assert 0 < results["time/first_step_s"] < results["train_loop_s"]
+    assert 0 <= results["time/after_last_step_s"] < 10
+    assert "time/until_first_graph_step_s" not in results  # no graph on the CPU
 
 
 def test_one_run_directory_holds_every_rank_log_and_the_metrics(ddp_run):

@@ -50,6 +50,7 @@ class TrainingLoop:
         self.clock: Dict[str, float] = {"eval_s": 0.0}  # where the loop's wall time went
         self._last_train: Dict[str, float] = {}
         self._last_eval: Dict[str, float] = {}
+        self.last_step_done = 0.0  # perf_counter when the last step's work was done (fit)
 
     # ---- the loop --------------------------------------------------------------------
     def fit(self) -> Dict[str, Any]:
@@ -62,17 +63,17 @@ class TrainingLoop:
         if loop.eval_only:  # the restored (or init_from) weights, evaluated once
             self._evaluate_and_log(step, epoch=step // run.steps_per_epoch)
         else:
-            step = self._train_epochs(step, began)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        wall = time.perf_counter() - began
+            step = self._train_epochs(step)
+        _synchronize(self.device)
+        self.last_step_done = time.perf_counter()  # time/after_last_step_s counts from here (trainer/training.py)
+        wall = self.last_step_done - began
         self.clock["total_s"] = time.time() - process_started_at()  # to the end of training, as results are written
         summary = self._summary(step, wall)
         log.info("summary: %s", summary)
         self.logger.summary(summary)
         return summary
 
-    def _train_epochs(self, step: int, began: float) -> int:
+    def _train_epochs(self, step: int) -> int:
         run, epochs = self.run, self.cfg.train.epochs
         first_epoch, position = divmod(step, run.steps_per_epoch)
         for epoch in range(first_epoch, epochs):
@@ -81,8 +82,9 @@ class TrainingLoop:
             begin = position if epoch == first_epoch else 0  # resumed mid-epoch: continue where the checkpoint was
             bar = self._start_epoch(epoch, begin)
             for i in range(begin, run.steps_per_epoch):
-                if self._run_step(step, i) == "capture":  # capture synchronizes: the host clock is exact here
-                    self.clock["until_first_graph_step_s"] = time.perf_counter() - began
+                if self._run_step(step, i) == "capture" and "until_first_graph_step_s" not in self.clock:
+                    # From launch (capture synchronizes: the host clock is exact here).
+                    self.clock["until_first_graph_step_s"] = time.time() - process_started_at()
                 step += 1
                 at = StepPoint(step, epoch, epoch_end=i == run.steps_per_epoch - 1, last=step >= run.total_steps)
                 preempted = self.stop.should_stop(step)  # SIGTERM: every rank stops here, after a checkpoint
@@ -124,13 +126,18 @@ class TrainingLoop:
         and is timed under its own name ("graph@tail48", "graph@full@T256"), so the headline
         numbers are those of full steps over whole windows."""
         run = self.run
-        if "startup_s" not in self.clock:  # process start to the first step (imports, data, build)
+        first = "startup_s" not in self.clock
+        if first:  # process start to the first step (imports, data, build)
             self.clock["startup_s"] = time.time() - process_started_at()
+            began = time.perf_counter()
         layout = run.train_loader.plan.layout(i)
         if run.seq_lens is not None:
             layout = replace(layout, seq_len=run.seq_lens.at(step))
         phase = run.executor.phase(StepRole.train, layout)
         run.executor.run(StepRole.train, run.train_loader.stage, partial(run.train_step, layout), layout)
+        if first:  # the first step's own cost (first-use initialization: kernels, optimizer state), to its end
+            _synchronize(self.device)
+            self.clock["first_step_s"] = time.perf_counter() - began
         plain = not layout.tail and layout.seq_len is None
         run.perf.step(phase if plain else f"{phase}@{layout}", layout)
         return phase
@@ -247,6 +254,11 @@ def take_rank0_buffers(model: torch.nn.Module) -> None:
     """
     for buffer in model.buffers():
         dist.broadcast(buffer, src=0)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _progress(show: bool, total: int, desc: str):

@@ -19,6 +19,7 @@ from graphing import graph_safe_optimizer_kwargs, optimizer_capture_problem
 from trainer.errors import ConfigError
 from trainer.plan import OptimizerSpec, ScheduleSpec
 from trainer.schedules import LRSchedule
+from trainer.shard_optimizer import on_local_shards
 from trainer.sharding import FUSED_ON_SHARDS
 
 
@@ -29,7 +30,9 @@ def build_optimizer(spec: OptimizerSpec, params: Iterable[torch.nn.Parameter], d
     ``captured``: the optimizer's step runs inside a CUDA graph (graph mode full).
     ``loss_scaled``: a GradScaler drives its step (train.precision=fp16).
     ``sharded``: the parameters are FSDP2's DTensor shards, on which only Adam and AdamW have a fused
-    kernel (trainer/sharding.py): another class steps with its foreach kernels there, uncaptured.
+    kernel (trainer/sharding.py): another class steps with its foreach kernels there, uncaptured. Adam
+    and AdamW step on each rank's local shards (trainer/shard_optimizer.py: bitwise the DTensor step,
+    without its dispatch).
     """
     if captured:
         for key in ("capturable", "fused"):
@@ -42,13 +45,14 @@ def build_optimizer(spec: OptimizerSpec, params: Iterable[torch.nn.Parameter], d
     if sharded and f"{spec.cls.__module__}.{spec.cls.__qualname__}" not in FUSED_ON_SHARDS and extra.pop("fused", False):
         extra["foreach"] = True
     params = list(params)
+    cls = on_local_shards(spec.cls) if sharded else spec.cls  # Adam, AdamW: the step on local shards, exactly
     try:
         try:
-            optimizer = spec.cls(params, lr=lr, **plain, **extra)
+            optimizer = cls(params, lr=lr, **plain, **extra)
         except Exception as first:
             if not extra.pop("fused", False) or "fused" not in str(first).lower():
                 raise
-            optimizer = spec.cls(params, lr=lr, **plain, **extra)  # this class does not fuse on this device
+            optimizer = cls(params, lr=lr, **plain, **extra)  # this class does not fuse on this device
     except Exception as e:
         raise ConfigError(f"recipe.optim ({spec.target}) could not be built: {_first_line(e)}; "
                           "check its keys under recipe.optim") from None

@@ -8,6 +8,7 @@ its logging, checkpoint and evaluation policies, is trainer/loop.py.
 from __future__ import annotations
 
 import logging
+import time
 
 from omegaconf import OmegaConf
 
@@ -36,8 +37,10 @@ def train(cfg) -> int:
         run.state.on_rank0(lambda: write_run_config(run))
         announce(run)
         logger = session.open_logger(run.config, job_type=run.plan.mode, run_id=wandb_run_id)
-        summary = TrainingLoop(run, logger, start_step).fit()
-        run.state.on_rank0(lambda: write_results(run, logger, summary))  # not on disk: no exit 0
+        loop = TrainingLoop(run, logger, start_step)
+        summary = loop.fit()
+        # Not on disk: no exit 0.
+        run.state.on_rank0(lambda: write_results(run, logger, summary, loop.last_step_done))
     return session.exit_code
 
 
@@ -57,11 +60,14 @@ def announce(run: Run) -> None:
                f"{run.steps_per_epoch} steps/epoch of {run.global_batch} samples")
 
 
-def write_results(run: Run, logger, summary) -> None:
+def write_results(run: Run, logger, summary, last_step_done: float) -> None:
     """The summary printed and written (results.json; eval.json for train.eval_only, which never
-    replaces a run's results), after the metric rows a full disk held back."""
-    print_summary(summary)
+    replaces a run's results), after the metric rows a full disk held back. ``last_step_done``
+    (perf_counter): when the last step's work ended, for ``time/after_last_step_s``."""
     logger.write_pending()
+    summary["time/after_last_step_s"] = time.perf_counter() - last_step_done  # the summary, digest included
+    logger.summary({"time/after_last_step_s": summary["time/after_last_step_s"]})
+    print_summary(summary)
     write_json(run.rt.run_dir / ("eval.json" if run.plan.cfg.train.eval_only else "results.json"), summary)
 
 

@@ -1,0 +1,113 @@
+"""AdamW on FSDP2's DTensor parameters two ways, on each rank: torch's own step (through DTensor) and
+trainer/shard_optimizer.py's step on the local shards; what tests/test_shard_optimizer.py compares.
+
+    torchrun --nproc_per_node=2 tests/shard_optimizer_ranks.py OUT_DIR OPTIONS_JSON
+
+Both copies of one model (rows that do not split evenly over 2 ranks, a one-row parameter whose second
+shard is empty) train the same steps: two param groups (one without weight decay), a tensor lr that a
+schedule writes in place (a float with foreach, which takes a tensor only
+on CUDA), gradients clipped to a global norm. Writes OUT_DIR/rank<R>_of<W>.json: whether
+the weights and the optimizer states are bitwise equal after every step, the state's types, the norms.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from trainer.shard_optimizer import on_local_shards  # noqa: E402
+
+STEPS = 5
+
+
+def model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1), torch.nn.Flatten(0))
+
+
+def optimizer(cls, net: torch.nn.Module, lr: torch.Tensor, options: dict) -> torch.optim.Optimizer:
+    decay = [p for p in net.parameters() if p.dim() > 1]
+    plain = [p for p in net.parameters() if p.dim() <= 1]
+    return cls([{"params": decay, "weight_decay": 0.1}, {"params": plain, "weight_decay": 0.0}], lr=lr,
+               betas=(0.9, 0.95), **options)
+
+
+def main() -> int:
+    out, options = Path(sys.argv[1]), json.loads(sys.argv[2])
+    name = "_".join(sorted(options)) or "default"
+    tensor_lr = options.pop("float_lr", False) is False  # foreach takes a tensor lr only when capturable (CUDA)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    nets, optimizers, lrs = [], [], []
+    for cls in (torch.optim.AdamW, on_local_shards(torch.optim.AdamW)):
+        net = model()
+        fully_shard(net, mesh=mesh)
+        lr = torch.tensor(1e-2) if tensor_lr else 1e-2
+        nets.append(net)
+        lrs.append(lr)
+        optimizers.append(optimizer(cls, net, lr, options))
+    g = torch.Generator().manual_seed(1 + rank)  # each rank its own batch, as data parallelism has it
+    equal_after_step, norms = [], []
+    for step in range(STEPS):
+        x, y = torch.randn(8, 5, generator=g), torch.randn(8, generator=g)
+        for net, opt, lr in zip(nets, optimizers, lrs):
+            for group in opt.param_groups:  # the schedule writes the tensor the optimizer holds (or a float)
+                if tensor_lr:
+                    group["lr"].fill_(1e-2 * (1 - step / STEPS))
+                else:
+                    group["lr"] = 1e-2 * (1 - step / STEPS)
+            opt.zero_grad(set_to_none=True)
+            torch.nn.functional.mse_loss(net(x), y).backward()
+            norms.append(float(torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05).full_tensor()))
+            opt.step()
+        weights = all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(*(n.parameters() for n in nets)))
+        states = all(torch.equal(_local(a[k]), _local(b[k])) for a, b in zip(*(o.state.values() for o in optimizers))
+                     for k in a)
+        equal_after_step.append(weights and states)
+    local_shard_state = optimizers[1].state
+    result = {
+        "equal_after_step": equal_after_step,
+        "norms": norms,
+        "clipped": norms[0] > 0.05,
+        "class": type(optimizers[1]).__name__,
+        "isinstance_adamw": isinstance(optimizers[1], torch.optim.AdamW),
+        "state_types": sorted({f"{k}:{type(v).__name__}" for s in local_shard_state.values() for k, v in s.items()}),
+        "state_keys_alike": [sorted(s) for s in optimizers[0].state.values()] ==
+                            [sorted(s) for s in local_shard_state.values()],
+        "grads_kept": all(isinstance(p.grad, DTensor) for p in nets[1].parameters()),
+        "empty_shard": any(p.to_local().numel() == 0 for p in nets[1].parameters()),
+        "moved": not torch.equal(nets[1][0].weight.to_local(), _first_weight_shard(mesh)),
+    }
+    (out / f"rank{rank}_of{world}_{name}.json").write_text(json.dumps(result))
+    del nets, optimizers
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def _local(tensor):
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _first_weight_shard(mesh) -> torch.Tensor:
+    from torch.distributed.fsdp import fully_shard
+
+    fresh = model()
+    fully_shard(fresh, mesh=mesh)
+    return fresh[0].weight.to_local()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

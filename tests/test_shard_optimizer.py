@@ -1,0 +1,60 @@
+"""Adam and AdamW under fsdp2 step on the local shards (trainer/shard_optimizer.py), bit for bit as torch's
+own step on the DTensors: on 2 gloo ranks, with param groups, weight decay, a tensor lr written in place,
+clipping to the global norm and a rank whose shard of a parameter is empty; the state stays DTensors.
+A resume at another world size through such a state is tests/test_fsdp_training.py's.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import launch_together
+
+OPTIONS = {"default": {}, "fused": {"fused": True}, "float_lr_foreach": {"foreach": True, "float_lr": True}}
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    root = tmp_path_factory.mktemp("shard_optimizer")
+    runs = launch_together({name: [str(root), json.dumps(options)] for name, options in OPTIONS.items()}, None,
+                           script="tests/shard_optimizer_ranks.py", nproc=2, timeout=180)
+    for run in runs.values():
+        assert run.returncode == 0, run.output[-3000:]
+    return {path.stem: json.loads(path.read_text()) for path in root.glob("rank*.json")}
+
+
+@pytest.mark.parametrize("name", OPTIONS)
+def test_adamw_on_local_shards_steps_bit_for_bit_as_on_dtensors(ranks, name):
+    suffix = "_".join(sorted(OPTIONS[name])) or "default"
+    for rank in (0, 1):
+        r = ranks[f"rank{rank}_of2_{suffix}"]
+        assert r["equal_after_step"] == [True] * 5, r  # weights and every state tensor, after each step
+        assert r["clipped"] and r["moved"] and r["grads_kept"], r
+        assert r["class"] == "AdamWOnLocalShards" and r["isinstance_adamw"]
+        # What checkpoints see is what torch keeps: DTensor moments, a plain step count, the same keys.
+        assert r["state_keys_alike"]
+        assert [t for t in r["state_types"] if t.startswith("exp_avg")] == ["exp_avg:DTensor", "exp_avg_sq:DTensor"]
+    assert ranks["rank1_of2_default"]["empty_shard"]  # a one-row parameter: rank 1 holds none of it
+
+
+@pytest.mark.fast
+def test_only_elementwise_optimizers_step_on_local_shards_and_plain_parameters_step_as_before():
+    from trainer.shard_optimizer import on_local_shards
+
+    assert on_local_shards(torch.optim.SGD) is torch.optim.SGD  # not in the list: today's path
+    assert on_local_shards(torch.optim.Adam) is on_local_shards(torch.optim.Adam)  # one class each
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    b.load_state_dict(a.state_dict())
+    opts = [torch.optim.Adam(a.parameters(), lr=0.1), on_local_shards(torch.optim.Adam)(b.parameters(), lr=0.1)]
+    for _ in range(3):
+        for net, opt in zip((a, b), opts):
+            opt.zero_grad()
+            net(torch.ones(4, 3)).square().sum().backward()
+            opt.step()
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+    assert all(p.grad is not None for p in b.parameters())  # a plain parameter keeps its gradient
+    with pytest.raises(ValueError, match="takes no closure"):
+        opts[1].step(lambda: 0.0)
