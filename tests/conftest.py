@@ -43,10 +43,13 @@ def free_port() -> int:
 
 def torchrun(nproc: int, *, rdzv_endpoint: Optional[str] = None, rdzv_id: str = "test", max_restarts: int = 0,
              extra: Optional[List[str]] = None) -> List[str]:
-    """The torchrun command line (without the script): one node of ``nproc`` ranks, a c10d rendezvous on a free
-    port unless ``rdzv_endpoint`` names one (several agents, one job), ``extra`` torchrun flags after these."""
+    """The torchrun command line (without the script): one node of ``nproc`` ranks, a c10d rendezvous whose store
+    the agent opens on a port the system picks (port 0, as ``--standalone`` does) unless ``rdzv_endpoint`` names
+    one (several agents, one job), ``extra`` torchrun flags after these. A port picked here and handed over
+    could be taken by a launch beside this one before its agent binds it (seen on a GPU machine running four
+    test files at once: the agent then waited 60 s on the other job's store and failed)."""
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv-backend=c10d",
-            f"--rdzv-endpoint={rdzv_endpoint or f'127.0.0.1:{free_port()}'}", f"--rdzv-id={rdzv_id}",
+            f"--rdzv-endpoint={rdzv_endpoint or '127.0.0.1:0'}", f"--rdzv-id={rdzv_id}",
             f"--max-restarts={max_restarts}", *(extra or [])]
 
 

@@ -16,17 +16,20 @@ from conftest import cuda_count, launch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(cuda_count() < 1, reason="needs a CUDA GPU")]
 
-STEPS = 30  # 11 eager warm-up steps, then the captured graph replays
+STEPS = 30  # train.max_steps: 11 eager warm-up steps, then the captured graph replays
+TRAIN_SIZE = {"gpt_tiny": 1024, "mnist": 2048}
+BATCH = {"gpt_tiny": 16, "mnist": 64}  # per rank: mnist's epoch ends before train.max_steps on 2 GPUs (16 steps)
 COMMON = ["logger=none", "train.progress=false", "train.log_every=1", f"train.max_steps={STEPS}", "train.epochs=1",
           "deterministic=true", "train.parallel=fsdp2"]
 RECIPES = {
     "gpt_tiny": ["recipe=gpt_tiny", "recipe.model.n_layer=2", "recipe.model.n_head=4", "recipe.model.d_model=128",
-                 "recipe.model.context=128", "recipe.data.train_size=1024", "recipe.data.test_size=96",
-                 "recipe.data.batch_size=16", "recipe.data.eval_batch_size=32", "recipe.optim.lr=1e-3",
-                 "recipe.schedule.warmup_steps=5", "train.grad_clip=1.0"],
+                 "recipe.model.context=128", f"recipe.data.train_size={TRAIN_SIZE['gpt_tiny']}",
+                 "recipe.data.test_size=96", f"recipe.data.batch_size={BATCH['gpt_tiny']}",
+                 "recipe.data.eval_batch_size=32", "recipe.optim.lr=1e-3", "recipe.schedule.warmup_steps=5",
+                 "train.grad_clip=1.0"],
     # SGD has no fused kernel on DTensor shards (refused in a graph under fsdp2): AdamW, as the refusal says.
-    "mnist": ["recipe=mnist", "recipe.data.source=synthetic", "recipe.data.train_size=2048",
-              "recipe.data.test_size=512", "recipe.data.eval_batch_size=128",
+    "mnist": ["recipe=mnist", "recipe.data.source=synthetic", f"recipe.data.train_size={TRAIN_SIZE['mnist']}",
+              f"recipe.data.batch_size={BATCH['mnist']}", "recipe.data.test_size=512", "recipe.data.eval_batch_size=128",
               "recipe.optim._target_=torch.optim.AdamW", "~recipe.optim.momentum", "recipe.optim.lr=1e-3",
               "train.grad_clip=1.0"],
 }
@@ -42,6 +45,11 @@ def _nproc():
     return 2 if cuda_count() >= 2 else None
 
 
+def _expected_steps(recipe: str) -> int:
+    """train.epochs=1: one epoch's steps on this many ranks (the split has no tail), at most train.max_steps."""
+    return min(STEPS, TRAIN_SIZE[recipe] // (BATCH[recipe] * (_nproc() or 1)))
+
+
 @pytest.mark.parametrize("recipe, precision, reshard", CASES)
 def test_fsdp2_full_graph_trains_step_for_step_like_fsdp2_eager(out, recipe, precision, reshard):
     args = [*COMMON, *RECIPES[recipe], f"train.precision={precision}", f"train.fsdp.reshard_after_forward={reshard}"]
@@ -54,8 +62,11 @@ def test_fsdp2_full_graph_trains_step_for_step_like_fsdp2_eager(out, recipe, pre
     assert g["graph/train_capture_s"] > 0 and g["graph/eval_capture_s"] > 0
     # The same kernels on the same data: fp32 agrees to rounding; bf16 within a few of its rounding steps.
     rel = 1e-4 if precision == "fp32" else 2e-2
-    why = f"eager {_losses(eager)}\ngraph {_losses(graph)}"
-    assert [s for s, _ in _losses(eager)] == [s for s, _ in _losses(graph)] == list(range(1, STEPS + 1)), why
+    why = (f"world size {e['world_size']} and {g['world_size']}, steps {e['steps']} and {g['steps']}\n"
+           f"eager {_losses(eager)}\ngraph {_losses(graph)}")
+    steps = _expected_steps(recipe)
+    assert e["steps"] == g["steps"] == steps, why  # one epoch, also where it ends before train.max_steps
+    assert [s for s, _ in _losses(eager)] == [s for s, _ in _losses(graph)] == list(range(1, steps + 1)), why
     for (step, le), (_, lg) in zip(_losses(eager), _losses(graph)):
         assert math.isfinite(le) and lg == pytest.approx(le, rel=rel), f"train loss at step {step}\n{why}"
     assert g["final/eval_loss"] == pytest.approx(e["final/eval_loss"], rel=rel), why

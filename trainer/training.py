@@ -64,10 +64,9 @@ def write_results(run: Run, logger, summary, last_step_done: float) -> None:
     """The summary printed and written (results.json; eval.json for train.eval_only, which never
     replaces a run's results), after the metric rows a full disk held back. ``last_step_done``
     (perf_counter): when the last step's work ended, for ``time/after_last_step_s``."""
-    logger.write_pending()
-    summary["time/after_last_step_s"] = time.perf_counter() - last_step_done  # the summary, digest included
-    logger.summary({"time/after_last_step_s": summary["time/after_last_step_s"]})
+    summary["time/after_last_step_s"] = time.perf_counter() - last_step_done  # results.json's alone: W&B has the rest
     print_summary(summary)
+    logger.write_pending()
     write_json(run.rt.run_dir / ("eval.json" if run.plan.cfg.train.eval_only else "results.json"), summary)
 
 
