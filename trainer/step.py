@@ -216,7 +216,7 @@ class TrainStep:
         grad_accum, grad_clip = self.settings.grad_accum, self.settings.grad_clip
         tail = layout is not None and layout.tail
         want_output = tail or self.correct is not None  # a full step that counts no accuracy takes the loss alone
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=True)  # nothing left over is summed into this step's gradients
         micro_batches = range(len(layout.rows) if layout is not None else grad_accum)
         for micro in no_sync_except_last(self.model.module, micro_batches):  # DDP all-reduces on the last only
             raw = self.loader.tail_batch(layout, micro) if tail else self.loader.next_batch()
@@ -244,6 +244,9 @@ class TrainStep:
             self.scaler.update()  # halves the scale after an overflow, doubles it after growth_interval good steps
         else:
             self.optimizer.step()
+        # No gradient lives between steps: their memory is free for evaluation, and when the step is captured
+        # the eager warm-up's gradients are no longer held beside the graph's own (FSDP2 at 9.9B: 18 GiB).
+        self.optimizer.zero_grad(set_to_none=True)
         if self.advance_step:
             self.step += 1
 
