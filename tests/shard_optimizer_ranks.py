@@ -1,12 +1,13 @@
 """AdamW on FSDP2's DTensor parameters two ways, on each rank: torch's own step (through DTensor) and
 trainer/shard_optimizer.py's step on the local shards; what tests/test_shard_optimizer.py compares.
 
-    torchrun --nproc_per_node=2 tests/shard_optimizer_ranks.py OUT_DIR OPTIONS_JSON
+    torchrun --nproc_per_node=2 tests/shard_optimizer_ranks.py OUT_DIR OPTIONS_JSON   # a list of option sets
 
 Both copies of one model (rows that do not split evenly over 2 ranks, a one-row parameter whose second
 shard is empty) train the same steps: two param groups (one without weight decay), a tensor lr that a
 schedule writes in place (a float with foreach, which takes a tensor only
-on CUDA), gradients clipped to a global norm. Writes OUT_DIR/rank<R>_of<W>.json: whether
+on CUDA), gradients clipped to a global norm; once per set of AdamW options (``float_lr`` aside).
+Writes OUT_DIR/rank<R>_of<W>_<option names>.json: whether
 the weights and the optimizer states are bitwise equal after every step, the state's types, the norms.
 """
 from __future__ import annotations
@@ -39,10 +40,19 @@ def optimizer(cls, net: torch.nn.Module, lr: torch.Tensor, options: dict) -> tor
 
 
 def main() -> int:
-    out, options = Path(sys.argv[1]), json.loads(sys.argv[2])
+    out = Path(sys.argv[1])
+    dist.init_process_group("gloo")
+    for options in json.loads(sys.argv[2]):
+        compare(out, options)
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def compare(out: Path, options: dict) -> None:
     name = "_".join(sorted(options)) or "default"
     tensor_lr = options.pop("float_lr", False) is False  # foreach takes a tensor lr only when capturable (CUDA)
-    dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -90,11 +100,6 @@ def main() -> int:
         "moved": not torch.equal(nets[1][0].weight.to_local(), _first_weight_shard(mesh)),
     }
     (out / f"rank{rank}_of{world}_{name}.json").write_text(json.dumps(result))
-    del nets, optimizers
-    gc.collect()
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
 
 
 def _local(tensor):
