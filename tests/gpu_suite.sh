@@ -7,7 +7,8 @@
 #   bash tests/gpu_suite.sh tests/test_fsdp_gpu.py # only these files
 #
 # Env: OUT (where the summary and logs go; default outputs/gpu_suite), DEADLINE (seconds after which no file
-# starts; default 900), PYTEST_ARGS (more pytest arguments). Exit 1 when a file failed or was not reached.
+# starts; default 900; a file still running DEADLINE + 120 s after the start is stopped, rc=124), PYTEST_ARGS
+# (more pytest arguments). Exit 1 when a file failed, was stopped or was not reached.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
