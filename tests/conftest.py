@@ -24,8 +24,10 @@ from typing import Callable, Dict, List, Optional
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+HELPERS = ROOT / "tests" / "helpers"  # what tests use that is not a test: helper scripts, the doctor's gallery
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(HELPERS))
 
 LAUNCH_TIMEOUT_S = 240.0  # one launch, at most, unless a test says otherwise
 # Every process a launch starts (torchrun, ranks, loader workers, W&B) carries this variable, valued
@@ -148,9 +150,9 @@ class Finished:
 class Launch:
     """``python script args`` (nproc None) or ``torchrun --nproc_per_node=nproc script args``, in the background.
 
-    ``faults`` (tests/fault_injection.py's variables) or ``kill_at_step`` ("STEP" or "STEP:RANK": that rank, 1 by
+    ``faults`` (tests/helpers/fault_injection.py's variables) or ``kill_at_step`` ("STEP" or "STEP:RANK": that rank, 1 by
     default, is killed right after that step on the job's first attempt) run train.py through
-    tests/fault_injection.py. ``torchrun_args``: ``torchrun()``'s keywords (rdzv_endpoint, rdzv_id, max_restarts,
+    tests/helpers/fault_injection.py. ``torchrun_args``: ``torchrun()``'s keywords (rdzv_endpoint, rdzv_id, max_restarts,
     extra). Output goes to files in ``log_dir`` (a pipe that a rank inherits can keep its reader waiting), stderr
     into stdout's file with ``merge_output``. The launch runs in a session of its own, like a terminal's job: a
     signal to its group (``os.killpg(launch.proc.pid, ...)``) reaches torchrun and every rank.
@@ -167,7 +169,7 @@ class Launch:
             faults[KILL_AT_STEP_ENV] = kill_at_step
         if faults:
             assert script == "train.py", "faults are injected into train.py only"
-            script = "tests/fault_injection.py"
+            script = "tests/helpers/fault_injection.py"
         launcher = [sys.executable] if nproc is None else torchrun(nproc, **(torchrun_args or {}))
         self.marker = f"{SESSION}-{uuid.uuid4().hex}"
         full_env = {k: v for k, v in os.environ.items() if k != "WANDB_MODE" and k not in FAULT_ENVS}  # W&B offline
@@ -298,7 +300,7 @@ def debug_run_with_host_workers_and_a_broken_wandb(tmp_path_factory) -> Finished
 @pytest.fixture(scope="session")
 def mnist_files(tmp_path_factory) -> Path:
     """A small MNIST in torchvision's raw format (2048 train, 300 test images) under ``<root>/MNIST/raw``."""
-    from test_real_data import write_idx_mnist
+    from mnist_files import write_idx_mnist
 
     root = tmp_path_factory.mktemp("mnist_files") / "data"
     write_idx_mnist(root, 2048, 300)

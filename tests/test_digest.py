@@ -16,7 +16,7 @@ from conftest import launch_together
 @pytest.fixture(scope="module")
 def digests(tmp_path_factory):
     root = tmp_path_factory.mktemp("digests")
-    runs = launch_together({f"world{n}": [str(root)] for n in (1, 2)}, None, script="tests/digest_ranks.py",
+    runs = launch_together({f"world{n}": [str(root)] for n in (1, 2)}, None, script="tests/helpers/digest_ranks.py",
                            each={f"world{n}": {"nproc": n} for n in (1, 2)}, timeout=120)
     for run in runs.values():
         assert run.returncode == 0, run.output[-3000:]

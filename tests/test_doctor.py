@@ -1,6 +1,6 @@
 """The graph doctor on the CPU: what a user sees when they ask whether their step can be graphed.
 
-Every gallery step (tests/doctor_gallery/) whose problem shows without CUDA is diagnosed with
+Every gallery step (tests/helpers/doctor_gallery/) whose problem shows without CUDA is diagnosed with
 the right kind at the line its marker comment names, and nothing else; the built-in recipes
 are ready in every precision; scripts/doctor.py names a recipe's line, writes doctor.json and
 logs the table to W&B (offline). tests/test_doctor_gpu.py checks the same gallery on CUDA
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import graphing
-from conftest import ROOT, free_port, launch
+from conftest import HELPERS, free_port, launch
 from doctor_gallery import CASES, load, marked, source
 from graphing.doctor import SKIPPED_WITHOUT_CUDA
 from wandb_offline import find_runs, read_run
@@ -61,8 +61,8 @@ def test_a_step_with_two_defects_gets_both_named_in_one_table():
     _, report = diagnose_case("two_defects")
     lines = marked("two_defects")
     table = report.table()
-    assert f"tests/doctor_gallery/two_defects.py:{lines['host_sync'][0]}" in table
-    assert f"tests/doctor_gallery/two_defects.py:{lines['lr_frozen'][0]}" in table
+    assert f"tests/helpers/doctor_gallery/two_defects.py:{lines['host_sync'][0]}" in table
+    assert f"tests/helpers/doctor_gallery/two_defects.py:{lines['lr_frozen'][0]}" in table
     assert "(0.05 then 0.025)" in table  # the lr the graph would freeze, as the user wrote it
     # Both block: the capture fails on the sync, and GraphedStep refuses an lr written inside the step.
     assert "verdict: blocked (exit 5)" in table and report.exit_code == 5
@@ -124,7 +124,7 @@ def test_the_script_names_a_recipes_line_writes_doctor_json_and_logs_the_table_t
                  "recipe.data.train_size=256", f"output_root={tmp_path}", "device=cpu"])
     done = capsys.readouterr()
     [line] = marked("broken_recipe")["host_sync"]
-    where = f"tests/doctor_gallery/broken_recipe.py:{line}"
+    where = f"tests/helpers/doctor_gallery/broken_recipe.py:{line}"
     assert code == 5, done.out + done.err[-3000:]
     assert where in done.out and "verdict: blocked (exit 5)" in done.out
     assert "skipped without CUDA: capture attempt" in done.out  # device=cpu: the GPU checks are named
@@ -181,11 +181,11 @@ def test_under_torchrun_each_rank_checks_and_rank_0_prints_one_merged_report(tmp
     done = launch(["recipe._target_=doctor_gallery.broken_recipe.build", "recipe.name=broken",
                    "recipe.data.train_size=256", f"output_root={tmp_path}", "device=cpu", "logger=none"],
                   script="scripts/doctor.py", nproc=2, timeout=180, log_dir=tmp_path / "logs",
-                  env={"PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])})
+                  env={"PYTHONPATH": os.pathsep.join([str(HELPERS), os.environ.get("PYTHONPATH", "")])})
     [line] = marked("broken_recipe")["host_sync"]
     assert done.returncode != 0, done.stdout + done.stderr[-3000:]
     assert done.stdout.count("verdict: blocked (exit 5)") == 1, done.stdout + done.stderr[-3000:]
-    assert f"tests/doctor_gallery/broken_recipe.py:{line}" in done.stdout
+    assert f"tests/helpers/doctor_gallery/broken_recipe.py:{line}" in done.stdout
     assert "graph doctor: blocked (exit 5)" in done.stderr  # torchrun's failure report says why
     [path] = tmp_path.rglob("doctor.json")
     report = json.loads(path.read_text())

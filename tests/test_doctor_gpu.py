@@ -136,7 +136,7 @@ def test_a_recipes_host_sync_is_named_on_cuda(tmp_path, capsys):
     out = capsys.readouterr().out
     [line] = marked("broken_recipe")["host_sync"]
     assert code == 5, out
-    assert f"tests/doctor_gallery/broken_recipe.py:{line}" in out
+    assert f"tests/helpers/doctor_gallery/broken_recipe.py:{line}" in out
     assert "capture: failed" in out  # the capture was tried, and failed as the table says
 
 
@@ -178,7 +178,7 @@ def test_a_librarys_host_sync_is_judged_by_the_trial_capture(package, tmp_path):
         sys.modules.pop(package, None)
     user_line = next(n for n, text in enumerate(open(loop.__file__).read().splitlines(), 1)
                      if "# doctor: host_sync" in text)
-    where = f"tests/library_sync_loop.py:{user_line} -> {package}/__init__.py:{loop.package_sync_line()}"
+    where = f"tests/helpers/library_sync_loop.py:{user_line} -> {package}/__init__.py:{loop.package_sync_line()}"
     print(f"{package}: doctor {report.verdict}; GraphedStep {outcome}\n{report.table()}")
     if package == "capture_aware_model":
         assert report.verdict == "ready" and outcome == "captured", report.table()

@@ -1,7 +1,7 @@
 """The graph doctor on a model from an installed package (CPU): what a user sees when the host sync
 is inside the library, not in their own code.
 
-The package is made in a ``site-packages`` folder (tests/library_sync_loop.py), so the doctor
+The package is made in a ``site-packages`` folder (tests/helpers/library_sync_loop.py), so the doctor
 takes it for an installed one. Its finding names the user's line and the package's line behind
 it, with a fix the user can apply; the verdict and the finding are the same in one process, in
 DDP on one gloo rank, and under torchrun with 2 gloo ranks (DDP's frames above the library's
@@ -56,7 +56,7 @@ def library_finding(report, site, package="syncing_model"):
 
 def expected(site, package="syncing_model"):
     return ("host_sync", "blocks", (str(Path(loop.__file__).resolve()), USER_LINE), loop.package_sync_line(),
-            f"tests/library_sync_loop.py:{USER_LINE} -> {package}/__init__.py:{loop.package_sync_line()}")
+            f"tests/helpers/library_sync_loop.py:{USER_LINE} -> {package}/__init__.py:{loop.package_sync_line()}")
 
 
 @pytest.mark.fast
@@ -91,7 +91,7 @@ def two_gloo_ranks(site, tmp_path_factory):
     """The doctor's merged reports of 2 gloo ranks, the model in DDP and then sharded with FSDP2: one launch."""
     tmp = tmp_path_factory.mktemp("two_ranks")
     done = launch([str(site), str(tmp / "reports.json"), "syncing_model", "ddp,fsdp2"],
-                  script="tests/library_sync_loop.py", nproc=2, timeout=120, log_dir=tmp / "logs")
+                  script="tests/helpers/library_sync_loop.py", nproc=2, timeout=120, log_dir=tmp / "logs")
     assert done.returncode == 0, done.output[-3000:]
     return json.loads((tmp / "reports.json").read_text())
 

@@ -72,7 +72,7 @@ ARGS = ["recipe.data.source=synthetic", "recipe.data.train_size=2048", "recipe.d
         "recipe.data.eval_batch_size=256", "train.max_steps=null", "train.epochs=4", "train.log_every=8",
         "checkpoint.every_steps=10", "logger=none", "train.progress=false"]
 STEPS = 64
-# SIGTERM is agreed on about every 0.2 s of training here instead of 2 s (tests/fault_injection.py), so that
+# SIGTERM is agreed on about every 0.2 s of training here instead of 2 s (tests/helpers/fault_injection.py), so that
 # a 64-step run stops within a few steps of the signal.
 QUICK_STOP = {STOP_CHECK_S_ENV: "0.2"}
 FSDP2_ARGS = [*ARGS, "train.parallel=fsdp2"]
@@ -104,7 +104,7 @@ class Observed:
 
 def start(tmp: Path, args: List[str], name: str, run_dir: Optional[Path] = None,
           output_root: Optional[Path] = None, *, nproc: Optional[int] = 2, max_restarts: int = 0, **kw) -> Launch:
-    """train.py (tests/fault_injection.py with ``faults``) under torchrun with ``nproc`` ranks, or as one process
+    """train.py (tests/helpers/fault_injection.py with ``faults``) under torchrun with ``nproc`` ranks, or as one process
     (nproc None), in the background; its output (stdout and stderr together) in ``tmp/logs/<name>.out``."""
     extra = [f"run_dir={run_dir}"] if run_dir else []
     launch = Launch([f"output_root={output_root or tmp / name / 'outputs'}", *args, *extra], tmp / "logs",

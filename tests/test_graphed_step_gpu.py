@@ -1,4 +1,4 @@
-"""GraphedStep with a loop written the way users write them today (tests/nanogpt_shaped_loop.py):
+"""GraphedStep with a loop written the way users write them today (tests/helpers/nanogpt_shaped_loop.py):
 float lrs written every iteration, AdamW fused without capturable, a model wrapped in DDP by the
 user, and a capture failure that must name the user's line, in GraphedStep and in train.py.
 
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import graphing
-from conftest import ROOT, cuda_count, launch
+from conftest import HELPERS, cuda_count, launch
 from doctor_gallery import marked
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -30,7 +30,7 @@ LOSS_RTOL = 1e-3
 def run_loop(tmp_path, nproc: int, prewrap: bool, steps: int = 40) -> dict:
     out = tmp_path / "loop.json"
     proc = launch(["--steps", str(steps), "--out", str(out), *(["--prewrap"] if prewrap else [])],
-                  script="tests/nanogpt_shaped_loop.py", nproc=nproc, timeout=300, log_dir=tmp_path / "logs",
+                  script="tests/helpers/nanogpt_shaped_loop.py", nproc=nproc, timeout=300, log_dir=tmp_path / "logs",
                   env={"NCCL_NVLS_ENABLE": "0"})
     assert proc.returncode == 0, f"{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}"
     return json.loads(out.read_text())
@@ -81,10 +81,10 @@ def test_a_failed_capture_in_graphed_step_names_the_users_line():
 
 def test_a_failed_capture_in_train_py_names_the_recipes_line_once(out):
     [line] = marked("broken_recipe")["host_sync"]
-    where = f"tests/doctor_gallery/broken_recipe.py:{line}"
+    where = f"tests/helpers/doctor_gallery/broken_recipe.py:{line}"
     common = ["recipe._target_=doctor_gallery.broken_recipe.build", "recipe.name=broken", "recipe.data.train_size=1024",
               "train.epochs=1", "graph=full", "logger=none"]
-    env = {"PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
+    env = {"PYTHONPATH": os.pathsep.join([str(HELPERS), os.environ.get("PYTHONPATH", "")])}
     stopped = launch([*common, "graph.on_failure=fail"], out / "fail", env=env, timeout=240)
     assert stopped.returncode == 3, stopped.stderr[-4000:]
     assert stopped.stderr.count(where) == 1, stopped.stderr[-4000:]  # named, once

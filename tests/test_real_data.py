@@ -1,26 +1,10 @@
 """The real-dataset path: torchvision's MNIST files under recipe.data.root are found and used.
 
 This machine has no internet, so the test writes a small MNIST in torchvision's own raw
-format (IDX files) from the synthetic generator and points recipe.data.root at it.
+format (IDX files) from the synthetic generator (tests/helpers/mnist_files.py, through conftest's
+``mnist_files``) and points recipe.data.root at it.
 """
 from __future__ import annotations
-
-import struct
-from pathlib import Path
-
-from recipes.mnist import synthetic_mnist
-
-
-def write_idx_mnist(root: Path, train_size: int, test_size: int) -> None:
-    raw = root / "MNIST" / "raw"
-    raw.mkdir(parents=True)
-    train, test = synthetic_mnist(123, train_size, test_size)
-    for prefix, split in (("train", train), ("t10k", test)):
-        images = split.x[:, 0].numpy()
-        (raw / f"{prefix}-images-idx3-ubyte").write_bytes(struct.pack(">IIII", 2051, len(images), 28, 28)
-                                                          + images.tobytes())
-        (raw / f"{prefix}-labels-idx1-ubyte").write_bytes(struct.pack(">II", 2049, len(images))
-                                                          + split.y.numpy().astype("uint8").tobytes())
 
 
 def test_files_under_data_root_are_used_by_auto_and_by_mnist(mnist_files, two_ranks_on_mnist_files, train_here):

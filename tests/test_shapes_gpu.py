@@ -25,7 +25,7 @@ LOSS_RTOL = 1e-3
 
 def run_loop(tmp_path, nproc: int) -> dict:
     out = tmp_path / "shapes.json"
-    proc = launch(["--out", str(out)], script="tests/shape_buckets_loop.py", nproc=nproc, timeout=300,
+    proc = launch(["--out", str(out)], script="tests/helpers/shape_buckets_loop.py", nproc=nproc, timeout=300,
                   log_dir=tmp_path / "logs", env={"NCCL_NVLS_ENABLE": "0"})
     assert proc.returncode == 0, f"{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}"
     return json.loads(out.read_text())

@@ -18,7 +18,7 @@ OPTIONS = {"default": {}, "fused": {"fused": True}, "float_lr_foreach": {"foreac
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     root = tmp_path_factory.mktemp("shard_optimizer")
-    run = launch([str(root), json.dumps(list(OPTIONS.values()))], None, script="tests/shard_optimizer_ranks.py",
+    run = launch([str(root), json.dumps(list(OPTIONS.values()))], None, script="tests/helpers/shard_optimizer_ranks.py",
                  nproc=2, timeout=180)
     assert run.returncode == 0, run.output[-3000:]
     return {path.stem: json.loads(path.read_text()) for path in root.glob("rank*.json")}

@@ -16,7 +16,7 @@ trained without it.
 ``checkpointed`` is graph-safe: torch.utils.checkpoint's non-reentrant form stashes the RNG
 state in the forward and restores it for the recompute, so dropout draws the same mask
 twice; inside a CUDA graph capture that needs torch >= 2.10 (torch.cuda.get_rng_state and
-set_rng_state work during capture from there on; see tests/test_checkpointing_gpu.py).
+set_rng_state work during capture from there on; see tests/test_activation_checkpointing_gpu.py).
 """
 from __future__ import annotations
 

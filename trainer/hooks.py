@@ -3,7 +3,7 @@ them before train.py starts (and before any thread does: see trainer/stop.py).
 
 ``after_step``: callables ``hook(step, rank)`` run after every training step, once the
 step's metrics, checkpoint and stop decision are done. Empty in production; the tests
-inject faults through it (tests/fault_injection.py).
+inject faults through it (tests/helpers/fault_injection.py).
 """
 from typing import Callable, List
 

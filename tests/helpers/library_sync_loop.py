@@ -1,9 +1,9 @@
 """A user's loop over a model from an installed package whose forward reads a device value on the
 host (``.item()``): what tests/test_doctor_library.py diagnoses in one process and under torchrun.
 
-    python tests/library_sync_loop.py SITE_DIR REPORT_JSON                        # one process
-    torchrun --nproc_per_node=2 tests/library_sync_loop.py SITE_DIR REPORT_JSON   # 2 gloo ranks (DDP)
-    torchrun --nproc_per_node=2 tests/library_sync_loop.py SITE_DIR REPORT_JSON PACKAGE ddp,fsdp2   # and FSDP2
+    python tests/helpers/library_sync_loop.py SITE_DIR REPORT_JSON                        # one process
+    torchrun --nproc_per_node=2 tests/helpers/library_sync_loop.py SITE_DIR REPORT_JSON   # 2 gloo ranks (DDP)
+    torchrun --nproc_per_node=2 tests/helpers/library_sync_loop.py SITE_DIR REPORT_JSON PACKAGE ddp,fsdp2   # and FSDP2
 
 ``write_package(root)`` makes the packages (``syncing_model``, ``capture_aware_model``,
 ``quiet_model``) in ``root/site-packages``, a folder the doctor takes for installed packages, as
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # graphing, as scripts/ find it
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # graphing, as scripts/ find it
 
 # Three packages with the same model: one syncs in every forward, one skips its sync while a CUDA stream
 # is capturing (as transformers skips its mask shortcuts), one makes no sync (it always clamps).

@@ -1,7 +1,7 @@
 """The same weights digested whole and sharded with FSDP2, on each rank: what tests/test_digest.py compares
 across world sizes.
 
-    torchrun --nproc_per_node=2 tests/digest_ranks.py OUT_DIR     # writes OUT_DIR/rank<R>_of<W>.json
+    torchrun --nproc_per_node=2 tests/helpers/digest_ranks.py OUT_DIR     # writes OUT_DIR/rank<R>_of<W>.json
 
 Every rank builds the same small model (rows that do not split evenly over 2 ranks, and a parameter of one
 row, whose shard on the second rank is empty), digests it as it is (each rank its own replica, as under
@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from graphing import weights_digest  # noqa: E402
 

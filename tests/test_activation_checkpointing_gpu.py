@@ -6,7 +6,7 @@ the recompute. Inside a capture that takes torch.cuda.get_rng_state/set_rng_stat
 capture (torch >= 2.10): the graph then rewinds the generator's offset on every replay, so each
 replay draws new masks and its recompute the same ones as its forward.
 
-Run on the GPU machine: ``pytest -m gpu tests/test_checkpointing_gpu.py``. Skipped without CUDA.
+Run on the GPU machine: ``pytest -m gpu tests/test_activation_checkpointing_gpu.py``. Skipped without CUDA.
 """
 from __future__ import annotations
 

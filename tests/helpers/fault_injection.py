@@ -1,7 +1,7 @@
 """Test-only entry point: train.py with a fault injected through the loop's after-step hook.
 
-    GRAPHED_DDP_TEST_KILL_AT_STEP=25:1 torchrun ... tests/fault_injection.py <train.py overrides>
-    GRAPHED_DDP_TEST_QUOTA_AT_STEP=12 torchrun ... tests/fault_injection.py <train.py overrides>
+    GRAPHED_DDP_TEST_KILL_AT_STEP=25:1 torchrun ... tests/helpers/fault_injection.py <train.py overrides>
+    GRAPHED_DDP_TEST_QUOTA_AT_STEP=12 torchrun ... tests/helpers/fault_injection.py <train.py overrides>
 
 - KILL_AT_STEP, "STEP" or "STEP:RANK" (rank 1 by default): kills that rank hard right after
   that step, on a job's first attempt only (the restart tests). A comma-separated list names
@@ -37,7 +37,7 @@ STOP_CHECK_S_ENV = "GRAPHED_DDP_TEST_STOP_CHECK_S"
 REPORT_GATHERS_ENV = "GRAPHED_DDP_TEST_REPORT_GATHERS"
 FAULT_ENVS = (KILL_AT_STEP_ENV, QUOTA_AT_STEP_ENV, STOP_CHECK_S_ENV, REPORT_GATHERS_ENV)
 GATHER_REPORT = "gathered a sharded tensor whole"
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def kill_at(spec: str):

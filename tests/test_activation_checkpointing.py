@@ -10,7 +10,7 @@ does not is refused with the setting named.
 | their own recipe that declares it                           | trains, config.yaml says it was used   |
 | python train.py recipe=gpt_tiny with it on                  | trains, results written                |
 
-GPU behaviour (inside a CUDA graph, dropout) is in tests/test_checkpointing_gpu.py.
+GPU behaviour (inside a CUDA graph, dropout) is in tests/test_activation_checkpointing_gpu.py.
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@
 (decay / no decay), two micro-batches accumulated under ``no_sync``, gradient clipping, and
 optionally the model wrapped in DDP by the user before it is handed over.
 
-    torchrun --nproc_per_node=N tests/nanogpt_shaped_loop.py --out results.json [--prewrap]
+    torchrun --nproc_per_node=N tests/helpers/nanogpt_shaped_loop.py --out results.json [--prewrap]
 
 Runs the same loop eagerly and graphed (``--modes eager,full``) from the same seed in one
 process and writes each mode's per-step losses, lrs and final parameter checksum (rank 0).
@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import graphing  # noqa: E402
 
 VOCAB, WIDTH, CONTEXT, LAYERS = 64, 64, 32, 2

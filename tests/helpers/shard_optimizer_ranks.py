@@ -1,7 +1,7 @@
 """AdamW on FSDP2's DTensor parameters two ways, on each rank: torch's own step (through DTensor) and
 trainer/shard_optimizer.py's step on the local shards; what tests/test_shard_optimizer.py compares.
 
-    torchrun --nproc_per_node=2 tests/shard_optimizer_ranks.py OUT_DIR OPTIONS_JSON   # a list of option sets
+    torchrun --nproc_per_node=2 tests/helpers/shard_optimizer_ranks.py OUT_DIR OPTIONS_JSON   # a list of option sets
 
 Both copies of one model (rows that do not split evenly over 2 ranks, a one-row parameter whose second
 shard is empty) train the same steps: two param groups (one without weight decay), a tensor lr that a
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from trainer.shard_optimizer import on_local_shards  # noqa: E402
 

@@ -1,7 +1,7 @@
 """A user's loop whose batches come in several shapes, in a random order: sequence lengths
 32, 64 and 96 and batch sizes 8 and 12 (a last partial batch), through ``graphing.GraphedStep``.
 
-    torchrun --nproc_per_node=N tests/shape_buckets_loop.py --out results.json
+    torchrun --nproc_per_node=N tests/helpers/shape_buckets_loop.py --out results.json
 
 Runs the same steps eagerly and graphed from the same seed in one process (every rank draws
 the same order of shapes, its own tokens), then graphed again with only the largest shape,
@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import graphing  # noqa: E402
 
 VOCAB, WIDTH = 128, 64
