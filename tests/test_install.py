@@ -17,7 +17,6 @@ import re
 import shutil
 import site
 import subprocess
-import sys
 import venv
 from pathlib import Path
 from typing import Dict, List, Tuple

@@ -13,7 +13,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from conf.schema import compose
-from conftest import launch
+
 
 TINY_GPT = ["recipe.model.n_layer=2", "recipe.model.n_head=2", "recipe.model.d_model=64", "recipe.model.context=64"]
 DEBUG = ["experiment=debug", "logger=none", "train.progress=false"]

@@ -10,7 +10,6 @@ import datetime
 import os
 import random
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
