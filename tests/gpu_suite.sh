@@ -11,8 +11,8 @@
 # (more pytest arguments). Exit 1 when a file failed, was stopped or was not reached.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-gpus=$(python3 -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
-[ "$gpus" -ge 1 ] || { echo "gpu_suite.sh: no CUDA GPU here; run pytest -m gpu on a GPU machine"; exit 2; }
+gpus=$(python3 -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)" 2>/dev/null)
+[ "${gpus:-0}" -ge 1 ] || { echo "gpu_suite.sh: no CUDA GPU here (or no torch for python3); run it on a GPU machine"; exit 2; }
 out=${OUT:-outputs/gpu_suite}; logs="$out/logs"; deadline=${DEADLINE:-900}
 rm -rf "$logs"; mkdir -p "$logs"; queue=$(mktemp -d)
 export PYTHONUNBUFFERED=1 WANDB_MODE=offline
@@ -26,6 +26,7 @@ began=$SECONDS
 run_queue() {  # $1: the GPUs this worker's pytest sees ("2,3")
   local job file name started
   for job in "$queue"/[0-9]*; do
+    [[ $job == *.taken ]] && continue  # another worker's mark, made after that worker listed the queue
     mkdir "$job.taken" 2>/dev/null || continue  # atomic: one worker takes each file
     file=$(cat "$job"); name=$(basename "$file" .py)
     if [ $((SECONDS - began)) -gt "$deadline" ]; then echo "$name: NOT RUN (past DEADLINE=$deadline s)" > "$logs/$name.sum"; continue; fi
