@@ -112,7 +112,7 @@ class Runner:
 
 
 def allreduce_part(run: Runner, args) -> Dict[str, Any]:
-    from scripts.project_scaling import Links, allreduce_s, parameter_count_of
+    from scripts.lib.allreduce_model import Links, allreduce_s, parameter_count_of
 
     batch = args.batch_size
     one = run("1 GPU", 1, batch, "graph=full")

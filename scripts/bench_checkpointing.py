@@ -25,7 +25,6 @@ import argparse
 import json
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,6 +34,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from scripts.lib.launch import run_captured  # noqa: E402
 from trainer.cli import script_config  # noqa: E402
 
 DEFAULTS = ["recipe=gpt2_small", "graph=full", "logger=none", "train.progress=false", "train.eval=false",
@@ -131,11 +131,7 @@ class Bench:
         command = [sys.executable, str(Path(__file__).resolve()), "--trial", "--steps", str(steps),
                    *self.args.train_options, *overrides]
         began = time.monotonic()
-        try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=self.args.trial_timeout, cwd=REPO)
-            stdout, stderr, code = done.stdout, done.stderr, done.returncode
-        except subprocess.TimeoutExpired as e:  # its report may be out before a teardown that hung
-            stdout, stderr, code = _text(e.stdout), _text(e.stderr), None
+        stdout, stderr, code = run_captured(command, self.args.trial_timeout)  # code None: past its time
         seconds = time.monotonic() - began
         self.longest_s = max(self.longest_s, seconds)
         outcome = read_trial(stdout, stderr, code)
@@ -199,10 +195,6 @@ def read_trial(stdout: str, stderr: str, code: Optional[int]) -> Dict:
         return {"fits": False, "phase": "a crash", "exit_code": code}
     how = "timed out" if code is None else f"exited {code}"
     sys.exit(f"a trial {how} without a result:\n{stderr[-3000:] or stdout[-3000:]}")
-
-
-def _text(output) -> str:
-    return output.decode(errors="replace") if isinstance(output, bytes) else (output or "")
 
 
 # ---- one trial, in its own process --------------------------------------------------------

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,9 +29,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from conf.schema import compose  # noqa: E402
+from scripts.lib.launch import run_or_exit  # noqa: E402
 from trainer.cli import script_config  # noqa: E402
 from trainer.session import Session  # noqa: E402
 
+EXPORT_TIMEOUT_S = 3600  # writing a dataset to disk as PNG files
 DEFAULTS = ["recipe=cifar10_resnet18", "graph=full", "train.precision=bf16", "logger=none",
             "train.progress=false", "train.eval=false"]
 
@@ -98,8 +99,9 @@ def main() -> int:
         recipe = next((o for o in [*DEFAULTS, *overrides][::-1] if o.startswith("recipe=")), DEFAULTS[0])
         source = next((o for o in overrides if o.startswith("recipe.data.source=")), "recipe.data.source=synthetic")
         print(f"exporting {recipe} ({source}) to {args.folder} ...", flush=True)
-        subprocess.run([sys.executable, str(REPO / "scripts" / "export_images.py"), *args.train_options, recipe,
-                        source, "--output", str(args.folder)], check=True)
+        run_or_exit("bench_input", "export", [sys.executable, str(REPO / "scripts" / "export_images.py"),
+                                              *args.train_options, recipe, source, "--output", str(args.folder)],
+                    timeout=EXPORT_TIMEOUT_S)
     rows, used = [], {}
 
     def measure(session, loader: str, workers: int) -> int:  # one row: its own session, closed before the next

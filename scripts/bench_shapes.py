@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -24,6 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from scripts.lib.launch import run_or_exit  # noqa: E402
 from trainer.cli import script_config  # noqa: E402
 
 DEFAULTS = ["recipe=gpt2_small", "logger=none", "train.progress=false", "train.eval=false",
@@ -47,10 +47,7 @@ def main() -> int:
         for name, extra in runs.items():
             command = [sys.executable, "train.py", *args.train_options, *DEFAULTS, *args.overrides, *extra,
                        f"run_dir={scratch}/{len(results)}"]
-            print(f"bench_shapes: {name}: {' '.join(command[2:])}", flush=True)
-            done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=args.timeout)
-            if done.returncode != 0:
-                sys.exit(f"bench_shapes: the run '{name}' failed ({done.returncode}):\n{done.stderr[-3000:]}")
+            run_or_exit("bench_shapes", name, command, args.timeout)
             results[name] = json.loads(Path(scratch, str(len(results)), "results.json").read_text())
     full, eager, alone = results["full, buckets"], results["eager, buckets"], results["full, longest alone"]
     unit = "tokens"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import textwrap
 from pathlib import Path
 
@@ -513,3 +514,18 @@ def test_bench_allreduce_scales_over_every_gpu_count_the_machine_has():
             for n, t in ((1, 100.0), (2, 150.0), (4, 300.0))]
     table = scaling_markdown([{"global_batch": 256, "mode": "full", "runs": runs}])
     assert "| 256 | full | 100 | 150 (1.50x, 0.75) | 300 (3.00x, 0.75) |" in table, table
+
+
+def test_a_benchmark_run_that_fails_or_hangs_stops_its_script_naming_it():
+    """Every script's child process goes through scripts/lib/launch.py: a failed run ends the script with its
+    name and stderr; one past its time limit hands back what it printed (bench_checkpointing's trials read it)."""
+    from scripts.lib.launch import run_captured, run_or_exit
+
+    assert run_or_exit("bench_x", "ok", [sys.executable, "-c", "pass"], timeout=60) >= 0
+    with pytest.raises(SystemExit, match=r"bench_x: 'broken' failed \(3\):\nboom"):
+        run_or_exit("bench_x", "broken", [sys.executable, "-c", "import sys; sys.stderr.write('boom'); sys.exit(3)"],
+                    timeout=60)
+    hung = [sys.executable, "-c", "import time; print('report', flush=True); time.sleep(30)"]
+    assert run_captured(hung, timeout=1) == ("report\n", "", None)
+    with pytest.raises(SystemExit, match="'hung' ran past 1 s"):
+        run_or_exit("bench_x", "hung", hung, timeout=1)

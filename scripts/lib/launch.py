@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from scripts.lib.comparison import comparison_rows
 
@@ -57,16 +57,32 @@ def train_launcher(nproc: int, torchrun: bool = False) -> List[str]:
     return [sys.executable, "train.py"]
 
 
+def run_captured(command: Sequence[str], timeout: float, env: Optional[Dict[str, str]] = None
+                 ) -> Tuple[str, str, Optional[int]]:
+    """Runs ``command`` in the repo: (stdout, stderr, exit code), the code None when it ran past ``timeout``
+    s (what it printed until then is kept: a report may be out before a teardown that hung)."""
+    try:
+        done = subprocess.run(list(command), cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, **(env or {})})
+    except subprocess.TimeoutExpired as e:
+        return _text(e.stdout), _text(e.stderr), None
+    return done.stdout, done.stderr, done.returncode
+
+
+def _text(output) -> str:
+    return output.decode(errors="replace") if isinstance(output, bytes) else (output or "")
+
+
 def run_or_exit(script: str, name: str, command: Sequence[str], timeout: float,
                 env: Optional[Dict[str, str]] = None) -> float:
     """A benchmark's one run: says the command, runs it in the repo, exits naming the run and the
-    end of its stderr if it fails; returns its wall time in seconds."""
+    end of its stderr if it fails or runs past ``timeout`` s; returns its wall time in seconds."""
     print(f"{script}: {name}: {' '.join(command[1:])}", flush=True)
     started = time.time()
-    done = subprocess.run(list(command), cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
-    if done.returncode != 0:
-        sys.exit(f"{script}: '{name}' failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    _, stderr, code = run_captured(command, timeout, env)
+    if code != 0:
+        why = f"ran past {timeout:.0f} s" if code is None else f"failed ({code})"
+        sys.exit(f"{script}: '{name}' {why}:\n{stderr[-3000:]}")
     return time.time() - started
 
 
