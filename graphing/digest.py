@@ -15,7 +15,7 @@ cryptographic hash.
 from __future__ import annotations
 
 import math
-from typing import Iterable, List, Tuple
+from typing import Iterable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -89,7 +89,7 @@ def _local_part(p: torch.Tensor) -> Tuple[torch.Tensor, int, bool, bool]:
     return local.contiguous(), first, counts, True
 
 
-def weights_digest(model: torch.nn.Module, parameters: Iterable[torch.Tensor] = None) -> str:
+def weights_digest(model: torch.nn.Module, parameters: Optional[Iterable[torch.Tensor]] = None) -> str:
     """A 16-hex-digit digest of ``model``'s parameters (or of ``parameters``), equal for bitwise-equal
     weights however they are sharded (module docstring).
 
