@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from graphing.capture import capture, pool_mib, reset_rng_capture_state, run_on_stream
-from graphing.executor import Executor, GraphRecord, Shape, StepRole, distributed
+from graphing.executor import Executor, GraphRecord, Shape, StepRole, distributed, is_sharded
 from graphing.shapes import ShapeBook
 
 
@@ -54,7 +54,10 @@ class WholeStepGraphExecutor(Executor):
             # CUDA graphs cannot nest inside this capture. dynamic=False: each input
             # shape compiles its own static kernels (each shape has its own graph anyway).
             _allow_recompiles(self.options.max_graphs)
-            model = torch.compile(model, mode=self.options.compile_mode, dynamic=False)
+            if is_sharded(model):
+                compile_sharded_units(model, self.options.compile_mode)
+            else:
+                model = torch.compile(model, mode=self.options.compile_mode, dynamic=False)
         self.eval_model = model
         self.train_model = run_on_stream(lambda: self._ddp(model), self.side)
         return self.train_model
@@ -140,3 +143,21 @@ def _allow_recompiles(max_graphs: int) -> None:
         if hasattr(dynamo, name):
             setattr(dynamo, name, max(getattr(dynamo, name), max_graphs + 1))  # +1: eval's forward
             return
+
+
+def compile_sharded_units(model: torch.nn.Module, mode: str) -> None:
+    """Compiles the ``forward`` of each innermost FSDP2 unit of ``model`` (a transformer block),
+    in place; FSDP2's hooks, which run around ``forward`` in the module's ``__call__``, stay eager.
+
+    Why not the whole model, as without sharding: dynamo skips FSDP2's hooks inside a compiled
+    module (``torch._dynamo.config.skip_fsdp_hooks``) and breaks its graph around each unit, and
+    that whole-model compile, captured, trained differently from eager on torch 2.11 (gpt_tiny on
+    one H100). One compiled block with its parameters as inputs is what torchtitan runs under
+    FSDP2 too. The root unit (embeddings, head) runs eagerly; the loss is compiled apart
+    (``wrap_output_fn``). All blocks share one compiled code object, so this compiles once."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    innermost = [u for u in units if not any(isinstance(m, FSDPModule) for m in u.modules() if m is not u)]
+    for unit in innermost:  # a model sharded as one unit (no blocks) has its own forward compiled
+        unit.forward = torch.compile(unit.forward, mode=mode, dynamic=False)

@@ -11,9 +11,6 @@ import torch.nn.functional as F
 
 import graphing
 
-pytestmark = pytest.mark.fast
-
-
 @pytest.fixture
 def one_rank_group():
     assert not dist.is_initialized()
@@ -36,6 +33,7 @@ def sharded_mlp(seed: int = 0) -> torch.nn.Module:
     return model
 
 
+@pytest.mark.fast
 def test_micro_batches_turn_fsdp2_gradient_sync_off_but_for_the_last_and_sum_the_whole_batch(one_rank_group):
     x, y = torch.randn(12, 8), torch.randn(12, 1)
     whole = sharded_mlp()
@@ -60,6 +58,7 @@ def test_micro_batches_turn_fsdp2_gradient_sync_off_but_for_the_last_and_sum_the
         torch.testing.assert_close(b.grad.full_tensor(), a.grad.full_tensor(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.fast
 def test_graphed_step_takes_a_fully_shard_model_as_it_is(one_rank_group):
     model = sharded_mlp()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
@@ -77,3 +76,24 @@ def test_graphed_step_takes_a_fully_shard_model_as_it_is(one_rank_group):
     losses = [step(x, y).item() for _ in range(5)]
     assert losses[-1] < losses[0]
     step.close()
+
+
+# Not fast: inductor compiles on a cold cache in about 20 s.
+def test_compile_under_fsdp2_compiles_each_innermost_unit_and_leaves_its_hooks_eager(one_rank_group):
+    """graph.compile_model with a sharded model (graphing/full.py compile_sharded_units): the innermost
+    FSDP2 units' forwards are compiled, the root's is not, and the sharded model computes and
+    reduces its gradients as the uncompiled one does."""
+    from graphing.full import compile_sharded_units
+
+    torch._dynamo.reset()
+    x, y = torch.randn(12, 8), torch.randn(12, 1)
+    plain, compiled = sharded_mlp(), sharded_mlp()
+    compile_sharded_units(compiled, "default")
+    assert hasattr(compiled[0].forward, "_torchdynamo_orig_callable")
+    assert not hasattr(compiled.forward, "_torchdynamo_orig_callable") and compiled[2].forward.__self__ is compiled[2]
+    for model in (plain, compiled):
+        F.mse_loss(model(x), y).backward()
+    for a, b in zip(plain.parameters(), compiled.parameters()):
+        assert type(b.grad).__name__ == "DTensor"  # FSDP2's post-backward hooks ran around the compiled forward
+        torch.testing.assert_close(b.grad.full_tensor(), a.grad.full_tensor(), rtol=1e-5, atol=1e-6)
+    torch._dynamo.reset()

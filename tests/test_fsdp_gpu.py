@@ -1,7 +1,7 @@
 """train.parallel=fsdp2 on a GPU: the whole sharded step (FSDP2's all-gathers and reduce-scatters, clipping
 on DTensor gradients, AdamW on the shards, the schedule) captured as one graph per rank and replayed equal to
-eager, step for step, in fp32 and bf16, with reshard_after_forward true and false. (graph=full_compiled under
-fsdp2 is refused: tests/test_fsdp_training.py.)
+eager, step for step, in fp32 and bf16, with reshard_after_forward true and false; graph=full_compiled (each
+block compiled, the whole step captured) within the compiled tolerance of eager.
 
 One GPU runs it as a process group of one (FSDP2's collectives and streams all run); two GPUs run the same
 tests under torchrun (``nproc``). Run on the GPU machine: ``pytest -m gpu tests/test_fsdp_gpu.py``.
@@ -73,3 +73,28 @@ def test_fsdp2_full_graph_trains_step_for_step_like_fsdp2_eager(out, recipe, pre
     losses = [loss for _, loss in _losses(graph)]
     assert min(losses[1:]) < losses[0], f"no training progress: {why}"
 
+
+
+# Compiled kernels fuse and reorder reductions: the tolerance DDP's full_compiled is held to
+# (tests/test_recipes_gpu.py COMPILED_TOLERANCE).
+COMPILED_TOLERANCE = 2e-2
+
+
+@pytest.mark.parametrize("reshard", ["true", "false"])
+def test_fsdp2_compiled_blocks_in_the_graph_train_like_fsdp2_eager(out, reshard):
+    """graph=full_compiled under fsdp2 compiles each sharded block (FSDP2's hooks stay eager,
+    graphing/full.py compile_sharded_units) and captures the whole step: its losses follow eager's."""
+    args = [*COMMON, *RECIPES["gpt_tiny"], "train.precision=bf16", f"train.fsdp.reshard_after_forward={reshard}"]
+    eager = launch([*args, "graph=eager"], out / "eager", nproc=_nproc(), timeout=400)
+    compiled = launch([*args, "graph=full_compiled"], out / "compiled", nproc=_nproc(), timeout=600)
+    for done in (eager, compiled):
+        assert done.returncode == 0, done.output[-4000:]
+    e, c = eager.results(), compiled.results()
+    assert c["mode"] == "full" and c["timed_phase"] == "graph" and c["graph/train_capture_s"] > 0
+    why = f"world size {c['world_size']}\neager {_losses(eager)}\ncompiled {_losses(compiled)}"
+    steps = _expected_steps("gpt_tiny")
+    assert e["steps"] == c["steps"] == steps, why
+    assert [s for s, _ in _losses(eager)] == [s for s, _ in _losses(compiled)] == list(range(1, steps + 1)), why
+    for (step, le), (_, lc) in zip(_losses(eager), _losses(compiled)):
+        assert math.isfinite(lc) and lc == pytest.approx(le, rel=COMPILED_TOLERANCE), f"train loss at step {step}\n{why}"
+    assert c["final/eval_loss"] == pytest.approx(e["final/eval_loss"], rel=COMPILED_TOLERANCE), why

@@ -134,8 +134,6 @@ def test_settings_of_the_other_parallel_or_that_fsdp2_cannot_carry_are_refused(t
 @pytest.mark.fast
 @pytest.mark.parametrize("graph, precision, optim, message", [
     ("full", "fp16", "torch.optim.AdamW", "train.precision=fp16 with train.parallel=fsdp2"),
-    ("full_compiled", "bf16", "torch.optim.AdamW", "graph=full_compiled (graph.compile_model=true) with "
-                                                   "train.parallel=fsdp2"),
     ("partial", "bf16", "torch.optim.AdamW", "graph=partial with train.parallel=fsdp2"),
     ("compile", "bf16", "torch.optim.AdamW", "graph=compile with train.parallel=fsdp2"),
     ("full", "bf16", "torch.optim.SGD", "recipe.optim._target_=torch.optim.SGD under train.parallel=fsdp2 with a "

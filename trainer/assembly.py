@@ -108,8 +108,10 @@ def build_run(plan: RunPlan, rt: Runtime) -> Run:
 
     settings = StepSettings(device=device, grad_accum=loop.grad_accum, grad_clip=loop.grad_clip, autocast=autocast,
                             world_size=rt.world_size)
-    # What the step computes, chosen once: under graph.compile_model the model is compiled with its loss.
-    step_model = build_step_model(recipe, model, executor, settings, with_loss=plan.graph.compile_model,
+    # What the step computes, chosen once: under graph.compile_model the model is compiled with its loss,
+    # or, sharded, block by block with the loss apart (graphing/full.py compile_sharded_units).
+    step_model = build_step_model(recipe, model, executor, settings,
+                                  with_loss=plan.graph.compile_model and plan.fsdp is None,
                                   memory_format=plan.memory_format, sample_inputs=sample_inputs,
                                   accuracy=cfg.recipe.accuracy)
     train_step = TrainStep(recipe, step_model, optimizer, schedule, train_loader, settings, scaler)

@@ -250,12 +250,6 @@ def fsdp_spec(cfg, precision: str, graph: GraphOptions, optimizer: "OptimizerSpe
                              "torch.compile's reduce-overhead graphs would capture FSDP2's collectives without "
                              "their streams") + ": set graph=full (the whole step, FSDP2's collectives included) "
                           "or graph=eager")
-    if graph.compile_model:
-        raise ConfigError(
-            "graph=full_compiled (graph.compile_model=true) with train.parallel=fsdp2: the compiled sharded step, once "
-            "captured, trained differently from eager on torch 2.11 (gpt_tiny on one H100: loss 3.64 against eager's "
-            "3.07 at step 24; the first, eager steps agreed), so it is refused rather than trained wrong. Set graph=full "
-            "(the whole sharded step graphed, equal to eager), or train.parallel=ddp for full_compiled")
     if t.fsdp.reduce_dtype.value == "bf16" and precision != "bf16":
         raise ConfigError(f"train.fsdp.reduce_dtype=bf16 reduces bf16 gradients, but train.precision resolves to "
                           f"{precision}: set train.precision=bf16, or train.fsdp.reduce_dtype=fp32")
