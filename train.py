@@ -28,8 +28,13 @@ from conf.schema import register_configs  # noqa: E402
 register_configs()
 
 
+_job_started = False  # whether Hydra composed a config and called main
+
+
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> None:
+    global _job_started
+    _job_started = True
     process.restore_stderr()
     from trainer import sweep_report
     from trainer.training import train  # after Hydra: `--help` and config errors stay fast
@@ -42,7 +47,20 @@ def main(cfg: DictConfig) -> None:
         sys.exit(code)
 
 
+def compose_and_run() -> None:
+    """``main``, where a config Hydra cannot compose exits with the config-error code: Hydra itself
+    exits 1, which is a crash's code here (trainer/exit_codes.py)."""
+    from trainer.exit_codes import EXIT_CONFIG, EXIT_CRASH
+
+    try:
+        main()
+    except SystemExit as stop:
+        if stop.code == EXIT_CRASH and not _job_started:
+            raise SystemExit(EXIT_CONFIG) from None
+        raise
+
+
 if __name__ == "__main__":
     from trainer.sweep_report import end_of_sweep
 
-    process.exit_worker(main, after=end_of_sweep)
+    process.exit_worker(compose_and_run, after=end_of_sweep)

@@ -7,13 +7,13 @@ import torch
 
 from graphing.compiled import CompiledExecutor
 from graphing.executor import Executor
-from graphing.full import WholeStepGraphExecutor
+from graphing.full import FullGraphExecutor
 from graphing.options import GraphMode, GraphOptions
 from graphing.partial import PartialGraphExecutor
 
 EXECUTORS = {
     GraphMode.eager: Executor,
-    GraphMode.full: WholeStepGraphExecutor,
+    GraphMode.full: FullGraphExecutor,
     GraphMode.partial: PartialGraphExecutor,
     GraphMode.compile: CompiledExecutor,
 }

@@ -32,7 +32,7 @@ from graphing.executor import Executor, GraphRecord, Shape, StepRole, distribute
 from graphing.shapes import ShapeBook
 
 
-class WholeStepGraphExecutor(Executor):
+class FullGraphExecutor(Executor):
     captures_optimizer = True
 
     def __init__(self, options, device, ddp_kwargs=None, **kwargs):
@@ -161,3 +161,13 @@ def compile_sharded_units(model: torch.nn.Module, mode: str) -> None:
     innermost = [u for u in units if not any(isinstance(m, FSDPModule) for m in u.modules() if m is not u)]
     for unit in innermost:  # a model sharded as one unit (no blocks) has its own forward compiled
         unit.forward = torch.compile(unit.forward, mode=mode, dynamic=False)
+
+
+def __getattr__(name: str):
+    """``WholeStepGraphExecutor``, the old name of ``FullGraphExecutor`` (graph mode ``full``), deprecated."""
+    if name == "WholeStepGraphExecutor":
+        from graphing.deprecation import warn_renamed_once
+
+        warn_renamed_once("graphing.full.WholeStepGraphExecutor", "graphing.full.FullGraphExecutor")
+        return FullGraphExecutor
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

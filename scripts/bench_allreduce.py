@@ -38,6 +38,7 @@ sys.path.insert(0, str(REPO))
 
 from scripts.lib.comparison import throughput_unit  # noqa: E402
 from scripts.lib.launch import run_or_exit, train_launcher  # noqa: E402
+from scripts.lib.refuse import refuse  # noqa: E402
 
 COMMON = ["recipe.data.source=synthetic", "logger=none", "train.progress=false", "train.eval=false",
           "checkpoint.keep=1", "train.log_every=20"]
@@ -65,7 +66,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     have = torch.cuda.device_count()
     if have < 2:
-        sys.exit(f"bench_allreduce.py compares 2 or more GPUs with one: this machine has {have}")
+        refuse(f"bench_allreduce.py compares 2 or more GPUs with one: this machine has {have}")
     try:
         args.gpu_counts = gpu_counts(args.gpus, have)
     except ValueError as e:
@@ -167,8 +168,8 @@ def scaling_part(run: Runner, args) -> List[Dict[str, Any]]:
             runs = []
             for gpus in args.gpu_counts:
                 if global_batch % gpus:
-                    sys.exit(f"bench_allreduce.py: --global-batches {global_batch} does not split over {gpus} GPUs: "
-                             "choose global batches that every --gpus count divides")
+                    refuse(f"bench_allreduce.py: --global-batches {global_batch} does not split over {gpus} GPUs: "
+                           "choose global batches that every --gpus count divides")
                 runs.append(run(f"{mode}, global {global_batch}, {gpus} GPU{'s' * (gpus > 1)}", gpus,
                                 global_batch // gpus, f"graph={mode}"))
             one = runs[0]["throughput"]

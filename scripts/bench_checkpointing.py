@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -35,6 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from scripts.lib.launch import run_captured  # noqa: E402
+from scripts.lib.refuse import refuse  # noqa: E402
 from trainer.cli import script_config  # noqa: E402
 
 DEFAULTS = ["recipe=gpt2_small", "graph=full", "logger=none", "train.progress=false", "train.eval=false",
@@ -65,7 +65,7 @@ def main() -> int:
     import torch  # after the command line: --help and a bad override answer at once
 
     if not torch.cuda.is_available():
-        sys.exit("bench_checkpointing.py measures GPU memory and step time: run it on a machine with CUDA")
+        refuse("bench_checkpointing.py measures GPU memory and step time: run it on a machine with CUDA")
     if args.steps < 1 or args.granularity < 1 or (args.batch_size is not None and args.batch_size < 1):
         parser.error("--steps, --granularity and --batch-size must be at least 1")
     started = time.monotonic()
@@ -77,8 +77,8 @@ def main() -> int:
         for checkpointing in (False, True):
             timed = bench.trial(checkpointing, batch, args.steps)
             if timed is None:
-                sys.exit(f"out of time before the timed trial with {SETTING}={str(checkpointing).lower()}: "
-                         "raise --time-budget")
+                refuse(f"out of time before the timed trial with {SETTING}={str(checkpointing).lower()}: "
+                       "raise --time-budget")
             settings[label(checkpointing)] = {"timed": timed}
         for checkpointing in (False, True):
             found = settings[label(checkpointing)]
@@ -194,7 +194,7 @@ def read_trial(stdout: str, stderr: str, code: Optional[int]) -> Dict:
     if any(mark in (stdout + stderr).lower() for mark in OUT_OF_MEMORY):
         return {"fits": False, "phase": "a crash", "exit_code": code}
     how = "timed out" if code is None else f"exited {code}"
-    sys.exit(f"a trial {how} without a result:\n{stderr[-3000:] or stdout[-3000:]}")
+    sys.exit(f"a trial {how} without a result:\n{stderr[-3000:] or stdout[-3000:]}")  # 1: a failure, not a refusal
 
 
 # ---- one trial, in its own process --------------------------------------------------------
@@ -206,25 +206,25 @@ def run_trial(cfg, steps: int) -> int:
 
 
 def trial_job(session, steps: int) -> int:
-    """Builds the run as train.py does, warms up and captures, then times ``steps`` steps; prints
-    one report line, also when memory ran out (which does not fit)."""
+    """Builds the run as train.py does, warms up and captures, then times ``steps`` steps (train.py's
+    timer: scripts/lib/timing.py); prints one report line, also when memory ran out (which does not fit)."""
     import torch
 
-    from scripts.lib.steps import run_train_step, train_phase, warm_up
+    from scripts.lib.timing import time_steps
 
     phase = "build"
     try:
-        run = session.build()
-        ex = run.executor
+        trainer = session.build()
+        ex = trainer.executor
         phase = "warm-up and capture"
-        warm_up(run)
+        trainer.warm_up()
         if ex.report.fallback is not None:  # the capture failed: the trial ends here, whatever the reason
             phase = "capture"
             raise RuntimeError(ex.report.fallback)
         phase = "steps"
         for _ in range(min(steps, 3)):  # settle
-            run_train_step(run)
-        step_ms = sorted(timed_steps(lambda: run_train_step(run), steps, cuda=run.rt.device.type == "cuda"))
+            trainer.run_step()
+        timed = time_steps(trainer, steps)
     except Exception as error:
         if not out_of_memory(error):
             raise
@@ -232,40 +232,19 @@ def trial_job(session, steps: int) -> int:
         said = next((line for line in lines if any(m in line.lower() for m in OUT_OF_MEMORY)), lines[0])
         report = {"fits": False, "phase": phase, "error": said.strip()[:300]}
     else:
-        median, cuda = statistics.median(step_ms), run.rt.device.type == "cuda"
+        median, cuda = timed["step_ms_median"], trainer.rt.device.type == "cuda"
         report = {
-            "fits": True, "mode": ex.report.mode, "phase_timed": train_phase(run),
-            "precision": run.plan.precision, "step_ms_median": median,
-            "step_ms_p90": step_ms[min(len(step_ms) - 1, int(0.9 * len(step_ms)))],
-            f"{run.recipe.unit}_per_s": run.global_batch * run.recipe.units_per_sample * 1e3 / median,
+            "fits": True, "mode": ex.report.mode, "phase_timed": trainer.phase(),
+            "precision": trainer.plan.precision, "step_ms_median": median,
+            "step_ms_p90": timed["step_ms_p90"],
+            f"{trainer.recipe.unit}_per_s": trainer.global_batch * trainer.recipe.units_per_sample * 1e3 / median,
             "peak_allocated_mib": torch.cuda.max_memory_allocated() / 2**20 if cuda else None,
             "peak_reserved_mib": torch.cuda.max_memory_reserved() / 2**20 if cuda else None,
-            "graph_pool_mib": ex.report.graph_pool_mib, "units_per_sample": run.recipe.units_per_sample,
-            "unit": run.recipe.unit, "activation_checkpointing_used": run.recipe.activation_checkpointing,
+            "graph_pool_mib": ex.report.graph_pool_mib, "units_per_sample": trainer.recipe.units_per_sample,
+            "unit": trainer.recipe.unit, "activation_checkpointing_used": trainer.recipe.activation_checkpointing,
         }
     print(TRIAL_LINE + json.dumps(report), flush=True)
     return 0
-
-
-def timed_steps(one_step: Callable[[], None], steps: int, cuda: bool) -> List[float]:
-    """Milliseconds of each of ``steps`` steps: CUDA events around each, read after the last
-    (no sync between steps); the host's clock without CUDA (a trial on the CPU, for the tests)."""
-    import torch
-
-    if not cuda:
-        times = []
-        for _ in range(steps):
-            began = time.perf_counter()
-            one_step()
-            times.append(1e3 * (time.perf_counter() - began))
-        return times
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
-    for begin, end in events:
-        begin.record()
-        one_step()
-        end.record()
-    torch.cuda.synchronize()
-    return [begin.elapsed_time(end) for begin, end in events]
 
 
 def out_of_memory(error: BaseException) -> bool:

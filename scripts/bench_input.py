@@ -9,8 +9,9 @@ Makes the folder first when it is missing (scripts/export_images.py, synthetic C
 unless overrides say otherwise). Then, in one process on one GPU, for the same images,
 precision and memory format: the device loader (the folder decoded once into GPU memory)
 and the host loader with each worker count (PNGs decoded by DataLoader workers every
-step). Each is warmed up and captured, then ``--steps`` graphed steps are timed by the
-wall clock from first to last (synchronized), so a step that waits for its batch counts.
+step). Each is warmed up and captured, then ``--steps`` graphed steps are timed as train.py
+times its steps (graphing.StepTimer's CUDA events, back to back): step_ms is their mean, the
+wall time per step, so a step that waits for its batch counts.
 
 For the host loader it also reports where the host's time goes: the share of the
 step the loop spent waiting for its workers' next batch (near 0: the GPU bounds the
@@ -30,6 +31,8 @@ sys.path.insert(0, str(REPO))
 
 from conf.schema import compose  # noqa: E402
 from scripts.lib.launch import run_or_exit  # noqa: E402
+from scripts.lib.refuse import refuse  # noqa: E402
+from scripts.lib.timing import time_steps  # noqa: E402
 from trainer.cli import script_config  # noqa: E402
 from trainer.session import Session  # noqa: E402
 
@@ -38,35 +41,31 @@ DEFAULTS = ["recipe=cifar10_resnet18", "graph=full", "train.precision=bf16", "lo
             "train.progress=false", "train.eval=false"]
 
 
-def timed_steps(run, steps: int):
-    """(seconds per step, seconds per step the host loader waited for its workers) over ``steps`` graphed steps."""
-    import torch
+def timed_steps(trainer, steps: int):
+    """(seconds per step, seconds per step the host loader waited for its workers) over ``steps`` graphed steps.
 
-    from scripts.lib.steps import run_train_step, warm_up
-
-    ex, loader = run.executor, run.train_loader
-    if loader.plan.full_steps < steps + 2 * ex.warmup_iters:
-        sys.exit(f"the folder gives {loader.plan.full_steps} steps per epoch: lower --steps to at most "
-                 f"{loader.plan.full_steps - 2 * ex.warmup_iters}")
-    warm_up(run)
+    Timed by train.py's timer (scripts/lib/timing.py): the mean of back-to-back intervals is the wall time
+    per step, a wait for a batch included."""
+    ex, loader = trainer.executor, trainer.train_loader
+    if loader.shapes.full_steps < steps + 2 * ex.warmup_iters:
+        refuse(f"the folder gives {loader.shapes.full_steps} steps per epoch: lower --steps to at most "
+               f"{loader.shapes.full_steps - 2 * ex.warmup_iters}")
+    trainer.warm_up()
     for _ in range(ex.warmup_iters):  # settle (the workers' queues fill)
-        run_train_step(run)
-    torch.cuda.synchronize()
+        trainer.run_step()
     waited = getattr(loader, "waited_s", 0.0)
-    began = time.perf_counter()
-    for _ in range(steps):
-        run_train_step(run)
-    torch.cuda.synchronize()
-    return (time.perf_counter() - began) / steps, (getattr(loader, "waited_s", 0.0) - waited) / steps
+    step_ms = time_steps(trainer, steps)["step_ms_mean"]
+    return step_ms / 1e3, (getattr(loader, "waited_s", 0.0) - waited) / steps
 
 
-def host_costs(run, batches: int = 20):
-    """Per batch, in one process: decode (dataset items), collate (stack), copy into pinned memory."""
+def host_costs(trainer, batches: int = 20):
+    """Per batch, in one process: decode (dataset items), collate (stack), copy into pinned memory.
+    Host work, not a GPU step: the host clock times it."""
     import torch
 
     from trainer.data import collate, host_copy
 
-    dataset, loader = run.recipe.data.train, run.train_loader
+    dataset, loader = trainer.recipe.data.train, trainer.train_loader
     n = loader.rows_per_load
     began = time.perf_counter()
     items = [[dataset[(b * n + i) % len(dataset)] for i in range(n)] for b in range(batches)]
@@ -94,7 +93,7 @@ def main() -> int:
     import torch  # after the command line: --help and a bad override answer at once
 
     if not torch.cuda.is_available():
-        sys.exit("bench_input.py measures a graphed GPU step: run it on a machine with CUDA")
+        refuse("bench_input.py measures a graphed GPU step: run it on a machine with CUDA")
     if not (args.folder / "train").is_dir():
         recipe = next((o for o in [*DEFAULTS, *overrides][::-1] if o.startswith("recipe=")), DEFAULTS[0])
         source = next((o for o in overrides if o.startswith("recipe.data.source=")), "recipe.data.source=synthetic")
@@ -105,16 +104,16 @@ def main() -> int:
     rows, used = [], {}
 
     def measure(session, loader: str, workers: int) -> int:  # one row: its own session, closed before the next
-        run = session.build()
-        step_s, waited_s = timed_steps(run, args.steps)
+        trainer = session.build()
+        step_s, waited_s = timed_steps(trainer, args.steps)
         samples = session.cfg.recipe.data.batch_size * session.cfg.train.grad_accum
         row = {"loader": loader, "num_workers": workers if loader == "host" else None,
                "samples_per_s": samples / step_s, "step_ms": 1e3 * step_s,
                "batch_wait_share": waited_s / step_s if loader == "host" else None}
         if loader == "host":
-            row.update(host_costs(run))
+            row.update(host_costs(trainer))
         rows.append(row)
-        used["precision"] = run.plan.precision  # as resolved (train.precision=auto)
+        used["precision"] = trainer.plan.precision  # as resolved (train.precision=auto)
         print(json.dumps(row), flush=True)
         return 0
 

@@ -37,26 +37,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 AS_CAPTURED = ["graph.mode=auto", "graph.compile_model=false", "graph.compare=false"]
 
 
-def diagnose_trainer(run):
-    """The doctor's report on ``run``'s training step (every rank calls it under torchrun)."""
+def diagnose_trainer(trainer):
+    """The doctor's report on ``trainer``'s training step (every rank calls it under torchrun)."""
     from graphing import diagnose
 
-    loader = run.train_loader
+    loader = trainer.train_loader
     count = itertools.count()
 
     def next_batch() -> tuple:  # what the loop does before each step: new epoch when due, stage the batch
         # (full steps only: the epoch's tail step is a graph of its own, of the same code)
         i = next(count)
-        if i % loader.plan.full_steps == 0:
-            loader.start_epoch(i // loader.plan.full_steps)
+        if i % loader.shapes.full_steps == 0:
+            loader.start_epoch(i // loader.shapes.full_steps)
         loader.stage()
         return ()
 
-    cuda = run.plan.device.type == "cuda"
-    report = diagnose(lambda model: run.train_step(), run.model, run.optimizer, next_batch,
-                      warmup_iters=run.plan.graph.warmup_iters, device=run.plan.device,
-                      stream=getattr(run.executor, "side", None), check_optimizer=cuda,
-                      max_graphs=run.plan.graph.max_graphs)
+    cuda = trainer.plan.device.type == "cuda"
+    report = diagnose(lambda model: trainer.train_step(), trainer.model, trainer.optimizer, next_batch,
+                      warmup_iters=trainer.plan.graph.warmup_iters, device=trainer.plan.device,
+                      stream=getattr(trainer.executor, "side", None), check_optimizer=cuda,
+                      max_graphs=trainer.plan.graph.max_graphs)
     if not cuda:
         report.notes.append("optimizer not checked here: on CUDA the trainer builds it capturable/fused, and "
                             "trainer/optim.py refuses a class that cannot be captured")
@@ -70,17 +70,17 @@ def doctor_job(session, overrides: List[str]) -> int:
     from trainer.runtime import print_once
     from trainer.process import tell_torchrun
 
-    cfg, run = session.cfg, session.build()
-    rt = run.rt
+    cfg, trainer = session.cfg, session.build()
+    rt = trainer.rt
     session.open_run_dir()
-    print_once(f"graph doctor: recipe {cfg.recipe.name} ({run.recipe.data.source} data) | "
-               f"precision {run.plan.precision} | {rt.world_size} x {rt.device.type} | run {rt.run_dir}")
-    report = diagnose_trainer(run)
-    logger = session.open_logger(run.config, job_type="doctor")
+    print_once(f"graph doctor: recipe {cfg.recipe.name} ({trainer.recipe.data.source} data) | "
+               f"precision {trainer.plan.precision} | {rt.world_size} x {rt.device.type} | run {rt.run_dir}")
+    report = diagnose_trainer(trainer)
+    logger = session.open_logger(trainer.config, job_type="doctor")
     if rt.is_main:
         print(report, flush=True)
         write_json(rt.run_dir / "doctor.json", {"recipe": cfg.recipe.name, "overrides": overrides,
-                                                "precision": run.plan.precision, **report.to_dict()})
+                                                "precision": trainer.plan.precision, **report.to_dict()})
         logger.table("doctor/findings", COLUMNS, report.rows())
         logger.summary({"doctor/verdict": report.verdict, "doctor/exit_code": report.exit_code,
                         "doctor/finding_count": len(report.findings),

@@ -25,6 +25,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from scripts.lib.refuse import refuse  # noqa: E402
+
 CHUNK_BYTES = 1 << 24  # text is read and tokenized this much at a time
 
 
@@ -41,11 +43,11 @@ def huggingface_tokenizer(file: Path) -> Tuple[str, int, Callable[[Path], Iterat
     try:
         from tokenizers import Tokenizer
     except ImportError:
-        raise SystemExit(f"--tokenizer {file}: reading a tokenizer.json needs the `tokenizers` package "
-                         "(pip install tokenizers), or use --tokenizer bytes") from None
+        refuse(f"--tokenizer {file}: reading a tokenizer.json needs the `tokenizers` package "
+               "(pip install tokenizers), or use --tokenizer bytes")
     if not file.is_file():
-        raise SystemExit(f"--tokenizer {file}: no such file; give the path of a HuggingFace tokenizer.json "
-                         "or --tokenizer bytes")
+        refuse(f"--tokenizer {file}: no such file; give the path of a HuggingFace tokenizer.json "
+               "or --tokenizer bytes")
     tokenizer = Tokenizer.from_file(str(file))
 
     def encode(path: Path) -> Iterator[np.ndarray]:

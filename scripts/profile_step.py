@@ -5,7 +5,8 @@
     python scripts/profile_step.py --config-dir my_conf recipe=mine   # your own configs, as train.py
 
 Builds the trainer as train.py does, warms up (and captures, in graph modes), then
-profiles ``--steps`` steps: the step's wall time from CUDA events, the time during which at least one kernel or copy
+profiles ``--steps`` steps: the step's wall time (``--steps`` steps timed as train.py times them,
+graphing.StepTimer, before the profiled ones), the time during which at least one kernel or copy
 ran (CUPTI; ``kernel_ms`` sums them over streams), its ratio to the step (how busy the GPU
 was), and the kernel count per step, throughput (global and per GPU) and MFU per GPU, as
 train.py's results compute it. Under torchrun every rank profiles; rank 0 reports. ``--top N`` adds the N kernels that took the
@@ -29,6 +30,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from scripts.lib.refuse import refuse  # noqa: E402
+from scripts.lib.timing import time_steps  # noqa: E402
 from trainer.cli import script_config  # noqa: E402
 from trainer.session import Session  # noqa: E402
 
@@ -45,7 +48,7 @@ def main() -> int:
     import torch  # after the command line: --help and a bad override answer at once
 
     if not torch.cuda.is_available():
-        sys.exit("profile_step.py measures GPU kernels: run it on a machine with CUDA")
+        refuse("profile_step.py measures GPU kernels: run it on a machine with CUDA")
     return Session(cfg, purpose="profile").execute(lambda session: profile_job(session, args))
 
 
@@ -54,46 +57,37 @@ def profile_job(session, args) -> int:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    from scripts.lib.steps import run_train_step, warm_up
-
-    run = session.build()
-    ex, loader = run.executor, run.train_loader
-    needed = args.steps * 2 + run.plan.graph.warmup_iters + 1
-    if loader.plan.full_steps < needed:
-        sys.exit(f"need {needed} steps in one epoch, the data gives {loader.plan.full_steps}: lower --steps")
-    warm_up(run)
+    trainer = session.build()
+    ex, loader = trainer.executor, trainer.train_loader
+    needed = args.steps * 2 + trainer.plan.graph.warmup_iters + 1
+    if loader.shapes.full_steps < needed:
+        refuse(f"need {needed} steps in one epoch, the data gives {loader.shapes.full_steps}: lower --steps")
+    trainer.warm_up()
     for _ in range(args.steps):  # settle
-        run_train_step(run)
-    torch.cuda.synchronize()
+        trainer.run_step()
+    wall_ms = time_steps(trainer, args.steps)["step_ms_mean"]  # train.py's timer, outside the profiler's overhead
 
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    for _ in range(args.steps):
-        run_train_step(run)
-    end.record()
-    end.synchronize()
-    wall_ms = begin.elapsed_time(end) / args.steps
-
+    # The profiler's window is not timed: CUPTI gives its kernels' spans; the sync keeps them all inside it.
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(args.steps):
-            run_train_step(run)
+            trainer.run_step()
         torch.cuda.synchronize()
     device = torch.cuda.current_device()  # this rank's GPU: the trace may hold another's peer copies
     gpu_events = [e for e in prof.events() if e.device_type == DeviceType.CUDA and e.device_index in (device, -1)]
     spans = [(e.time_range.start, e.time_range.end, e.name, e.device_resource_id) for e in gpu_events]
     kernel_ms = sum(e.device_time for e in gpu_events) / 1e3 / args.steps
     busy_ms = sum(end - start for start, end in union(spans)) / 1e3 / args.steps  # streams overlap: not a sum
-    mode = ex.report.mode + ("+compile_model" if run.plan.graph.compile_model else "")
+    mode = ex.report.mode + ("+compile_model" if trainer.plan.graph.compile_model else "")
     result = {
-        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "mode": mode, "recipe": run.recipe.name,
-        "world_size": run.rt.world_size, "batch_size": session.cfg.recipe.data.batch_size,
-        "precision": run.plan.precision, "step_ms": wall_ms, "gpu_busy_ms": busy_ms,
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "mode": mode, "recipe": trainer.recipe.name,
+        "world_size": trainer.rt.world_size, "batch_size": session.cfg.recipe.data.batch_size,
+        "precision": trainer.plan.precision, "step_ms": wall_ms, "gpu_busy_ms": busy_ms,
         "gpu_busy_fraction": busy_ms / wall_ms, "kernel_ms": kernel_ms, "gpu_ops_per_step": len(gpu_events) / args.steps,
     }
-    units_per_s = run.global_batch * run.recipe.units_per_sample * 1e3 / wall_ms
-    result[f"{run.recipe.unit}_per_s"] = units_per_s
-    result[f"{run.recipe.unit}_per_s_per_gpu"] = units_per_s / run.rt.world_size
-    mfu = run.perf.mfu_pct(units_per_s / run.rt.world_size)  # train.py's MFU: per GPU
+    units_per_s = trainer.global_batch * trainer.recipe.units_per_sample * 1e3 / wall_ms
+    result[f"{trainer.recipe.unit}_per_s"] = units_per_s
+    result[f"{trainer.recipe.unit}_per_s_per_gpu"] = units_per_s / trainer.rt.world_size
+    mfu = trainer.perf.mfu_pct(units_per_s / trainer.rt.world_size)  # train.py's MFU: per GPU
     if mfu is not None:
         result["mfu_pct"] = mfu
     if args.top:
@@ -103,7 +97,7 @@ def profile_job(session, args) -> int:
     if args.streams:
         result["streams"] = stream_table(spans, args.steps)
         result["collective_ms"], result["collective_beside_compute_ms"] = collective_overlap(spans, args.steps)
-    if not run.rt.is_main:  # one report: rank 0's (every rank ran the same steps)
+    if not trainer.rt.is_main:  # one report: rank 0's (every rank ran the same steps)
         return 0
     print(json.dumps({k: v for k, v in result.items() if k not in ("top_kernels", "idle_gaps", "streams")}))
     for row in result.get("streams", []):

@@ -47,6 +47,7 @@ if str(ROOT) not in sys.path:
 from scripts.lib.allreduce_model import (  # noqa: E402
     MEASURED_ALLREDUCE_SCALE, Links, allreduce_s, parameter_count,
 )
+from scripts.lib.refuse import refuse  # noqa: E402
 from trainer.cli import script_config  # noqa: E402
 
 
@@ -154,14 +155,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args, cfg = script_config(parser, argv, defaults=lambda a: None if a.params else [
         f"recipe={a.recipe}", "recipe.data.source=synthetic", "recipe.data.train_size=64", "recipe.data.test_size=16"])
     links = Links(**{k: getattr(args, k) for k in asdict(Links())})
+    if not args.sweep.is_file():
+        refuse(f"--sweep {args.sweep}: no such file; give the sweep.json that scripts/sweep.py wrote")
     points = sweep_points(json.loads(args.sweep.read_text()), args.recipe)
     one_gpu = curves(points, args.recipe, 1)
     if "eager" not in one_gpu or args.graph_mode not in one_gpu:
-        sys.exit(f"{args.sweep} has no 1-GPU eager and {args.graph_mode} points for recipe {args.recipe}: "
-                 f"run scripts/sweep.py --recipes {args.recipe} --nprocs 1 (with modes eager,{args.graph_mode})")
+        refuse(f"{args.sweep} has no 1-GPU eager and {args.graph_mode} points for recipe {args.recipe}: "
+               f"run scripts/sweep.py --recipes {args.recipe} --nprocs 1 (with modes eager,{args.graph_mode})")
     params = args.params or parameter_count(cfg)
     if args.allreduce_scale <= 0 or args.grad_bytes_per_param <= 0:
-        sys.exit("--allreduce-scale and --grad-bytes-per-param must be positive")
+        refuse("--allreduce-scale and --grad-bytes-per-param must be positive")
     grad_bytes = args.grad_bytes_per_param * params
     gpus = [int(g) for g in args.gpus.split(",")]
     rows = project(one_gpu, args.global_batch, gpus, grad_bytes, links, args.graph_mode, args.allreduce_scale)

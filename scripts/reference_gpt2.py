@@ -22,12 +22,13 @@ import argparse
 import functools
 import json
 import math
-import statistics
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from scripts.lib.refuse import refuse  # noqa: E402
 
 LAYERS, HEADS, WIDTH, CONTEXT, VOCAB = 12, 12, 768, 1024, 50304
 LR, BETAS, WEIGHT_DECAY, CLIP = 6e-4, (0.9, 0.95), 0.1, 1.0
@@ -48,10 +49,11 @@ def main() -> int:
 
     import torch
 
+    import graphing
     from trainer.perf import peak_tflops
 
     if not torch.cuda.is_available():
-        sys.exit("reference_gpt2.py times a GPU: this machine has no CUDA device")
+        refuse("reference_gpt2.py times a GPU: this machine has no CUDA device")
     torch.manual_seed(0)
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
@@ -73,22 +75,19 @@ def main() -> int:
         return loss.detach()
 
     if args.graphed:
-        import graphing
-
         step = graphing.GraphedStep(train_step, compiled, optimizer)
     else:
         step = lambda x, y: train_step(compiled, x, y)  # noqa: E731
-    times = []
+    timer = graphing.StepTimer(torch.device("cuda"))  # train.py's timer: the same "ms/step" as its results
     for i in range(args.warmup + args.steps):
+        if i == args.warmup:
+            timer.restart()  # the timed steps start after the warm-up's work queued so far
         batch = tokens[i % len(tokens)]
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
         loss = step(batch[:, :-1], batch[:, 1:])
-        end.record()
         if i >= args.warmup:
-            times.append((start, end))
-    torch.cuda.synchronize()
-    ms = statistics.median(s.elapsed_time(e) for s, e in times)
+            timer.step("timed")
+    timer.collect()
+    ms = timer.summary("timed")["step_ms_median"]
     n_params = sum(p.numel() for p in model.parameters()) - model.pos.weight.numel()
     flops_per_token = 6.0 * n_params + 12.0 * LAYERS * WIDTH * CONTEXT
     tokens_per_s = args.batch_size * CONTEXT * 1e3 / ms

@@ -162,7 +162,7 @@ def test_auto_mode_picks_full_on_cuda_and_eager_on_cpu():
 ])
 def test_an_optimizer_a_graph_would_freeze_is_refused_in_full_mode(target, settings, needle):
     from trainer.optim import build_optimizer
-    from trainer.plan import optimizer_spec
+    from trainer.optim import optimizer_spec
 
     cfg = optimizer_spec(OmegaConf.create({"_target_": target, "_partial_": True, "lr": 0.1, **settings}))
     params = torch.nn.Linear(2, 2).parameters()
@@ -203,3 +203,15 @@ def test_running_out_of_gpu_memory_says_so_in_one_line_with_the_settings_to_chan
     assert len(said) == 1 and "out of GPU memory (OutOfMemoryError: CUDA out of memory" in said[0], done.stderr
     assert "train.parallel=fsdp2" in said[0] and "recipe.data.batch_size" in said[0]
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.fast
+def test_every_exit_code_has_one_meaning():
+    """trainer/exit_codes.py and the doctor's verdicts (graphing's): no value means two things."""
+    from graphing.doctor.report import VERDICT_EXIT
+    from trainer.exit_codes import TRAINER_EXIT_CODES
+
+    doctor = {f"doctor: {verdict}": code for verdict, code in VERDICT_EXIT.items() if verdict != "ready"}
+    codes = {**TRAINER_EXIT_CODES, **doctor}
+    assert VERDICT_EXIT["ready"] == TRAINER_EXIT_CODES["done"] == 0
+    assert len(set(codes.values())) == len(codes), codes

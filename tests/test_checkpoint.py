@@ -13,12 +13,12 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import torch_loads
-from trainer.checkpoint import (UnreadableCheckpoint, check_compatible, check_same_epochs, latest_checkpoint,
-                                list_checkpoints, load_checkpoint, load_model_state, load_optimizer_state, rng_state,
-                                save_checkpoint, set_rng_state)
+from trainer.checkpoint import (TEMP_PREFIX, UnreadableCheckpoint, check_compatible, check_same_epochs,
+                                latest_checkpoint, list_checkpoints, load_checkpoint, load_model_state,
+                                load_optimizer_state, rng_state, save_checkpoint, set_rng_state)
 from trainer.errors import ConfigError
 from trainer.optim import build_optimizer
-from trainer.plan import optimizer_spec
+from trainer.optim import optimizer_spec
 
 pytestmark = pytest.mark.fast
 
@@ -67,7 +67,7 @@ def test_failed_save_leaves_no_file_behind(tmp_path):
 
 def test_a_stale_temp_file_from_a_killed_save_is_removed(tmp_path):
     save_checkpoint(tmp_path, 1, {"step": 1}, keep=2)
-    (tmp_path / "checkpoints" / ".tmp_step_00000002_x.pt").write_bytes(b"half a checkpoint")
+    (tmp_path / "checkpoints" / f"{TEMP_PREFIX}00000002_x.pt").write_bytes(b"half a checkpoint")
     save_checkpoint(tmp_path, 2, {"step": 2}, keep=2)
     assert _files(tmp_path) == ["step_00000001.pt", "step_00000002.pt"]
 

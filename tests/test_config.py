@@ -138,5 +138,5 @@ def test_cfg_job_prints_the_resolved_config_and_refuses_bad_choices(out):
     assert "epochs: 3" in done.stdout and "mode: eager" in done.stdout and "capture_error_mode: global" in done.stdout
     assert not Path(out).exists()  # printing the config trains nothing and writes nothing
     bad = launch(["graph.capture_error_mode=bogus", "device=tpu", "--cfg", "job"], out, timeout=60)
-    assert bad.returncode == 1 and "Invalid value 'bogus'" in bad.stderr and "Traceback" not in bad.stderr
+    assert bad.returncode == 2 and "Invalid value 'bogus'" in bad.stderr and "Traceback" not in bad.stderr
     assert not Path(out).exists()

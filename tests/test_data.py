@@ -51,11 +51,11 @@ def batches(loader, steps=None, first=0):
     out = []
     for i in range(first, first + (loader.steps if steps is None else steps)):
         loader.stage()
-        layout = loader.plan.layout(i) if loader.plan is not None else None
-        if layout is None:
+        shape = loader.shapes.at(i) if loader.shapes is not None else None
+        if shape is None:
             out.append({k: v.clone() for k, v in loader.next_batch().items()})
             continue
-        parts = [loader.tail_batch(layout, m) if layout.tail else loader.next_batch() for m in range(len(layout.rows))]
+        parts = [loader.tail_batch(shape, m) if shape.tail else loader.next_batch() for m in range(len(shape.rows))]
         out.append({k: torch.cat([p[k] for p in parts]).clone() for k in parts[0]})
     return out
 
@@ -104,11 +104,11 @@ def test_every_training_sample_is_trained_once_per_epoch_with_the_tail_padded_al
         dataset = data if kind == "host" else Split(data.x, data.y)
         loader = make_loader(dataset, batch, runtime(rank, world), kind=kind, train=True, seed=0,
                              batches_per_step=accum)
-        assert (loader.plan.tail.rows if loader.plan.tail else None) == tail_rows
+        assert (loader.shapes.tail.rows if loader.shapes.tail else None) == tail_rows
         loader.start_epoch(1)
         got = batches(loader)
         if tail_rows:
-            assert got[-1]["x"].shape[0] == sum(tail_rows) and loader.plan.tail.real == n % (batch * accum * world)
+            assert got[-1]["x"].shape[0] == sum(tail_rows) and loader.shapes.tail.real == n % (batch * accum * world)
         for b in got:
             for row in real_rows(b):
                 counted[lookup[tuple(row.tolist())]] += 1
@@ -118,7 +118,7 @@ def test_every_training_sample_is_trained_once_per_epoch_with_the_tail_padded_al
 @pytest.mark.fast
 def test_drop_last_drops_the_tail():
     loader = make_loader(Points(1000), 32, runtime(0, 2), kind="device", train=True, seed=0, drop_last=True)
-    assert loader.plan.tail is None and loader.steps == 15
+    assert loader.shapes.tail is None and loader.steps == 15
 
 
 @pytest.mark.fast
@@ -199,7 +199,7 @@ def test_both_loaders_carry_a_second_input_beside_x_row_for_row(workers):
 
     def micro_batches(loader):  # as the step reads them: one stage per full step, two micro-batches
         out = []
-        for _ in range(loader.plan.full_steps):
+        for _ in range(loader.shapes.full_steps):
             loader.stage()
             out += [{k: v.clone() for k, v in loader.next_batch().items()} for _ in range(2)]
         return out

@@ -21,9 +21,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from conf.schema import compose
 from conftest import TWO_RANKS_ON_CIFAR, Finished, free_port, launch_together
 from graphing import GraphOptions, build_executor
-from trainer.assembly import build_run
 from trainer.plan import plan_run
 from trainer.runtime import Runtime
+from trainer.trainer import Trainer
 
 QUICK = ["recipe.data.source=synthetic", "recipe.data.train_size=2048", "recipe.data.test_size=256",
          "recipe.data.eval_batch_size=128", "logger=none", "train.progress=false"]
@@ -69,8 +69,8 @@ def test_the_executor_registers_the_given_comm_hook_on_the_ddp_it_builds(process
 def built_run(tmp_path: Path, overrides):
     """The run train.py builds for ``overrides``, in this process, on its one-rank process group."""
     plan = plan_run(compose([*QUICK, f"output_root={tmp_path}", *overrides]), torch.device("cpu"), world_size=1)
-    return build_run(plan, Runtime(rank=0, local_rank=0, world_size=1, device=plan.device, distributed=False,
-                                   run_dir=tmp_path))
+    return Trainer(plan, Runtime(rank=0, local_rank=0, world_size=1, device=plan.device, distributed=False,
+                                 run_dir=tmp_path))
 
 
 def gradients(run) -> list:

@@ -51,7 +51,7 @@ def test_each_gallery_step_is_diagnosed_with_its_kind_at_the_marked_line(name, r
     expected = {(kind, source(name), line) for kind, lines in marked(name).items() for line in lines}
     assert found == expected, report.table()
     assert report.verdict == case.verdict, report.table()
-    assert report.exit_code == {"ready": 0, "blocked": 5, "captures-but-wrong": 6}[case.verdict]
+    assert report.exit_code == {"ready": 0, "blocked": 7, "captures-but-wrong": 6}[case.verdict]
     for finding in report.findings:  # every finding says what it saw and the fix, in a sentence
         assert finding.what and finding.fix.endswith("."), finding
 
@@ -65,7 +65,7 @@ def test_a_step_with_two_defects_gets_both_named_in_one_table():
     assert f"tests/helpers/doctor_gallery/two_defects.py:{lines['lr_frozen'][0]}" in table
     assert "(0.05 then 0.025)" in table  # the lr the graph would freeze, as the user wrote it
     # Both block: the capture fails on the sync, and GraphedStep refuses an lr written inside the step.
-    assert "verdict: blocked (exit 5)" in table and report.exit_code == 5
+    assert "verdict: blocked (exit 7)" in table and report.exit_code == 7
     assert [f.effect for f in report.findings] == ["blocks", "blocks"]  # GraphedStep refuses an lr set inside
 
 
@@ -125,12 +125,12 @@ def test_the_script_names_a_recipes_line_writes_doctor_json_and_logs_the_table_t
     done = capsys.readouterr()
     [line] = marked("broken_recipe")["host_sync"]
     where = f"tests/helpers/doctor_gallery/broken_recipe.py:{line}"
-    assert code == 5, done.out + done.err[-3000:]
-    assert where in done.out and "verdict: blocked (exit 5)" in done.out
+    assert code == 7, done.out + done.err[-3000:]
+    assert where in done.out and "verdict: blocked (exit 7)" in done.out
     assert "skipped without CUDA: capture attempt" in done.out  # device=cpu: the GPU checks are named
     [path] = tmp_path.rglob("doctor.json")
     report = json.loads(path.read_text())
-    assert report["verdict"] == "blocked" and report["exit_code"] == 5 and report["recipe"] == "broken"
+    assert report["verdict"] == "blocked" and report["exit_code"] == 7 and report["recipe"] == "broken"
     assert [(f["kind"], f["where"], f["effect"]) for f in report["findings"]] == [("host_sync", where, "blocks")]
     assert report["skipped"] == SKIPPED_WITHOUT_CUDA
 
@@ -184,9 +184,9 @@ def test_under_torchrun_each_rank_checks_and_rank_0_prints_one_merged_report(tmp
                   env={"PYTHONPATH": os.pathsep.join([str(HELPERS), os.environ.get("PYTHONPATH", "")])})
     [line] = marked("broken_recipe")["host_sync"]
     assert done.returncode != 0, done.stdout + done.stderr[-3000:]
-    assert done.stdout.count("verdict: blocked (exit 5)") == 1, done.stdout + done.stderr[-3000:]
+    assert done.stdout.count("verdict: blocked (exit 7)") == 1, done.stdout + done.stderr[-3000:]
     assert f"tests/helpers/doctor_gallery/broken_recipe.py:{line}" in done.stdout
-    assert "graph doctor: blocked (exit 5)" in done.stderr  # torchrun's failure report says why
+    assert "graph doctor: blocked (exit 7)" in done.stderr  # torchrun's failure report says why
     [path] = tmp_path.rglob("doctor.json")
     report = json.loads(path.read_text())
     assert report["world_size"] == 2 and report["verdict"] == "blocked"

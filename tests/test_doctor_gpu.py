@@ -135,7 +135,7 @@ def test_a_recipes_host_sync_is_named_on_cuda(tmp_path, capsys):
                  "recipe.data.train_size=1024", "logger=none", f"output_root={tmp_path}"])
     out = capsys.readouterr().out
     [line] = marked("broken_recipe")["host_sync"]
-    assert code == 5, out
+    assert code == 7, out
     assert f"tests/helpers/doctor_gallery/broken_recipe.py:{line}" in out
     assert "capture: failed" in out  # the capture was tried, and failed as the table says
 

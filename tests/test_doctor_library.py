@@ -62,7 +62,7 @@ def expected(site, package="syncing_model"):
 @pytest.mark.fast
 def test_a_librarys_host_sync_names_the_librarys_line_and_the_users_line(site):
     report = loop.diagnose_loop(site)
-    assert report.verdict == "blocked" and report.exit_code == 5
+    assert report.verdict == "blocked" and report.exit_code == 7
     kind, effect, user, library_line, where, fix = library_finding(report, site)
     assert (kind, effect, user, library_line, where) == expected(site)
     assert where in report.table()

@@ -79,12 +79,15 @@ def test_graphed_step_takes_a_fully_shard_model_as_it_is(one_rank_group):
 
 
 # Not fast: inductor compiles on a cold cache in about 20 s.
-def test_compile_under_fsdp2_compiles_each_innermost_unit_and_leaves_its_hooks_eager(one_rank_group):
+def test_compile_under_fsdp2_compiles_each_innermost_unit_and_leaves_its_hooks_eager(one_rank_group, monkeypatch):
     """graph.compile_model with a sharded model (graphing/full.py compile_sharded_units): the innermost
     FSDP2 units' forwards are compiled, the root's is not, and the sharded model computes and
     reduces its gradients as the uncompiled one does."""
     from graphing.full import compile_sharded_units
 
+    # Inductor's CPU build imports setuptools, whose distutils shim refuses to load once an earlier test in
+    # this process imported the standard library's distutils: keep the standard one.
+    monkeypatch.setenv("SETUPTOOLS_USE_DISTUTILS", "stdlib")
     torch._dynamo.reset()
     x, y = torch.randn(12, 8), torch.randn(12, 1)
     plain, compiled = sharded_mlp(), sharded_mlp()

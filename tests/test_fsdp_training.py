@@ -19,6 +19,7 @@ import yaml
 from conftest import launch_together
 from fault_injection import GATHER_REPORT, REPORT_GATHERS_ENV
 from trainer.checkpoint import list_checkpoints
+from trainer.checkpoint.layout import SHARDS_SUFFIX, temp_dir
 
 # A GPT small enough for seconds on two CPU ranks: 8 steps of 2 x 8 windows of 32 tokens.
 GPT = ["recipe=gpt_tiny", "recipe.model.n_layer=2", "recipe.model.n_head=2", "recipe.model.d_model=64",
@@ -144,7 +145,8 @@ def test_what_a_gpu_run_under_fsdp2_cannot_carry_is_refused_by_name(graph, preci
     from conf.schema import compose
     from graphing import GraphMode, GraphOptions
     from trainer.errors import ConfigError
-    from trainer.plan import fsdp_spec, optimizer_spec
+    from trainer.optim import optimizer_spec
+    from trainer.plan import fsdp_spec
 
     cfg = compose([*GPT, "train.parallel=fsdp2", f"recipe.optim._target_={optim}", "~recipe.optim.betas",
                    "~recipe.optim.weight_decay"])
@@ -166,7 +168,7 @@ def test_a_half_written_sharded_checkpoint_is_never_resumed_and_retention_clears
     damaged = run_dir / "checkpoints" / "step_00000009.dcp"
     shutil.copytree(kept[-1], damaged)
     (damaged / ".metadata").unlink()
-    temp = run_dir / "checkpoints" / ".tmp_step_00000003.dcp"
+    temp = temp_dir(run_dir, 3, SHARDS_SUFFIX)
     temp.mkdir()
     more = train_here([*args, "train.max_steps=4"])
     assert more.returncode == 0, more.stderr[-3000:]

@@ -26,9 +26,8 @@ SYNTH = ["recipe.data.source=synthetic", "recipe.data.train_size=16384", "recipe
 
 
 def in_session(overrides, tmp_path, job):
-    """``job(trainer)`` on a TrainingLoop built in this process (one rank) by train.py's session, which
-    then closes it; returns what the job returned."""
-    from trainer.loop import TrainingLoop
+    """``job(trainer, logger)`` on a Trainer built in this process (one rank) by train.py's session,
+    which then closes it; returns what the job returned."""
     from trainer.metrics_logger import MetricsLogger
     from trainer.session import Session
 
@@ -36,9 +35,9 @@ def in_session(overrides, tmp_path, job):
     out = []
 
     def train_job(session):
-        run = session.build()
-        quiet = MetricsLogger(cfg.logger, run.rt.run_dir, {}, rank=0, job_type="", enabled=False)
-        out.append(job(TrainingLoop(run, quiet)))
+        trainer = session.build()
+        quiet = MetricsLogger(cfg.logger, trainer.rt.run_dir, {}, rank=0, job_type="", enabled=False)
+        out.append(job(trainer, quiet))
         return 0
 
     assert Session(cfg).execute(train_job) == 0
@@ -46,9 +45,9 @@ def in_session(overrides, tmp_path, job):
 
 
 def fit(overrides, tmp_path):
-    def job(trainer):
-        summary = trainer.fit()
-        return list(trainer.history), summary, [p.detach().clone() for p in trainer.run.raw_model.parameters()]
+    def job(trainer, logger):
+        summary = trainer.fit(logger)
+        return list(trainer.history), summary, [p.detach().clone() for p in trainer.raw_model.parameters()]
 
     return in_session(overrides, tmp_path, job)
 
@@ -106,19 +105,18 @@ def test_dropout_in_a_captured_step_draws_new_masks_on_every_replay():
 
 
 def test_eval_graph_equals_eager_evaluation(tmp_path):
-    def job(trainer):
-        run = trainer.run
-        trainer.fit()
+    def job(trainer, logger):
+        trainer.fit(logger)
         graphed = trainer.evaluate()
-        assert (StepRole.eval, None) in run.executor.graphs
+        assert (StepRole.eval, None) in trainer.executor.graphs
         graphed_again = trainer.evaluate()  # all batches replayed from the graph this time
-        run.executor.eval_model.eval()
-        run.eval_loader.start_epoch(0)
-        run.eval_step.metrics.zero_()
-        for _ in range(run.eval_loader.steps):
-            run.eval_loader.stage()
-            run.eval_step()  # plain eager
-        loss_sum, correct, count = run.eval_step.metrics.tolist()
+        trainer.executor.eval_model.eval()
+        trainer.eval_loader.start_epoch(0)
+        trainer.eval_step.metrics.zero_()
+        for _ in range(trainer.eval_loader.steps):
+            trainer.eval_loader.stage()
+            trainer.eval_step()  # plain eager
+        loss_sum, correct, count = trainer.eval_step.metrics.tolist()
         assert count == 2000 and graphed["eval/samples"] == 2000
         assert graphed == graphed_again
         assert abs(graphed["eval/loss"] - loss_sum / count) < 1e-6

@@ -59,3 +59,18 @@ def test_graphed_step_info_still_returns_its_dict_from_report_and_warns_once(mon
         assert step.info == info
     step.close()
 
+
+
+def test_the_full_modes_old_executor_name_still_works_and_warns_once(monkeypatch):
+    import graphing.full
+    from graphing import deprecation
+
+    monkeypatch.setattr(deprecation, "_warned", set())
+    with pytest.warns(DeprecationWarning, match=r"graphing.full.WholeStepGraphExecutor is deprecated: use "
+                                                r"graphing.full.FullGraphExecutor"):
+        assert graphing.full.WholeStepGraphExecutor is graphing.full.FullGraphExecutor
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert graphing.full.WholeStepGraphExecutor is graphing.full.FullGraphExecutor  # once per process
+    with pytest.raises(AttributeError):
+        graphing.full.NoSuchExecutor

@@ -127,7 +127,7 @@ def test_mnist_smooths_its_log_probabilities_as_cross_entropy_smooths_logits():
 def test_optimizer_and_schedule_are_hydra_partials_that_the_trainer_completes():
     from hydra.utils import instantiate
 
-    from trainer.plan import optimizer_spec, schedule_spec
+    from trainer.optim import optimizer_spec, schedule_spec
 
     cfg = compose([])
     assert cfg.recipe.optim._partial_ is True and cfg.recipe.schedule._partial_ is True

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainer.data import StepLayout, micro_slice
+from trainer.data import StepShape, micro_slice
 from trainer.recipe import PADDING_MASK, Datasets, Recipe, Split, top1_correct
 from trainer.schedules import Constant, Cosine
 from graphing import GraphOptions
@@ -36,8 +36,8 @@ class FixedBatches:
     def next_batch(self):
         return dict(self.batch)
 
-    def tail_batch(self, layout, micro):
-        rows = micro_slice(layout, micro)
+    def tail_batch(self, shape, micro):
+        rows = micro_slice(shape, micro)
         return {"x": self.batch["x"][rows], "y": self.batch["y"][rows], PADDING_MASK: self.mask[rows]}
 
 
@@ -104,7 +104,7 @@ def test_a_padded_tail_step_trains_and_counts_its_real_samples_only(rows):
     alone, alone_model, _, _ = make_step(F.cross_entropy, Constant(base_lr=0.1, total_steps=10), rows=real)
     with torch.no_grad():
         out = model(x[:real])
-    tail(StepLayout(rows, tail=True, real=real))
+    tail(StepShape(rows, tail=True, real=real))
     alone()
     for p, q in zip(model.parameters(), alone_model.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
@@ -169,7 +169,7 @@ def test_the_model_compiled_with_its_loss_trains_and_counts_as_the_model_and_los
         step, model, x, y = make_step(F.cross_entropy, Constant(base_lr=0.1, total_steps=10), grad_accum,
                                       real=real, fused_loss=fused, accuracy=accuracy)
         for _ in range(3):
-            step(StepLayout((8,), tail=True, real=real) if real is not None else None)
+            step(StepShape((8,), tail=True, real=real) if real is not None else None)
         evaluation = EvalStep(step.recipe, step.model, step.loader, CPU)
         step.loader.batch = {**step.loader.batch, PADDING_MASK: torch.ones(8, dtype=torch.bool)}
         evaluation()

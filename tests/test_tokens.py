@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import pickle
+import re
 from pathlib import Path
 
 import numpy as np
@@ -79,9 +80,12 @@ def test_prepare_text_picks_the_smallest_dtype_and_refuses_what_it_cannot_read(t
     assert missing_input.value.code == bad_fraction.value.code == 2
     err = capsys.readouterr().err
     assert f"not a file: {tmp_path / 'nothing.txt'}" in err and "--val-fraction=1.5" in err
-    # A tokenizer file must exist and its package be installed; nothing is downloaded.
-    with pytest.raises(SystemExit, match=r"^--tokenizer .*tokenizer\.json: .*(tokenizers|no such file)"):
+    # A tokenizer file must exist and its package be installed; nothing is downloaded. A refusal: exit 2, once.
+    with pytest.raises(SystemExit) as no_tokenizer:
         prepare(text, "--output", tmp_path / "out", "--tokenizer", tmp_path / "tokenizer.json")
+    err = capsys.readouterr().err
+    assert no_tokenizer.value.code == 2 and len(err.splitlines()) == 1, err
+    assert re.match(r"--tokenizer .*tokenizer\.json: .*(tokenizers|no such file)", err), err
     assert not (tmp_path / "out").exists()
 
 

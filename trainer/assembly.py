@@ -1,134 +1,24 @@
-"""Builds the parts of one run from its plan, in one place, for train.py and every script.
-
-``build_run(plan, rt)``: the recipe (model, data, loss), the model on its device in
-its memory format, the loaders, the executor for the graph mode, the graph-safe
-optimizer and device-side schedule, the train and eval steps, the performance
-counters and the checkpointable state. Nothing is restored here: resuming is the
-session's next step (``TrainingState.resume``), before any warm-up or capture.
+"""What the Trainer (trainer/trainer.py) builds a run from, beside its parts: the recipe, built and
+checked for what the trainer reads from it; the model's positional inputs for executors that trace
+it; the resolved config with what the run uses. ``build_recipe_alone``: the recipe for scripts that
+need only its data or its model.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict
 
 import torch
 from omegaconf import OmegaConf
 
-from graphing import Executor, GraphMode, build_executor
-from graphing.executor import log_fallback
+from graphing import Executor
 from trainer.activation_checkpointing import apply_or_refuse as apply_activation_checkpointing
-from trainer.data import extra_input_names, item_problem, make_loader
+from trainer.data import extra_input_names, item_problem
 from trainer.errors import ConfigError
-from trainer.optim import build_optimizer, build_schedule
-from trainer.perf import Perf
-from trainer.plan import RunPlan, graph_setting, plan_run
+from trainer.plan import RunPlan, plan_run
 from trainer.recipe import Recipe
-from trainer.runtime import Runtime, seed_rank_streams
-from trainer.schedules import LRSchedule
-from trainer.seq_len import SeqLenSchedule, seq_len_schedule
-from trainer.sharding import sharded_model
-from trainer.state import TrainingState
-from trainer.step import (EvalStep, StepSettings, TrainStep, autocast_factory, build_step_model, model_call,
-                          model_call_arguments)
-
-
-@dataclass
-class Run:
-    """The parts of one run. ``raw_model`` is what checkpoints hold, whatever wraps it
-    (DDP, compile, graphs); ``model`` is what the training step calls."""
-    plan: RunPlan  # resolved for the recipe (loader, memory format)
-    rt: Runtime
-    recipe: Recipe
-    raw_model: torch.nn.Module
-    model: torch.nn.Module
-    executor: Executor
-    optimizer: torch.optim.Optimizer
-    schedule: LRSchedule
-    train_loader: Any
-    eval_loader: Any
-    train_step: TrainStep
-    eval_step: EvalStep
-    perf: Perf
-    state: TrainingState
-    config: Dict[str, Any]  # the resolved config, with what this run actually uses beside what was asked
-    steps_per_epoch: int
-    total_steps: int
-    seq_lens: Optional[SeqLenSchedule]  # recipe.data.seq_len_buckets: each step's sequence length
-    global_batch: int
-
-    def close(self) -> None:
-        """Releases graphs (before the process group goes) and the loaders' workers."""
-        self.executor.close()
-        self.train_loader.close()
-        self.eval_loader.close()
-
-
-def build_run(plan: RunPlan, rt: Runtime) -> Run:
-    cfg = plan.cfg
-    loop, data_cfg = cfg.train, cfg.recipe.data
-    recipe = _recipe(plan, rt)
-    plan = plan.for_recipe(recipe)
-    device = plan.device
-    if plan.fsdp is None:
-        model = recipe.model.to(device, memory_format=plan.memory_format)
-    else:  # each block and the root sharded over all ranks (before seed_rank_streams: a meta init draws alike)
-        model = sharded_model(recipe, device, plan.fsdp, plan.precision)
-    seed_rank_streams(cfg.seed, rt.rank)  # the model is built alike on every rank; the step's draws differ
-    train_loader = make_loader(recipe.data.train, data_cfg.batch_size, rt, kind=plan.loader, train=True,
-                               seed=cfg.seed, batches_per_step=loop.grad_accum, num_workers=data_cfg.num_workers,
-                               drop_last=data_cfg.drop_last)
-    eval_loader = make_loader(recipe.data.test, data_cfg.eval_batch_size, rt, kind=plan.loader, train=False,
-                              seed=cfg.seed, num_workers=data_cfg.num_workers)
-    steps_per_epoch = train_loader.steps
-    total_steps = loop.epochs * steps_per_epoch
-    if loop.max_steps:
-        total_steps = min(total_steps, loop.max_steps)
-    seq_lens = seq_len_schedule(data_cfg.seq_len_buckets, unit=recipe.unit, context=recipe.units_per_sample,
-                                total_steps=total_steps, recipe=recipe.name, max_graphs=plan.graph.max_graphs,
-                                shapes_per_bucket=1 + (train_loader.plan.tail is not None),
-                                graphed=plan.graph.mode is GraphMode.full)
-    executor = build_executor(plan.graph, device, ddp_kwargs=plan.ddp.kwargs, comm_hook=plan.ddp.comm_hook,
-                              on_fallback=partial(log_fallback, name=graph_setting))  # in this trainer's words
-    optimizer = build_optimizer(plan.optimizer, model.parameters(), device, captured=executor.captures_optimizer,
-                                loss_scaled=plan.precision == "fp16", sharded=plan.fsdp is not None)
-    scaler = None
-    if plan.precision == "fp16":
-        scaler = torch.amp.GradScaler(device.type, init_scale=loop.loss_scale.init,
-                                      growth_interval=loop.loss_scale.growth_interval)
-    schedule = build_schedule(plan.schedule, plan.optimizer.lr, total_steps)
-    autocast = autocast_factory(plan.precision, device)
-
-    def sample_inputs():  # the model's inputs for one preprocessed training batch, for executors that trace it
-        train_loader.stage()
-        inputs = positional_model_inputs(plan, model, recipe.preprocess(train_loader.next_batch(), True), recipe)
-        train_loader.start_epoch(0)
-        return inputs
-
-    settings = StepSettings(device=device, grad_accum=loop.grad_accum, grad_clip=loop.grad_clip, autocast=autocast,
-                            world_size=rt.world_size)
-    # What the step computes, chosen once: under graph.compile_model the model is compiled with its loss,
-    # or, sharded, block by block with the loss apart (graphing/full.py compile_sharded_units).
-    step_model = build_step_model(recipe, model, executor, settings,
-                                  with_loss=plan.graph.compile_model and plan.fsdp is None,
-                                  memory_format=plan.memory_format, sample_inputs=sample_inputs,
-                                  accuracy=cfg.recipe.accuracy)
-    train_step = TrainStep(recipe, step_model, optimizer, schedule, train_loader, settings, scaler)
-    eval_step = EvalStep(recipe, step_model, eval_loader, settings)
-    global_batch = data_cfg.batch_size * loop.grad_accum * rt.world_size
-    perf = Perf(device, units_per_step=global_batch * recipe.units_per_sample, unit=recipe.unit,
-                world_size=rt.world_size, flops_per_unit=recipe.flops_per_unit, precision=plan.precision,
-                units_per_sample=recipe.units_per_sample)
-    config = _config_used(plan, recipe, executor, rt)
-    state = TrainingState(rt, model=model, optimizer=optimizer, step_counter=train_step.step, scaler=scaler,
-                          recipe_name=recipe.name, config=config, seed=cfg.seed, keep=cfg.checkpoint.keep,
-                          steps_per_epoch=steps_per_epoch)
-    return Run(plan=plan, rt=rt, recipe=recipe, raw_model=model, model=step_model.module, executor=executor,
-               optimizer=optimizer, schedule=schedule, train_loader=train_loader, eval_loader=eval_loader,
-               train_step=train_step, eval_step=eval_step, perf=perf, state=state, config=config,
-               steps_per_epoch=steps_per_epoch, total_steps=total_steps, seq_lens=seq_lens,
-               global_batch=global_batch)
+from trainer.runtime import Runtime
+from trainer.step import model_call, model_call_arguments
 
 
 def build_recipe_alone(cfg) -> Recipe:
@@ -136,10 +26,11 @@ def build_recipe_alone(cfg) -> Recipe:
     process on the CPU with no process group: for scripts that need its data or its model only."""
     plan = plan_run(cfg, torch.device("cpu"), world_size=1)
     rt = Runtime(rank=0, local_rank=0, world_size=1, device=plan.device, distributed=False, run_dir=Path("."))
-    return _recipe(plan, rt)
+    return build_recipe(plan, rt)
 
 
-def _recipe(plan: RunPlan, rt: Runtime) -> Recipe:
+def build_recipe(plan: RunPlan, rt: Runtime) -> Recipe:
+    """The recipe the plan names, built and checked for what the trainer reads from it."""
     target = plan.cfg.recipe._target_
     recipe = plan.build_recipe(plan.cfg, rt)
     if not isinstance(recipe, Recipe):
@@ -185,7 +76,7 @@ def positional_model_inputs(plan: RunPlan, model: torch.nn.Module, batch, recipe
                       "or set graph=full (or graph=eager)")
 
 
-def _config_used(plan: RunPlan, recipe: Recipe, executor: Executor, rt: Runtime) -> Dict[str, Any]:
+def config_used(plan: RunPlan, recipe: Recipe, executor: Executor, rt: Runtime) -> Dict[str, Any]:
     """The resolved config, and beside each choice what this run actually uses."""
     config = OmegaConf.to_container(plan.cfg, resolve=True, enum_to_str=True)
     config["recipe"]["data"]["source_used"] = recipe.data.source

@@ -16,8 +16,8 @@ import os
 import sys
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
-# train.py's exit status for a config that does not compose: Hydra's run_and_report exits 1.
-EXIT_COMPOSE = 1
+from trainer.exit_codes import EXIT_CONFIG
+
 
 TRAIN_CONFIG_HELP = """\
 train.py's config: the rest of the command line (after '--' if you like), as train.py takes it.
@@ -49,7 +49,7 @@ def script_config(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]]
     None), ``config_name`` and ``train_options`` (``--config-dir``/``--config-name`` as train.py
     takes them, for a script that launches it). A config that does not compose (unknown key,
     bad value, unknown group option, missing --config-dir) prints one line, ``<script>: <Hydra's
-    words>``, on rank 0 and exits with train.py's code for it (1).
+    words>``, on rank 0 and exits with train.py's code for it (2, trainer/exit_codes.py).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     before, after = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
@@ -89,7 +89,7 @@ def script_config(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]]
     except (HydraException, OmegaConfBaseException) as error:
         if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank composes: one message
             print(f"{parser.prog}: {hydra_error_line(error)}", file=sys.stderr, flush=True)
-        sys.exit(EXIT_COMPOSE)
+        sys.exit(EXIT_CONFIG)
     return args, cfg
 
 

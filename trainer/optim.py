@@ -11,16 +11,109 @@ class or setting that cannot be captured is refused before training, naming the 
 """
 from __future__ import annotations
 
-from typing import Iterable
+import inspect
+from dataclasses import dataclass
+from typing import Any, Dict, Iterable, Optional
 
 import torch
+from omegaconf import OmegaConf
 
-from graphing import graph_safe_optimizer_kwargs, optimizer_capture_problem
+from graphing import closure_problem, graph_safe_optimizer_kwargs, optimizer_capture_problem
 from trainer.errors import ConfigError
-from trainer.plan import OptimizerSpec, ScheduleSpec
 from trainer.schedules import LRSchedule
 from trainer.shard_optimizer import on_local_shards
 from trainer.sharding import FUSED_ON_SHARDS
+from trainer.targets import import_target
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """``recipe.optim``: the class, its keyword arguments (without ``lr``) and the base lr."""
+    target: str
+    cls: type
+    kwargs: Dict[str, Any]
+    lr: float
+    accepted: frozenset  # the class's argument names
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """``recipe.schedule``: a device-side ``LRSchedule`` class and its keyword arguments."""
+    target: str
+    cls: type
+    kwargs: Dict[str, Any]
+
+
+def plain_settings(node) -> Dict[str, Any]:
+    """A config node (or dict) as a plain dict, resolved."""
+    return dict(node) if isinstance(node, dict) else OmegaConf.to_container(node, resolve=True)
+
+
+def take_partial(settings: Dict[str, Any], key: str, added: str) -> None:
+    """Takes Hydra's ``_partial_`` out of ``settings``: the trainer always completes the call itself
+    (adding ``added``), so true, or no key, is the one value that describes it."""
+    value = settings.pop("_partial_", True)
+    if value is not True:
+        shown = str(value).lower() if isinstance(value, bool) else repr(value)
+        raise ConfigError(f"{key}._partial_={shown}: the trainer calls {key}._target_ itself, adding {added}, as "
+                          f"Hydra's instantiate does with _partial_: true. Set {key}._partial_=true, or remove it "
+                          f"(~{key}._partial_)")
+
+
+def optimizer_spec(cfg_optim) -> OptimizerSpec:
+    """``recipe.optim``, checked: an importable optimizer class, a positive lr, keys the class takes."""
+    settings = plain_settings(cfg_optim)
+    take_partial(settings, "recipe.optim", "the model's parameters (and the lr as a device tensor)")
+    if "_target_" not in settings:
+        raise ConfigError("recipe.optim has no _target_: set recipe.optim._target_=torch.optim.SGD (or any "
+                          "optimizer class)")
+    lr = settings.get("lr")
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or lr <= 0:
+        raise ConfigError(f"recipe.optim.lr={lr!r} must be a positive number: set recipe.optim.lr=...")
+    target = settings["_target_"]
+    cls = import_target(target, "recipe.optim._target_", "torch.optim.AdamW")
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise ConfigError(f"recipe.optim._target_={target!r} is not a torch.optim.Optimizer class: "
+                          "set recipe.optim._target_=torch.optim.SGD (or another optimizer class)")
+    problem = _closure_problem(cls, float(lr))
+    if problem:
+        raise ConfigError(f"recipe.optim._target_={target} cannot be used: {problem}; set "
+                          "recipe.optim._target_=torch.optim.AdamW, for one")
+    parameters = inspect.signature(cls).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    kwargs = {k: v for k, v in settings.items() if k not in ("_target_", "lr")}
+    for key in kwargs:
+        if key not in parameters and not takes_any:
+            raise ConfigError(f"recipe.optim.{key} is not an argument of {target}: remove it "
+                              f"(~recipe.optim.{key}) or choose a class that takes it")
+    return OptimizerSpec(target=target, cls=cls, kwargs=kwargs, lr=float(lr), accepted=frozenset(parameters))
+
+
+def _closure_problem(cls: type, lr: float) -> Optional[str]:
+    """graphing's ``closure_problem`` for an optimizer class, asked of a one-parameter instance
+    (nothing else is built before the ranks meet); None when that instance cannot be made:
+    ``build_optimizer`` then says why."""
+    try:
+        probe = cls([torch.zeros(1, requires_grad=True)], lr=lr)
+    except Exception:
+        return None
+    return closure_problem(probe)
+
+
+def schedule_spec(cfg_schedule) -> ScheduleSpec:
+    """``recipe.schedule``, checked: a device-side ``LRSchedule`` class."""
+    settings = plain_settings(cfg_schedule)
+    take_partial(settings, "recipe.schedule", "base_lr and total_steps")
+    target = settings.pop("_target_", None)
+    cls = import_target(target, "recipe.schedule._target_", "trainer.schedules.Cosine")
+    if isinstance(cls, type) and issubclass(cls, torch.optim.lr_scheduler.LRScheduler):
+        raise ConfigError(f"recipe.schedule._target_={target} is a host-side scheduler: it sets the lr as a Python "
+                          "number between steps, which a CUDA graph never sees. Use trainer.schedules.Cosine, "
+                          "trainer.schedules.Constant or a trainer.schedules.LRSchedule subclass")
+    if not (isinstance(cls, type) and issubclass(cls, LRSchedule)):
+        raise ConfigError(f"recipe.schedule._target_={target!r} is not a trainer.schedules.LRSchedule: "
+                          "choose trainer.schedules.Constant or trainer.schedules.Cosine")
+    return ScheduleSpec(target=target, cls=cls, kwargs=settings)
 
 
 def build_optimizer(spec: OptimizerSpec, params: Iterable[torch.nn.Parameter], device: torch.device,

@@ -51,22 +51,22 @@ class Perf:
         self.timer = StepTimer(device)
         self.units_per_sample = units_per_sample  # 1, or the tokens of a sequence
         self.window_units = 0.0  # units trained by the steps timed since the last window()
-        self.layouts: Dict[str, Any] = {}  # timed phase name -> the layout its steps have
+        self.shapes: Dict[str, Any] = {}  # timed phase name -> the shape its steps have
 
-    def step(self, phase: str, layout=None) -> None:
-        """Marks the end of a step of ``phase``, training what ``layout`` holds (None: a full step)."""
+    def step(self, phase: str, shape=None) -> None:
+        """Marks the end of a step of ``phase``, training what ``shape`` holds (None: a full step)."""
         self.timer.step(phase)
-        self.window_units += self.units_of(layout)
-        if layout is not None:
-            self.layouts.setdefault(phase, layout)
+        self.window_units += self.units_of(shape)
+        if shape is not None:
+            self.shapes.setdefault(phase, shape)
 
-    def units_of(self, layout) -> float:
-        """Units one step of ``layout`` trains, all ranks: a tail its real samples, a
+    def units_of(self, shape) -> float:
+        """Units one step of ``shape`` trains, all ranks: a tail its real samples, a
         sequence-length bucket its tokens."""
-        if layout is None:
+        if shape is None:
             return self.units_per_step
-        samples = layout.real if layout.tail else self.units_per_step / self.units_per_sample
-        return samples * (layout.seq_len or self.units_per_sample)
+        samples = shape.real if shape.tail else self.units_per_step / self.units_per_sample
+        return samples * (shape.seq_len or self.units_per_sample)
 
     def window(self) -> Dict[str, float]:
         """Mean step time and throughput of the steps timed since the last call (collects events)."""
@@ -109,11 +109,11 @@ class Perf:
     def run_summary(self, headline_phase: str) -> Dict[str, Any]:
         """``perf/*`` for the results: the headline phase's numbers, the MFU peak used, memory."""
         out: Dict[str, Any] = {f"perf/{k}": v for k, v in self.phase_summary(headline_phase).items()}
-        for name, layout in self.layouts.items():  # sequence-length buckets, each timed apart
-            if name.startswith(f"{headline_phase}@") and layout.seq_len is not None and not layout.tail:
-                bucket = self.phase_summary(name, self.units_of(layout))
+        for name, shape in self.shapes.items():  # sequence-length buckets, each timed apart
+            if name.startswith(f"{headline_phase}@") and shape.seq_len is not None and not shape.tail:
+                bucket = self.phase_summary(name, self.units_of(shape))
                 for key in ("step_ms_median", f"{self.unit}_per_s", "steps_timed"):
-                    out[f"perf/bucket_T{layout.seq_len}/{key}"] = bucket[key]
+                    out[f"perf/bucket_T{shape.seq_len}/{key}"] = bucket[key]
         peak = self.peak()
         if peak is not None and self.flops_per_unit > 0:
             out["perf/mfu_peak"], out["perf/mfu_peak_tflops"] = peak

@@ -30,14 +30,14 @@ import torch
 from omegaconf import OmegaConf
 
 from conf.schema import DDPConfig, FSDPConfig, GraphConfig, LossScaleConfig
-from graphing import GraphConfigError, GraphMode, GraphOptions, closure_problem
+from graphing import GraphConfigError, GraphMode, GraphOptions
 from graphing.compat import ddp_buffer_sync_argument
+from trainer.checkpoint import is_sharded_checkpoint
 from trainer.data import choose_loader
 from trainer.errors import ConfigError
 from trainer.recipe import Recipe
-from trainer.schedules import LRSchedule
-from trainer.sharded_checkpoint import is_sharded_checkpoint
 from trainer.sharding import check_optimizer
+from trainer.optim import OptimizerSpec, ScheduleSpec, optimizer_spec, schedule_spec
 from trainer.targets import import_target
 
 
@@ -45,24 +45,6 @@ def graph_setting(name: str) -> str:
     """How this trainer's config names one of graphing's settings (messages name what to change)."""
     return {"eager_steps_before_capture": "graph.compare_steps",
             "doctor": "python scripts/doctor.py with this run's overrides"}.get(name, f"graph.{name}")
-
-
-@dataclass(frozen=True)
-class OptimizerSpec:
-    """``recipe.optim``: the class, its keyword arguments (without ``lr``) and the base lr."""
-    target: str
-    cls: type
-    kwargs: Dict[str, Any]
-    lr: float
-    accepted: frozenset  # the class's argument names
-
-
-@dataclass(frozen=True)
-class ScheduleSpec:
-    """``recipe.schedule``: a device-side ``LRSchedule`` class and its keyword arguments."""
-    target: str
-    cls: type
-    kwargs: Dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -231,7 +213,7 @@ def fsdp_spec(cfg, precision: str, graph: GraphOptions, optimizer: "OptimizerSpe
     group, owner, changed = (("fsdp", "fsdp2", _changed(t.fsdp, FSDPConfig)) if parallel == "ddp" else
                              ("ddp", "ddp", _changed(t.ddp, DDPConfig)))
     # FSDP2 never broadcasts buffers while training, as broadcast_buffers=false (a recipe's own choice, e.g.
-    # cifar10_resnet18's) asks; evaluation takes rank 0's under both (trainer/loop.py take_rank0_buffers)
+    # cifar10_resnet18's) asks; evaluation takes rank 0's under both (trainer/trainer.py take_rank0_buffers)
     changed.pop("broadcast_buffers", None)
     for key, value in changed.items():
         shown = str(value).lower() if isinstance(value, bool) else value
@@ -317,75 +299,3 @@ def graph_options(cfg, device: torch.device, world_size: int) -> GraphOptions:
                           "CUDA graph capture, which fails. Set graph=full (checkpointing is captured there), or "
                           "train.activation_checkpointing=false")
     return options
-
-
-def _plain(node) -> Dict[str, Any]:
-    return dict(node) if isinstance(node, dict) else OmegaConf.to_container(node, resolve=True)
-
-
-def _take_partial(settings: Dict[str, Any], key: str, added: str) -> None:
-    """Takes Hydra's ``_partial_`` out of ``settings``: the trainer always completes the call itself
-    (adding ``added``), so true, or no key, is the one value that describes it."""
-    value = settings.pop("_partial_", True)
-    if value is not True:
-        shown = str(value).lower() if isinstance(value, bool) else repr(value)
-        raise ConfigError(f"{key}._partial_={shown}: the trainer calls {key}._target_ itself, adding {added}, as "
-                          f"Hydra's instantiate does with _partial_: true. Set {key}._partial_=true, or remove it "
-                          f"(~{key}._partial_)")
-
-
-def optimizer_spec(cfg_optim) -> OptimizerSpec:
-    """``recipe.optim``, checked: an importable optimizer class, a positive lr, keys the class takes."""
-    settings = _plain(cfg_optim)
-    _take_partial(settings, "recipe.optim", "the model's parameters (and the lr as a device tensor)")
-    if "_target_" not in settings:
-        raise ConfigError("recipe.optim has no _target_: set recipe.optim._target_=torch.optim.SGD (or any "
-                          "optimizer class)")
-    lr = settings.get("lr")
-    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or lr <= 0:
-        raise ConfigError(f"recipe.optim.lr={lr!r} must be a positive number: set recipe.optim.lr=...")
-    target = settings["_target_"]
-    cls = import_target(target, "recipe.optim._target_", "torch.optim.AdamW")
-    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-        raise ConfigError(f"recipe.optim._target_={target!r} is not a torch.optim.Optimizer class: "
-                          "set recipe.optim._target_=torch.optim.SGD (or another optimizer class)")
-    problem = _closure_problem(cls, float(lr))
-    if problem:
-        raise ConfigError(f"recipe.optim._target_={target} cannot be used: {problem}; set "
-                          "recipe.optim._target_=torch.optim.AdamW, for one")
-    parameters = inspect.signature(cls).parameters
-    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
-    kwargs = {k: v for k, v in settings.items() if k not in ("_target_", "lr")}
-    for key in kwargs:
-        if key not in parameters and not takes_any:
-            raise ConfigError(f"recipe.optim.{key} is not an argument of {target}: remove it "
-                              f"(~recipe.optim.{key}) or choose a class that takes it")
-    return OptimizerSpec(target=target, cls=cls, kwargs=kwargs, lr=float(lr), accepted=frozenset(parameters))
-
-
-def _closure_problem(cls: type, lr: float) -> Optional[str]:
-    """graphing's ``closure_problem`` for an optimizer class, asked of a one-parameter instance
-    (nothing else is built before the ranks meet); None when that instance cannot be made:
-    ``build_optimizer`` then says why."""
-    try:
-        probe = cls([torch.zeros(1, requires_grad=True)], lr=lr)
-    except Exception:
-        return None
-    return closure_problem(probe)
-
-
-def schedule_spec(cfg_schedule) -> ScheduleSpec:
-    """``recipe.schedule``, checked: a device-side ``LRSchedule`` class."""
-    settings = _plain(cfg_schedule)
-    _take_partial(settings, "recipe.schedule", "base_lr and total_steps")
-    target = settings.pop("_target_", None)
-    cls = import_target(target, "recipe.schedule._target_", "trainer.schedules.Cosine")
-    if isinstance(cls, type) and issubclass(cls, torch.optim.lr_scheduler.LRScheduler):
-        raise ConfigError(f"recipe.schedule._target_={target} is a host-side scheduler: it sets the lr as a Python "
-                          "number between steps, which a CUDA graph never sees. Use trainer.schedules.Cosine, "
-                          "trainer.schedules.Constant or a trainer.schedules.LRSchedule subclass")
-    if not (isinstance(cls, type) and issubclass(cls, LRSchedule)):
-        raise ConfigError(f"recipe.schedule._target_={target!r} is not a trainer.schedules.LRSchedule: "
-                          "choose trainer.schedules.Constant or trainer.schedules.Cosine")
-    return ScheduleSpec(target=target, cls=cls, kwargs=settings)
-

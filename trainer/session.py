@@ -1,11 +1,13 @@
 """What every job shares, for train.py and every script: the phases, the teardown, errors -> exit code.
 
-    with Session(cfg) as session:      # on every path: teardown in reverse; an error -> one message, an exit code
-        session.plan()                 # every check that needs no data, before the ranks meet (trainer/plan.py)
-        session.join()                 # process group, an agreed run directory, logging, seeds (trainer/runtime.py)
-        run = session.build()          # the run's parts (trainer/assembly.py)
-        ...                            # the job: train (trainer/training.py), diagnose, benchmark
-    return session.exit_code
+    def job(session):                  # train (trainer/training.py), diagnose, benchmark
+        trainer = session.build()      # the Trainer (trainer/trainer.py), closed by the session
+        ...
+    return Session(cfg).execute(job)   # plan, join, job; on every path: teardown in reverse, and an
+                                       # error becomes one message and an exit code
+
+``plan``: every check that needs no data, before the ranks meet (trainer/plan.py); ``join``: the
+process group, an agreed run directory, logging, seeds (trainer/runtime.py).
 
 Teardown, in reverse: graphs and loaders (before the process group), the metrics logger (W&B),
 the process group, the log handlers. Each expected failure becomes one message, printed by rank
@@ -24,16 +26,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
 from trainer.errors import first_line
+from trainer.exit_codes import EXIT_CAPTURE, EXIT_CONFIG, EXIT_CRASH, EXIT_NONFINITE, EXIT_PREEMPTED, EXIT_STORAGE
 from trainer.log_files import log_to_file, start_logging, stop_logging
 from trainer.process import multirun_job_dir, peer_gone, tell_torchrun
 
 if TYPE_CHECKING:  # imported when first used: `train.py --help` and config errors stay fast
-    from trainer.assembly import Run
+    from trainer.trainer import Trainer
     from trainer.metrics_logger import MetricsLogger
     from trainer.plan import RunPlan
     from trainer.runtime import Runtime
 
-EXIT_CONFIG, EXIT_CAPTURE, EXIT_NONFINITE, EXIT_STORAGE, EXIT_CRASH = 2, 3, 4, 5, 1  # and trainer/stop.py: 130, 143
 
 log = logging.getLogger("train")
 
@@ -46,7 +48,7 @@ class Session:
         self.exit_code = 0
         self.run_plan: Optional["RunPlan"] = None
         self.rt: Optional["Runtime"] = None
-        self.run: Optional["Run"] = None
+        self.trainer: Optional["Trainer"] = None
         self.logger: Optional["MetricsLogger"] = None
         self._handlers: List[logging.Handler] = []
 
@@ -79,7 +81,7 @@ class Session:
         from trainer.errors import ConfigError, NonFiniteLossError, Preempted, StorageError
         from trainer.plan import graph_setting
         from trainer.runtime import env_rank, print_once
-        from trainer.stop import EXIT_PREEMPTED, stop_requested
+        from trainer.stop import stop_requested
 
         expected = ((ConfigError, EXIT_CONFIG), (CaptureError, EXIT_CAPTURE), (NonFiniteLossError, EXIT_NONFINITE),
                     (StorageError, EXIT_STORAGE))
@@ -143,12 +145,12 @@ class Session:
         seed_everything(cfg.seed, cfg.deterministic)
         return self.rt
 
-    def build(self):
-        """The run's parts (trainer/assembly.py), built once; the session closes them."""
-        from trainer.assembly import build_run
+    def build(self) -> "Trainer":
+        """The run's Trainer (trainer/trainer.py), built once; the session closes it."""
+        from trainer.trainer import Trainer
 
-        self.run = build_run(self.run_plan, self.rt)
-        return self.run
+        self.trainer = Trainer(self.run_plan, self.rt)
+        return self.trainer
 
     def open_run_dir(self) -> Path:
         """Creates the run directory (only once the run is built: a config error found while
@@ -166,8 +168,8 @@ class Session:
         return self.logger
 
     def _close(self, logger_code: int, clean: bool) -> None:
-        if self.run is not None:
-            self.run.close()  # graphs before the process group, or exit can hang
+        if self.trainer is not None:
+            self.trainer.close()  # graphs before the process group, or exit can hang
         if self.logger is not None:
             self.logger.finish(exit_code=logger_code)
         if self.rt is not None:

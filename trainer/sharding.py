@@ -22,16 +22,16 @@ The whole step (forward, backward with FSDP2's collectives, clipping, optimizer)
 by graph.mode=full like a DDP step: FSDP2's streams fork from the capture stream and join it
 within each step, and nothing outside a step leaves an event that the captured step waits on
 (checked on one GPU, tests/test_fsdp_gpu.py). What FSDP2 cannot carry is refused by the plan
-(trainer/plan.py ``fsdp_spec``); its checkpoints are trainer/sharded_checkpoint.py's.
+(trainer/plan.py ``fsdp_spec``); its checkpoints, and its whole tensors for best.pt, are
+trainer/checkpoint/dcp_shards.py's.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Iterable, List, Optional
 
 import torch
 import torch.distributed as dist
 
-from graphing.executor import is_sharded
 from trainer.errors import ConfigError
 
 # The optimizer classes whose step runs on DTensor shards, and how (torch 2.11 to 2.15). DTensor
@@ -144,52 +144,3 @@ def sharded_model(recipe, device: torch.device, spec, precision: str) -> torch.n
     if on_meta:
         materialize(model, device, recipe.init_weights, recipe.name)
     return model
-
-
-# Whole tensors of a sharded model, for what is written as one file by rank 0 (best.pt) and for reading a DDP
-# run's checkpoint file (torch's own state_dict keys) into a sharded run. A sharded run's own checkpoints are
-# written shard by shard (trainer/sharded_checkpoint.py).
-
-def _full_options(**kw):
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-    return StateDictOptions(full_state_dict=True, **kw)
-
-
-def whole_model_state(model: torch.nn.Module) -> Dict[str, Any]:
-    """``model.state_dict()`` with whole tensors; for a sharded model a collective (every rank calls it) whose
-    result is rank 0's only (other ranks get an empty dict), gathered into host memory."""
-    if not is_sharded(model):
-        return model.state_dict()
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-    return get_model_state_dict(model, options=_full_options(cpu_offload=True))
-
-
-def load_whole_model_state(model: torch.nn.Module, state: Dict[str, Any]) -> None:
-    """``model.load_state_dict(state)`` in place, whole tensors into a sharded model's shards too (every rank)."""
-    if not is_sharded(model):
-        model.load_state_dict(state)
-        return
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict
-    set_model_state_dict(model, state, options=_full_options())
-
-
-def _names_in_order(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> List[str]:
-    """The parameter names of the optimizer's groups, in the order torch's own state_dict numbers them."""
-    names = {}
-    for name, p in model.named_parameters():
-        names.setdefault(id(p), name)  # a tied parameter: its first name
-    return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
-
-
-def load_whole_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                               saved: Dict[str, Any]) -> None:
-    """``optimizer.load_state_dict(saved)`` (torch's numbered form), whole tensors into a sharded model's shards."""
-    if not is_sharded(model):
-        optimizer.load_state_dict(saved)
-        return
-    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-    names = _names_in_order(model, optimizer)
-    by_name = {"state": {names[i]: value for i, value in saved["state"].items()},
-               "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in saved["param_groups"]]}
-    set_optimizer_state_dict(model, optimizer, by_name, options=_full_options())
-

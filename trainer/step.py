@@ -16,7 +16,7 @@ from typing import Any, Callable, ContextManager, Dict, Optional, Tuple
 import torch
 
 from graphing import Executor, no_sync_except_last
-from trainer.data import StepLayout
+from trainer.data import StepShape
 from trainer.errors import ConfigError
 from trainer.recipe import PADDING_MASK, Batch, Recipe
 from trainer.schedules import LRSchedule
@@ -211,22 +211,22 @@ class TrainStep:
         # The last step's global gradient norm before clipping; only computed when clipping.
         self.grad_norm = torch.zeros((), dtype=torch.float32, device=device) if settings.grad_clip > 0 else None
 
-    def __call__(self, layout: Optional[StepLayout] = None) -> None:
-        """One optimizer step over ``layout``'s micro-batches (None: a full step of grad_accum)."""
+    def __call__(self, shape: Optional[StepShape] = None) -> None:
+        """One optimizer step over ``shape``'s micro-batches (None: a full step of grad_accum)."""
         grad_accum, grad_clip = self.settings.grad_accum, self.settings.grad_clip
-        tail = layout is not None and layout.tail
+        tail = shape is not None and shape.tail
         want_output = tail or self.correct is not None  # a full step that counts no accuracy takes the loss alone
         self.optimizer.zero_grad(set_to_none=True)  # nothing left over is summed into this step's gradients
-        micro_batches = range(len(layout.rows) if layout is not None else grad_accum)
+        micro_batches = range(len(shape.rows) if shape is not None else grad_accum)
         for micro in no_sync_except_last(self.model.module, micro_batches):  # DDP all-reduces on the last only
-            raw = self.loader.tail_batch(layout, micro) if tail else self.loader.next_batch()
+            raw = self.loader.tail_batch(shape, micro) if tail else self.loader.next_batch()
             batch = self.recipe.preprocess(raw, True)
-            if layout is not None and layout.seq_len is not None:
-                batch = truncate(batch, layout.seq_len)  # a static slice: each length its own graph
+            if shape is not None and shape.seq_len is not None:
+                batch = truncate(batch, shape.seq_len)  # a static slice: each length its own graph
             with self.settings.autocast():
                 output, loss = self.model.train(batch, output=want_output)  # the loss itself outside autocast
             if tail:
-                loss, joined = self._masked_loss(output, batch, layout)
+                loss, joined = self._masked_loss(output, batch, shape)
             else:
                 joined = self._count(loss, output, batch["y"])
                 loss = loss / grad_accum if grad_accum > 1 else loss
@@ -250,7 +250,7 @@ class TrainStep:
         if self.advance_step:
             self.step += 1
 
-    def _masked_loss(self, output: torch.Tensor, batch: Batch, layout: StepLayout
+    def _masked_loss(self, output: torch.Tensor, batch: Batch, shape: StepShape
                      ) -> Tuple[torch.Tensor, Callable[[], None]]:
         """A tail micro-batch's loss for backward: the sum over its real samples, scaled so that
         the step's gradient (summed over micro-batches, averaged over ranks by DDP) is the mean
@@ -263,7 +263,7 @@ class TrainStep:
         summed = torch.where(per_term(batch[PADDING_MASK], per_sample), per_sample, 0.0).sum()
         terms_per_sample = per_sample[0].numel()  # 1, or the tokens of a sequence
         joined = self._count(summed, output, batch["y"], mask=batch[PADDING_MASK])
-        return summed * (self.settings.world_size / (layout.real * terms_per_sample)), joined
+        return summed * (self.settings.world_size / (shape.real * terms_per_sample)), joined
 
     def _count(self, loss: torch.Tensor, output: torch.Tensor, target: torch.Tensor,
                mask: Optional[torch.Tensor] = None) -> Callable[[], None]:

@@ -26,7 +26,8 @@ import sys
 import threading
 import time
 
-EXIT_INTERRUPTED, EXIT_PREEMPTED = 130, 143
+from trainer.exit_codes import EXIT_INTERRUPTED, EXIT_PREEMPTED
+
 TERM_GRACE_S = 15.0  # SIGTERM to exit at the latest; torchrun and SLURM send SIGKILL after 30 s
 BACKSTOP_S = 5.0  # then, without the GIL: the stacks printed and exit 1, still before SIGKILL
 
@@ -37,7 +38,7 @@ _unfinished: set = set()  # temp files being written (checkpoints, results): rem
 class writing:
     """``with writing(temp_path):`` while a temp file is written: a hard exit (Ctrl-C, a second signal, the
     grace deadline) removes it rather than leaving half a file behind. A SIGKILL cannot; the next
-    checkpoint's retention removes what it left (trainer/checkpoint.py)."""
+    checkpoint's retention removes what it left (trainer/checkpoint/retention.py)."""
 
     def __init__(self, path):
         self.path = str(path)

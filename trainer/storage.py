@@ -7,7 +7,7 @@ failed``), so the room is measured here, before a write (``check_room``), and ag
 fails (``failure``), rather than read from the exception.
 
 The policy (stated in docs/checkpoints.md): rank 0 writes; the outcome travels
-to every rank in the collective that ends the write (trainer/state.py), so no rank waits for a
+to every rank in the collective that ends the write (trainer/checkpoint/state.py), so no rank waits for a
 write that failed nor trains on alone. A failed checkpoint stops the run with exit 5 and the
 last good checkpoint named: a full disk rarely frees itself, and training on without a
 checkpoint puts more work at risk with every step. Metrics rows that cannot be appended are

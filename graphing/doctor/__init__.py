@@ -2,7 +2,7 @@
 
     report = graphing.diagnose(train_step, model, optimizer, (x, y))   # or a callable that makes inputs
     print(report)                                                       # the table, the verdict, the gain
-    sys.exit(report.exit_code)                                          # 0 ready, 5 blocked, 6 captures-but-wrong
+    sys.exit(report.exit_code)                                          # 0 ready, 7 blocked, 6 captures-but-wrong
 
 ``step_fn(model, *inputs)`` is the step as ``GraphedStep`` takes it. The doctor runs it eagerly
 for ``warmup_iters`` steps with its checks on (eager_checks.py gathers them: the torch calls the
@@ -23,7 +23,7 @@ group every rank checks and all ranks get the merged report; DDP's own host sync
 10 iterations are left out. A model sharded with FSDP2 (``fully_shard``) is checked as it is,
 FSDP2's own calls left out, what its modules' forwards call judged as in one process.
 
-Verdicts and exit codes: ``ready`` (0), ``blocked`` (5: a capture fails), ``captures-but-wrong``
+Verdicts and exit codes: ``ready`` (0), ``blocked`` (7: a capture fails), ``captures-but-wrong``
 (6: it captures, and replays a frozen or wrong step). Without CUDA the checks that need a GPU
 are skipped and named in ``report.skipped``; the verdict is that of what could be checked.
 """

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from scripts.lib.comparison import comparison_rows
+from scripts.lib.refuse import refuse
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: train.py, conf/
 CPU_MODES = ("eager", "auto")  # every other mode needs a CUDA GPU
@@ -43,11 +44,11 @@ def override_key(override: str) -> str:
 
 
 def check_overrides(overrides: Sequence[str], reserved: Sequence[str], script: str) -> None:
-    """Exits with a message naming the override that the script sets itself."""
+    """Refuses (exit 2) an override that the script sets itself, naming it."""
     for override in overrides:
         if override_key(override) in reserved:
-            sys.exit(f"{script}: {override!r} is set by this script for every run: drop it "
-                     f"and use the script's options instead (see {script} --help)")
+            refuse(f"{script}: {override!r} is set by this script for every run: drop it "
+                   f"and use the script's options instead (see {script} --help)")
 
 
 def train_launcher(nproc: int, torchrun: bool = False) -> List[str]:
@@ -82,7 +83,7 @@ def run_or_exit(script: str, name: str, command: Sequence[str], timeout: float,
     _, stderr, code = run_captured(command, timeout, env)
     if code != 0:
         why = f"ran past {timeout:.0f} s" if code is None else f"failed ({code})"
-        sys.exit(f"{script}: '{name}' {why}:\n{stderr[-3000:]}")
+        sys.exit(f"{script}: '{name}' {why}:\n{stderr[-3000:]}")  # 1: a failed run, not a refusal
     return time.time() - started
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from trainer.data.epochs import (
-    StepLayout, epoch_index, micro_slice, plan_eval_epoch, plan_train_epoch, train_epoch_index,
+    StepShape, epoch_index, micro_slice, eval_epoch_size, train_epoch_shapes, train_epoch_index,
 )
 from trainer.recipe import PADDING_MASK, Batch, Split
 from trainer.runtime import Runtime
@@ -25,14 +25,14 @@ class DeviceLoader:
         self.fields = {name: values.to(rt.device) for name, values in split.fields().items()}
         self.n = len(split)
         if train:
-            self.plan = plan_train_epoch(self.n, rt.world_size, batch_size, batches_per_step, drop_last)
-            self.steps, length = self.plan.steps, self.plan.full_steps * batch_size * batches_per_step
+            self.shapes = train_epoch_shapes(self.n, rt.world_size, batch_size, batches_per_step, drop_last)
+            self.steps, length = self.shapes.steps, self.shapes.full_steps * batch_size * batches_per_step
             # The tail's indices and mask: read by static slices inside the tail step's graph.
-            self.tail_index = torch.zeros(self.plan.tail_rows, dtype=torch.long, device=rt.device)
-            self.tail_mask = torch.zeros(self.plan.tail_rows, dtype=torch.bool, device=rt.device)
+            self.tail_index = torch.zeros(self.shapes.tail_rows, dtype=torch.long, device=rt.device)
+            self.tail_mask = torch.zeros(self.shapes.tail_rows, dtype=torch.bool, device=rt.device)
         else:
-            self.plan = None
-            self.steps, length = plan_eval_epoch(self.n, rt.world_size, batch_size)
+            self.shapes = None
+            self.steps, length = eval_epoch_size(self.n, rt.world_size, batch_size)
         # The epoch's indices as rows of one micro-batch; the cursor is the row to read next.
         self.rows = torch.zeros(length // batch_size, batch_size, dtype=torch.long, device=rt.device)
         self.mask_rows = torch.zeros(length // batch_size, batch_size, dtype=torch.bool, device=rt.device)
@@ -41,7 +41,7 @@ class DeviceLoader:
 
     def start_epoch(self, epoch: int) -> None:
         if self.train:
-            full, tail, tail_mask = train_epoch_index(self.n, self.plan, self.rt, seed=self.seed, epoch=epoch)
+            full, tail, tail_mask = train_epoch_index(self.n, self.shapes, self.rt, seed=self.seed, epoch=epoch)
             self.rows.copy_(full.view_as(self.rows))
             self.tail_index.copy_(tail)
             self.tail_mask.copy_(tail_mask)
@@ -71,9 +71,9 @@ class DeviceLoader:
         self.cursor.add_(1)
         return batch
 
-    def tail_batch(self, layout: StepLayout, micro: int) -> Batch:
+    def tail_batch(self, shape: StepShape, micro: int) -> Batch:
         """Micro-batch ``micro`` of the epoch's tail step, with its mask of real samples."""
-        rows = micro_slice(layout, micro)
+        rows = micro_slice(shape, micro)
         batch = {name: values.index_select(0, self.tail_index[rows]) for name, values in self.fields.items()}
         batch[PADDING_MASK] = self.tail_mask[rows]
         return batch

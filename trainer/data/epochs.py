@@ -40,7 +40,7 @@ def check_batch_fits(n: int, world: int, samples_per_step: int, data_key: str) -
 
 
 @dataclass(frozen=True)
-class StepLayout:
+class StepShape:
     """The input rows of one training step on each rank: ``rows`` per micro-batch; a tail
     step is padded and masked, and ``real`` counts its real samples on all ranks together;
     ``seq_len``: a language model's sequence-length bucket (None: the whole window).
@@ -56,18 +56,18 @@ class StepLayout:
 
 
 @dataclass(frozen=True)
-class EpochPlan:
-    """One rank's training epoch: ``full_steps`` steps of ``full`` layout, then the ``tail`` if any."""
+class EpochShapes:
+    """One rank's training epoch: ``full_steps`` steps of the ``full`` shape, then the ``tail`` if any."""
     full_steps: int
-    full: StepLayout
-    tail: Optional[StepLayout]
+    full: StepShape
+    tail: Optional[StepShape]
 
     @property
     def steps(self) -> int:
         return self.full_steps + (self.tail is not None)
 
-    def layout(self, i: int) -> StepLayout:
-        """The layout of the epoch's step ``i``."""
+    def at(self, i: int) -> StepShape:
+        """The shape of the epoch's step ``i``."""
         return self.tail if self.tail is not None and i >= self.full_steps else self.full
 
     @property
@@ -75,7 +75,7 @@ class EpochPlan:
         return sum(self.tail.rows) if self.tail is not None else 0
 
 
-def plan_train_epoch(n: int, world: int, batch_size: int, batches_per_step: int, drop_last: bool) -> EpochPlan:
+def train_epoch_shapes(n: int, world: int, batch_size: int, batches_per_step: int, drop_last: bool) -> EpochShapes:
     """How ``n`` samples make one epoch of steps on ``world`` ranks.
 
     Full steps take ``batch_size`` x ``batches_per_step`` samples per rank. The rest (fewer
@@ -86,16 +86,16 @@ def plan_train_epoch(n: int, world: int, batch_size: int, batches_per_step: int,
     """
     per_step = batch_size * batches_per_step
     full_steps = check_batch_fits(n, world, per_step, "recipe.data")
-    full = StepLayout((batch_size,) * batches_per_step)
+    full = StepShape((batch_size,) * batches_per_step)
     rest = n - full_steps * per_step * world
     if drop_last or rest == 0:
-        return EpochPlan(full_steps, full, None)
+        return EpochShapes(full_steps, full, None)
     padded = math.ceil(rest / world)  # the most any rank has: its shard is at most one sample longer
     micro = [batch_size] * (padded // batch_size) + ([padded % batch_size] if padded % batch_size else [])
-    return EpochPlan(full_steps, full, StepLayout(tuple(micro), tail=True, real=rest))
+    return EpochShapes(full_steps, full, StepShape(tuple(micro), tail=True, real=rest))
 
 
-def plan_eval_epoch(n: int, world: int, batch_size: int) -> Tuple[int, int]:
+def eval_epoch_size(n: int, world: int, batch_size: int) -> Tuple[int, int]:
     """(steps per evaluation, padded samples per rank): the same count on every rank."""
     steps = math.ceil(math.ceil(n / world) / batch_size)
     return steps, steps * batch_size
@@ -115,16 +115,16 @@ def epoch_index(n: int, length: int, rt: Runtime, *, train: bool, seed: int, epo
     return _padded(shard_indices(n, rt.rank, rt.world_size, shuffle=train, seed=seed, epoch=epoch)[:length], length)
 
 
-def train_epoch_index(n: int, plan: EpochPlan, rt: Runtime, *, seed: int, epoch: int):
+def train_epoch_index(n: int, shapes: EpochShapes, rt: Runtime, *, seed: int, epoch: int):
     """This rank's training indices for one epoch: (full steps' indices, the tail's indices
     padded to its rows, the tail's mask of real samples)."""
     shard = shard_indices(n, rt.rank, rt.world_size, shuffle=True, seed=seed, epoch=epoch)
-    cut = plan.full_steps * sum(plan.full.rows)
-    tail, mask = _padded(shard[cut:cut + plan.tail_rows], plan.tail_rows)
+    cut = shapes.full_steps * sum(shapes.full.rows)
+    tail, mask = _padded(shard[cut:cut + shapes.tail_rows], shapes.tail_rows)
     return shard[:cut], tail, mask
 
 
-def micro_slice(layout: StepLayout, micro: int) -> slice:
+def micro_slice(shape: StepShape, micro: int) -> slice:
     """The rows of micro-batch ``micro`` within its step's rows."""
-    lo = sum(layout.rows[:micro])
-    return slice(lo, lo + layout.rows[micro])
+    lo = sum(shape.rows[:micro])
+    return slice(lo, lo + shape.rows[micro])

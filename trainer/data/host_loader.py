@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from trainer.data.epochs import (
-    StepLayout, epoch_index, micro_slice, plan_eval_epoch, plan_train_epoch, train_epoch_index,
+    StepShape, epoch_index, micro_slice, eval_epoch_size, train_epoch_shapes, train_epoch_index,
 )
 from trainer.data.items import BatchReader, keep_batch, sample_item
 from trainer.data.workers import worker_init_fn
@@ -46,11 +46,11 @@ class HostLoader:
         self.dataset, self.rt, self.train, self.seed = dataset, rt, train, seed
         self.batch_size, self.batches_per_step, self.num_workers = batch_size, batches_per_step, num_workers
         if train:
-            self.plan = plan_train_epoch(len(dataset), rt.world_size, batch_size, batches_per_step, drop_last)
-            self.steps = self.plan.steps
+            self.shapes = train_epoch_shapes(len(dataset), rt.world_size, batch_size, batches_per_step, drop_last)
+            self.steps = self.shapes.steps
         else:
-            self.plan = None
-            self.steps, self.length = plan_eval_epoch(len(dataset), rt.world_size, batch_size)
+            self.shapes = None
+            self.steps, self.length = eval_epoch_size(len(dataset), rt.world_size, batch_size)
         self.rows_per_load = batch_size * batches_per_step if train else batch_size
         shapes = {name: ((self.rows_per_load, *value.shape), value.dtype)
                   for name, value in sample_item(dataset).items()}
@@ -77,11 +77,11 @@ class HostLoader:
 
     def start_epoch(self, epoch: int) -> None:
         if self.train:
-            full, tail, tail_mask = train_epoch_index(len(self.dataset), self.plan, self.rt, seed=self.seed,
+            full, tail, tail_mask = train_epoch_index(len(self.dataset), self.shapes, self.rt, seed=self.seed,
                                                       epoch=epoch)
             rows = list(full.view(-1, self.rows_per_load))
             self.masks = [None] * len(rows)  # full rows: every sample is real
-            if self.plan.tail is not None:
+            if self.shapes.tail is not None:
                 rows.append(tail)
                 self.masks.append(tail_mask)
         else:
@@ -141,9 +141,9 @@ class HostLoader:
         self._micro = (self._micro + 1) % self.batches_per_step
         return {k: v[sl] for k, v in fields.items()}
 
-    def tail_batch(self, layout: StepLayout, micro: int) -> Batch:
+    def tail_batch(self, shape: StepShape, micro: int) -> Batch:
         """Micro-batch ``micro`` of the epoch's tail step (the first rows of the buffers), with its mask."""
-        rows = micro_slice(layout, micro)
+        rows = micro_slice(shape, micro)
         return {k: v[rows] for k, v in self.static.items()}
 
 

@@ -1,9 +1,15 @@
-"""What a checkpoint holds of a training run, and putting it back.
+"""What a checkpoint holds of a training run, saving it, and putting it back.
 
-Saved by rank 0 (trainer/checkpoint.py writes the file atomically; a sharded model's checkpoint is
-written by every rank, its own shards, and published by rank 0: trainer/sharded_checkpoint.py): model, optimizer,
-fp16's loss scaler (scale and growth tracker), step (so the position in the epoch), every
-rank's RNG states, the W&B run id, the recipe and the resolved config. Restored on every rank before warm-up and capture, in
+A checkpoint holds the model, the optimizer, fp16's loss scaler (scale and growth tracker), the step
+(so the position in the epoch), every rank's RNG states, the W&B run id, the recipe and the resolved
+config. How it is laid out on disk is the format's business, chosen once here from the model
+(trainer/checkpoint/choice.py): every rank takes its part (``CheckpointFormat.stage``: nothing for
+one file, its own shards for DCP), then rank 0 writes the rest and publishes it, and retention keeps
+the newest ``checkpoint.keep``.
+
+A storage failure stops every rank alike (trainer/storage.py's policy): rank 0's outcome reaches
+every rank in the broadcast that ends the write, a check every rank makes is gathered, and each
+says the last good checkpoint and what to do. Restored on every rank before warm-up and capture, in
 place, so that DDP and any captured graph keep reading the same tensors.
 """
 from __future__ import annotations
@@ -15,15 +21,15 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from graphing.executor import is_sharded
-from trainer import storage
-from trainer.checkpoint import (UnreadableCheckpoint, check_compatible, check_same_epochs, checkpoint_dir,
-                                latest_checkpoint, load_checkpoint, load_model_state, load_optimizer_state,
-                                publish_sharded_checkpoint, put_model_state, rng_state, save_best, save_checkpoint,
-                                set_rng_state, write_sharded_checkpoint)
+from trainer.checkpoint.choice import format_for
+from trainer.checkpoint.compatibility import check_compatible, check_same_epochs
+from trainer.checkpoint.find import latest_checkpoint, load_checkpoint
+from trainer.checkpoint.one_file import save_best
+from trainer.checkpoint.restore import load_model_state, load_optimizer_state, put_model_state
+from trainer.checkpoint.retention import add_checkpoint
+from trainer.checkpoint.rng import rng_state, set_rng_state
+from trainer.checkpoint.unreadable import UnreadableCheckpoint
 from trainer.errors import ConfigError, StorageError
-from trainer.sharded_checkpoint import SUFFIX, local_bytes as sharded_checkpoint_bytes
-from trainer.sharding import whole_model_state
 from trainer.runtime import Runtime, print_once, seed_rank_streams
 
 log = logging.getLogger(__name__)
@@ -34,12 +40,17 @@ class TrainingState:
                  step_counter: torch.Tensor, recipe_name: str, config: Dict[str, Any], seed: int, keep: int,
                  scaler: Optional["torch.amp.GradScaler"] = None, steps_per_epoch: int = 0):
         self.rt, self.model, self.optimizer, self.step_counter = rt, model, optimizer, step_counter
+        self.format = format_for(model)  # what this run writes, chosen once
         self.steps_per_epoch = steps_per_epoch  # saved: a resume with epochs of another length is refused
         self.scaler = scaler
         self.recipe_name, self.config, self.seed, self.keep = recipe_name, config, seed, keep
         self.last_saved: Optional[Path] = None  # the newest checkpoint this run wrote (rank 0 knows the path)
         self.last_good: Optional[Path] = None  # the newest checkpoint on disk known good: resumed from, or written
         self.best: Optional[Dict[str, Any]] = None  # {"metric", "value", "step"} of best.pt, carried across resumes
+
+    @property
+    def is_main(self) -> bool:
+        return self.rt.is_main
 
     def _all_rng_states(self):
         """Every rank's RNG states, in rank order (each rank draws its own dropout and augmentation)."""
@@ -52,7 +63,8 @@ class TrainingState:
 
     def save(self, step: int, epoch: int, wandb_run_id: Optional[str],
              before: Optional[Callable[[], None]] = None) -> None:
-        """Rank 0 writes the full training state; every rank takes part (RNG states) and learns the outcome.
+        """Every rank takes its part (RNG states; a sharded model's shards), then rank 0 writes the rest of the
+        training state and publishes the checkpoint, and every rank learns the outcome.
 
         ``before``: rank 0's other writes due first (metrics rows that could not be appended).
         A storage failure on rank 0 reaches every rank in the broadcast that ends the save, and
@@ -64,43 +76,14 @@ class TrainingState:
                  "config": self.config, "best": self.best}
         if self.scaler is not None:
             extra["scaler"] = self.scaler.state_dict()  # scale and growth tracker: the next steps depend on them
-        if is_sharded(self.model):
-            self._save_sharded(step, extra, before)
-            return
-
-        def write() -> None:
-            state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), **extra}
-            if before is not None:
-                before()
-            self.last_saved = self.last_good = save_checkpoint(self.rt.run_dir, step, state, self.keep)
-
-        self.on_rank0(write)
-
-    def _save_sharded(self, step: int, extra: Dict[str, Any], before: Optional[Callable[[], None]]) -> None:
-        """Every rank writes its shards (after all agree there is room for them); then rank 0 adds the rest of
-        the state and publishes the checkpoint, and every rank learns the outcome."""
-        local = storage.HEADROOM + sharded_checkpoint_bytes(self.model, self.optimizer)
-        problem = None
-        try:
-            storage.check_room("checkpoint", checkpoint_dir(self.rt.run_dir) / f"step_{step:08d}{SUFFIX}", local)
-        except StorageError as e:
-            problem = self.storage_advice(str(e))
-        problems = [problem]
-        if self.rt.distributed:
-            problems = [None] * self.rt.world_size
-            dist.all_gather_object(problems, problem)
-        failed = next((p for p in problems if p), None)  # every rank holds every rank's answer: all raise alike
-        if failed:
-            raise StorageError(failed)
-        try:
-            temp = write_sharded_checkpoint(self.rt.run_dir, step, self.model, self.optimizer, self.rt.is_main)
-        except StorageError as e:
-            raise StorageError(self.storage_advice(str(e))) from None
+        run_dir = self.rt.run_dir
+        staged = self.format.stage(self, run_dir, step, self.model, self.optimizer)
 
         def write() -> None:
             if before is not None:
                 before()
-            self.last_saved = self.last_good = publish_sharded_checkpoint(self.rt.run_dir, temp, extra, self.keep)
+            self.last_saved = self.last_good = add_checkpoint(
+                run_dir, self.keep, lambda: self.format.write(run_dir, step, staged, extra))
 
         self.on_rank0(write)
 
@@ -114,6 +97,22 @@ class TrainingState:
             except StorageError as e:
                 failed = self.storage_advice(str(e))
         self.agree_on_storage(failed)
+
+    def on_every_rank(self, check: Callable[[], None]) -> None:
+        """Every rank runs ``check``; a storage failure on any rank raises on every rank, each holding every
+        rank's answer, with the first failing rank's message: all raise alike, none waits in a collective."""
+        problem = None
+        try:
+            check()
+        except StorageError as e:
+            problem = self.storage_advice(str(e))
+        problems = [problem]
+        if self.rt.distributed:
+            problems = [None] * self.rt.world_size
+            dist.all_gather_object(problems, problem)
+        failed = next((p for p in problems if p), None)
+        if failed:
+            raise StorageError(failed)
 
     def storage_advice(self, said: str) -> str:
         """A storage failure's message, completed with the last good checkpoint and what to do."""
@@ -155,8 +154,9 @@ class TrainingState:
             state = _load_named(path, resume)
         check_compatible(state, self.recipe_name, resume=resume, path=path)
         check_same_epochs(state, self.config, self.steps_per_epoch, resume=resume, path=path)
-        load_model_state(self.model, state, self.config, resume=resume, path=path)  # in place: DDP and graphs see it
-        load_optimizer_state(self.optimizer, state["optimizer"], model=self.model)
+        load_model_state(self.model, state, self.config, resume=resume, path=path,  # in place: DDP and graphs see it
+                         fmt=self.format)
+        load_optimizer_state(self.optimizer, state["optimizer"], model=self.model, fmt=self.format)
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])  # in place where the scale exists already
         self.step_counter.fill_(state["step"])
@@ -179,12 +179,11 @@ class TrainingState:
                         "(training continues, but not bit for bit as it would have)", len(saved), self.rt.world_size)
         seed_rank_streams(self.seed + int(state["step"]), self.rt.rank)
 
-
     def init_weights(self, path: str) -> None:
         """Starts from the model weights of ``path`` (any run's checkpoint or best.pt); optimizer and step fresh."""
         try:
             saved = load_checkpoint(Path(path))["model"]
-            put_model_state(self.model, saved)  # in place, like a resume (into a sharded model's shards too)
+            put_model_state(self.model, saved, self.format)  # in place, like a resume (into a sharded model's shards)
         except (UnreadableCheckpoint, KeyError, RuntimeError) as e:
             cause = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
             raise ConfigError(f"checkpoint.init_from={path} cannot start this model ({cause}): point it at a "
@@ -201,7 +200,7 @@ class TrainingState:
         if self.best is not None and (value >= self.best["value"] if lower_is_better else value <= self.best["value"]):
             return False
         self.best = {"metric": metric, "value": value, "step": step}
-        model_state = whole_model_state(self.model)  # every rank: a sharded model's shards are gathered
+        model_state = self.format.whole_model_state(self.model)  # every rank: a sharded model's shards are gathered
         self.on_rank0(lambda: save_best(self.rt.run_dir, {"model": model_state, "step": step,
                                                            "best": self.best, "recipe": self.recipe_name,
                                                            "config": self.config}))
