@@ -131,8 +131,27 @@ def test_compare_with_two_processes_launches_torchrun(comparison):
 @cpu_only
 def test_overrides_the_script_sets_itself_are_refused(tmp_path):
     proc = script("compare.py", "--output", str(tmp_path), "--", "graph=full")
-    assert proc.returncode != 0 and "'graph=full' is set by this script" in proc.stderr
+    assert proc.returncode == 2, proc.stderr[-3000:]  # a refusal (scripts/lib/refuse.py), not a crash (1)
+    assert proc.stderr.count("'graph=full' is set by this script") == 1 and "Traceback" not in proc.stderr
     assert not (tmp_path / "runs").exists()
+
+
+@cpu_only
+def test_check_fsdp2_puts_sharded_training_next_to_ddp_in_one_table(tmp_path):
+    tiny = ["recipe=gpt_tiny", "recipe.model.n_layer=1", "recipe.model.d_model=32", "recipe.model.n_head=2",
+            "recipe.model.context=16"]
+    proc = script("check_fsdp2.py", "--nproc", "2", "--steps", "14", "--output", str(tmp_path), "--", *tiny,
+                  timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "check_fsdp2.json").read_text())["rows"]
+    assert [(r["parallel"], r["mode"]) for r in rows] == [("ddp", "eager"), ("ddp", "full"), ("fsdp2", "eager"),
+                                                         ("fsdp2", "full")]
+    ddp, fsdp2 = (next(r for r in rows if (r["parallel"], r["mode"]) == (p, "eager")) for p in ("ddp", "fsdp2"))
+    for row in (ddp, fsdp2):  # on CPU the eager pair runs over gloo; graph=full is not available
+        assert row["status"] == "ok" and row["world_size"] == 2 and row["throughput"] > 0, row
+    assert fsdp2["final_loss"] == pytest.approx(ddp["final_loss"], rel=1e-3)  # sharded, it trains as DDP does
+    assert all(r["status"] == NOT_AVAILABLE for r in rows if r["mode"] == "full")
+    assert "| fsdp2 | eager |" in proc.stdout and (tmp_path / "check_fsdp2.md").read_text() in proc.stdout
 
 
 def outcome(mode, samples_per_s=None, **results):
@@ -283,7 +302,8 @@ def test_the_projection_does_not_extrapolate_beyond_the_sweep(tmp_path):
 # ---- every script reads train.py's config as train.py does ------------------------------
 
 OVERRIDE_SCRIPTS = ["doctor.py", "profile_step.py", "bench_input.py", "bench_checkpointing.py", "bench_shapes.py",
-                    "bench_gpt2.py", "export_images.py", "project_scaling.py", "compare.py", "sweep.py"]
+                    "bench_gpt2.py", "export_images.py", "project_scaling.py", "compare.py", "sweep.py",
+                    "check_fsdp2.py", "bench_torchtitan.py"]
 # It imports torch at module level (an example to read top to bottom): its --help takes torch's import time too.
 TORCH_AT_IMPORT = {"own_loop.py"}
 ALL_SCRIPTS = sorted(p.name for p in (ROOT / "scripts").glob("*.py") if p.name != "__init__.py")
@@ -407,7 +427,7 @@ def test_every_script_reports_a_bad_choice_as_train_py_does(tmp_path, name):
            "project_scaling.py": ["--sweep", str(tmp_path / "none.json"), "--recipe", "mnist", "--global-batch", "64"],
            "sweep.py": ["--output", str(tmp_path / "sw"), "--"]}.get(name, [])
     proc = script(name, *own, "graph.capture_error_mode=sometimes", timeout=60)
-    assert proc.returncode == 1, proc.stderr[-3000:]  # train.py's code for it (test_bad_input.py's table)
+    assert proc.returncode == 2, proc.stderr[-3000:]  # train.py's code for it (trainer/exit_codes.py EXIT_CONFIG)
     assert proc.stderr == (f"{name}: Error merging override graph.capture_error_mode=sometimes; "
                            "Invalid value 'sometimes', expected one of [global, thread_local, relaxed]\n")
     assert not any(tmp_path.iterdir())
@@ -457,7 +477,7 @@ def test_profile_steps_idle_gaps_are_the_time_no_stream_runs_an_op():
 
 
 @pytest.mark.fast
-def test_the_projection_reads_the_committed_sweeps_file_layout(tmp_path):
+def test_the_projection_reads_the_committed_sweeps_file_layout(tmp_path, capsys):
     """scripts/results/sweeps_h200.json keeps one-GPU sweeps by recipe, its points without recipe or nproc."""
     from scripts.project_scaling import main
 
@@ -471,9 +491,13 @@ def test_the_projection_reads_the_committed_sweeps_file_layout(tmp_path):
                      "--gpus", "1,2", "--params", "1000000", "--output", str(tmp_path / name)]) == 0
         rows[name] = json.loads((tmp_path / name / "projection.json").read_text())["rows"]
     assert rows["by_recipe"] == rows["flat"] and len(rows["flat"]) == 2
-    with pytest.raises(SystemExit, match="no 1-GPU eager"):
-        main(["--sweep", str(tmp_path / "by_recipe.json"), "--recipe", "gpt_tiny", "--global-batch", "64",
-              "--params", "1000000"])
+    capsys.readouterr()
+    for sweep, words in (("by_recipe.json", "no 1-GPU eager"), ("none.json", "no such file")):
+        with pytest.raises(SystemExit) as refused:
+            main(["--sweep", str(tmp_path / sweep), "--recipe", "gpt_tiny", "--global-batch", "64",
+                  "--params", "1000000"])
+        err = capsys.readouterr().err
+        assert refused.value.code == 2 and err.count(words) == 1 and len(err.splitlines()) == 1, err
 
 
 @pytest.mark.fast
@@ -516,9 +540,40 @@ def test_bench_allreduce_scales_over_every_gpu_count_the_machine_has():
     assert "| 256 | full | 100 | 150 (1.50x, 0.75) | 300 (3.00x, 0.75) |" in table, table
 
 
+@pytest.mark.fast
+def test_a_refusal_is_one_message_from_rank_0_and_the_config_error_code(capsys, monkeypatch):
+    from scripts.lib.refuse import refuse
+    from trainer.exit_codes import EXIT_CONFIG, EXIT_CRASH
+
+    for rank, said in (("0", "bad input\n"), ("1", "")):  # under torchrun every rank refuses alike: one says it
+        monkeypatch.setenv("RANK", rank)
+        with pytest.raises(SystemExit) as refused:
+            refuse("bad input")
+        assert refused.value.code == EXIT_CONFIG == 2 != EXIT_CRASH and capsys.readouterr().err == said
+
+
+NO_CUDA = [  # (script, its arguments, its refusal without a CUDA GPU)
+    ("bench_allreduce.py", [], "bench_allreduce.py compares 2 or more GPUs with one: this machine has 0"),
+    ("bench_checkpointing.py", [], "bench_checkpointing.py measures GPU memory and step time"),
+    ("bench_input.py", ["--folder", "{tmp}/png"], "bench_input.py measures a graphed GPU step"),
+    ("profile_step.py", [], "profile_step.py measures GPU kernels"),
+    ("reference_gpt2.py", [], "reference_gpt2.py times a GPU"),
+]
+
+
+@cpu_only
+@pytest.mark.parametrize("name,args,words", NO_CUDA, ids=[n for n, _, _ in NO_CUDA])
+def test_a_benchmark_without_cuda_refuses_with_the_config_error_code(tmp_path, name, args, words):
+    proc = script(name, *[a.format(tmp=tmp_path) for a in args], timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]  # a refusal (scripts/lib/refuse.py), not a crash (1)
+    assert proc.stderr.count(words) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert not any(tmp_path.iterdir()), "nothing written"
+
+
 def test_a_benchmark_run_that_fails_or_hangs_stops_its_script_naming_it():
     """Every script's child process goes through scripts/lib/launch.py: a failed run ends the script with its
-    name and stderr; one past its time limit hands back what it printed (bench_checkpointing's trials read it)."""
+    name and stderr (exit 1: a failure, not a refusal); one past its time limit hands back what it printed
+    (bench_checkpointing's trials read it)."""
     from scripts.lib.launch import run_captured, run_or_exit
 
     assert run_or_exit("bench_x", "ok", [sys.executable, "-c", "pass"], timeout=60) >= 0

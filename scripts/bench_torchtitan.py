@@ -1,0 +1,530 @@
+"""This repo against torchtitan (PyTorch's reference trainer) on the GPUs of one machine, Llama 3 8B and a 1B
+shape, in one table (issue 40).
+
+    python scripts/bench_torchtitan.py                                 # both sizes, every GPU, both sides
+    python scripts/bench_torchtitan.py --size 8b --nproc 4 --steps 30
+    python scripts/bench_torchtitan.py --size 1b --ours full --theirs compiled --ac full
+    python scripts/bench_torchtitan.py --size 8b --ours none --append  # one side now, the other in a later call
+    python scripts/bench_torchtitan.py --dry-run --nproc 2             # what both sides would run; no GPU needed
+
+For each size it runs torchtitan training its own Llama 3 model (``--theirs``: eager, compiled), then this
+repo training the same architecture (``--ours``: ``graph=full``, ``graph=full_compiled``), one run after
+another on ``--nproc`` GPUs, and prints one table: tokens/s per GPU, MFU, step ms median and p90, peak
+allocated and reserved memory per GPU, and the loss at the first and the last step (both start from random
+weights: about ln(128256) = 11.8 at step 1).
+
+torchtitan's side: its own model, sharding and optimizer, in this repo's small loop (not its trainer).
+scripts/lib/torchtitan_worker.py, under torchrun, builds torchtitan 0.2.2's Llama 3 model
+(``torchtitan.models.llama3``, TransformerModelArgs of its ``8B`` flavour), applies its ``parallelize_llama``
+(FSDP2 with bf16 parameters and fp32 gradient reduction, per-block ``torch.compile`` with the loss compiled
+too, activation checkpointing as torchtitan applies them) and its optimizer and LR scheduler builders, and
+runs what torchtitan's ``Trainer.train_step`` does (forward, summed loss over the global token count,
+backward, gradient clipping at 1.0, optimizer step, scheduler step) on synthetic token ids. Why not
+torchtitan's own trainer (``torchtitan.train``): its data stack reads its tokenizer and the c4_test data from
+the torchtitan repository's tests/assets, which the wheel does not carry, and the GPU machines reach no
+network to fetch them; it times steps with its own logger (a mean between log lines), not with the timer
+whose median and p90 this table reports; and it would train on other text than this repo's side. The
+worker drives the same model, sharding, compile, activation checkpointing, optimizer, schedule and step
+order; what is left out is its data loader, checkpointing, metrics logging and validation.
+
+This repo's side: ``train.py recipe=hf_causal_lm`` with the same shape as a transformers LlamaConfig
+(``recipe.model.config``: scripts/lib/llama3.py ``hf_config``), ``train.parallel=fsdp2``, through
+scripts/lib/launch.py as scripts/compare.py launches its runs, its numbers from results.json and its losses
+from metrics.jsonl (``train.log_every=1``).
+
+Matched on both sides: the shape; the data (the same windows of the synthetic language of
+``recipe.data.source=synthetic``, each used once, in each side's own order); ``--seq-len`` x ``--local-batch`` tokens per GPU per step; FSDP2 over every GPU
+with fp32 weights, bf16 compute and fp32 gradient reduction, resharding blocks after forward; activation
+checkpointing, ``--ac``: ``full`` recomputes every transformer block on both sides (torchtitan's ``full``
+mode; ``train.activation_checkpointing=true``), ``none`` neither (default ``auto``: full for 8b, none for
+1b); fused AdamW (lr 3e-4, betas 0.9/0.95, eps 1e-8, weight decay 0.1: torchtitan's 8B preset), linear LR
+warm-up over 10 steps then constant, gradient clipping at 1.0; ``--warmup-steps`` untimed steps (this repo:
+11 eager steps, then the capture) and ``--steps`` timed ones, with the same timer (graphing.StepTimer).
+MFU uses one FLOP formula for both (scripts/lib/llama3.py ``training_flops_per_token``:
+6 x (parameters - token embedding) + 12 x layers x width x sequence length per token, what both trainers
+log) against trainer/perf.py's dense bf16 peak of the GPU.
+
+Shapes (scripts/lib/llama3.py): ``8b`` is torchtitan's 8B flavour, 4096 x 32 layers, 32 heads / 8 KV heads,
+FFN 14336, vocabulary 128256, RoPE theta 500000: 8,030,261,248 parameters. torchtitan 0.2.2 has no ~1B
+Llama 3 flavour, so ``1b`` is 2048 x 16 layers, 32 heads / 8 KV heads, FFN 8192, the rest as 8B, head
+untied: 1,498,482,688 parameters.
+
+What fits where: fp32 weights, gradients and AdamW's moments take 16 bytes per parameter, sharded over the
+GPUs: 128.5 GB for 8B (64 GB per GPU on 2, 32 on 4, 16 on 8), 24 GB for 1B. Activations and logits at 8192
+x 1 tokens per GPU add roughly 10-15 GB with ``--ac full`` and 45-60 GB for 8B with ``--ac none``
+(estimates, not measured). So 8B at 8192 x 1: ``--ac full`` on 2 or more H200s (about 139 GiB each) or 4
+or more H100s (about 78 GiB); ``--ac none`` wants 4 or more H200s. 1B fits one GPU either way. This repo's
+side also builds the whole model in fp32 on the host in every rank before sharding it (32 GB per rank for
+8B). A run that fails (out of memory, say) stays in the table with its status; the script then exits 1.
+
+Prints the table; writes it to ``--output`` (default scripts/results/torchtitan_<N>gpu.json, with the
+Markdown beside it as .md) and every run's directory and logs under ``--runs``. ``--append`` keeps the rows of
+an existing ``--output`` that this call does not rerun, so several calls (one per size or side) make one table.
+Needs torchtitan for ``--theirs`` (``pip install -r scripts/requirements-torchtitan.txt``) and CUDA GPUs;
+without either it says so and exits 2. ``--dry-run`` needs neither.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import shlex
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # run as `python scripts/bench_torchtitan.py`: find conf/ and scripts/
+
+from scripts.lib.comparison import comparison_rows  # noqa: E402
+from scripts.lib.launch import (  # noqa: E402
+    RESERVED, command, cuda_device_count, exit_on_sigterm, launch_mode, override_key, run_captured, timestamp,
+)
+from scripts.lib.llama3 import (  # noqa: E402
+    BETAS, EPS, LR, LR_WARMUP_STEPS, MAX_NORM, SHAPES, WEIGHT_DECAY, LlamaShape, hf_config, hydra_value, mfu_pct,
+    parameter_count, training_flops_per_token,
+)
+from scripts.lib.refuse import refuse  # noqa: E402
+from trainer.cli import script_config  # noqa: E402
+from trainer.results import markdown_table, write_json  # noqa: E402
+
+SCRIPT = "bench_torchtitan.py"
+TORCHTITAN = "0.2.2"  # the release read for the shapes and settings; scripts/requirements-torchtitan.txt pins it
+THEIRS, OURS = ("eager", "compiled"), ("full", "full_compiled")
+INSTALL = (f"install it: pip install -r scripts/requirements-torchtitan.txt (torchtitan=={TORCHTITAN} and its "
+           "requirements). On a machine without a package index, bring them as wheels: on one with pip, "
+           "`pip download --no-deps -d wheels -r scripts/requirements-torchtitan.txt` (with --python-version and "
+           "--platform of that machine), then there `pip install --no-index --no-deps wheels/*.whl`")
+OUR_WARMUP = 12  # this repo's untimed steps at least: graph.warmup_iters=11 eager steps, then the capture step
+# Settings of this repo's runs that the comparison depends on, refused as the user's overrides: these keys
+# exactly, and every key under the second group's.
+SETS = (*RESERVED, "recipe", "logger", "seed")
+SETS_UNDER = ("recipe.model", "recipe.optim", "recipe.schedule", "recipe.data.source", "recipe.data.batch_size",
+              "recipe.data.train_size", "recipe.data.test_size", "recipe.data.drop_last", "recipe.accuracy",
+              "train.parallel", "train.precision", "train.fsdp.reduce_dtype", "train.activation_checkpointing",
+              "train.grad_clip", "train.grad_accum", "train.max_steps", "train.epochs", "train.eval",
+              "train.log_every", "graph.warmup_iters")
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line and exit 2 (scripts/lib/refuse.py), not argparse's usage and message
+        refuse(f"{SCRIPT}: {message} (see {SCRIPT} --help)")
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
+
+
+def variants(allowed: Sequence[str], flag: str):
+    def parse(text: str) -> List[str]:
+        if text.strip() == "none":
+            return []
+        items = [item.strip() for item in text.split(",") if item.strip()]
+        unknown = [item for item in items if item not in allowed]
+        if unknown or not items:
+            raise argparse.ArgumentTypeError(f"{flag} {text!r}: choose from {', '.join(allowed)}, comma-separated, "
+                                             "or none")
+        return list(dict.fromkeys(items))
+    return parse
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One size's runs: what both sides train and for how long."""
+    shape: LlamaShape
+    nproc: int
+    seq_len: int
+    local_batch: int
+    warmup_steps: int
+    steps: int
+    ac: str  # none | full
+    seed: int = 0
+
+    @property
+    def total_steps(self) -> int:
+        return self.warmup_steps + self.steps
+
+    @property
+    def tokens_per_gpu_step(self) -> int:
+        return self.seq_len * self.local_batch
+
+    @property
+    def flops_per_token(self) -> float:
+        return training_flops_per_token(self.shape, self.seq_len)
+
+
+def plans(args: argparse.Namespace, nproc: int) -> List[Plan]:
+    sizes = list(SHAPES) if args.size == "both" else [args.size]
+    return [Plan(SHAPES[size], nproc, args.seq_len, args.local_batch, args.warmup_steps, args.steps,
+                 args.ac if args.ac != "auto" else ("full" if size == "8b" else "none"), args.seed) for size in sizes]
+
+
+# ---- the commands of both sides --------------------------------------------------------
+
+def theirs_command(plan: Plan, variant: str, output: Path, deadline_s: float) -> List[str]:
+    """torchrun over scripts/lib/torchtitan_worker.py (a module: it imports scripts.lib and recipes)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={plan.nproc}",
+            "-m", "scripts.lib.torchtitan_worker", "--size", plan.shape.name, "--seq-len", str(plan.seq_len),
+            "--local-batch", str(plan.local_batch), "--warmup-steps", str(plan.warmup_steps),
+            "--steps", str(plan.steps), "--ac", plan.ac, *(["--compile"] if variant == "compiled" else []),
+            "--seed", str(plan.seed), "--deadline-s", f"{deadline_s:g}", "--output", str(output)]
+
+
+def ours_overrides(plan: Plan) -> List[str]:
+    """train.py's overrides for this repo's side of ``plan`` (scripts/lib/launch.py adds graph= and output_root=)."""
+    windows = plan.nproc * plan.local_batch * plan.total_steps  # every step in one epoch, each window used once
+    return ["recipe=hf_causal_lm", "recipe.model.config=null",
+            f"+recipe.model.config={hydra_value(hf_config(plan.shape))}", f"recipe.model.context={plan.seq_len}",
+            "recipe.data.source=synthetic", f"recipe.data.batch_size={plan.local_batch}",
+            f"recipe.data.train_size={windows}", f"recipe.data.test_size={plan.nproc}", "recipe.data.drop_last=true",
+            "recipe.accuracy=false",  # torchtitan computes no accuracy: no argmax over the vocabulary per step
+            f"recipe.optim.lr={LR!r}", f"recipe.optim.betas={hydra_value(list(BETAS))}",
+            f"recipe.optim.weight_decay={WEIGHT_DECAY!r}", f"+recipe.optim.eps={EPS!r}",
+            "recipe.schedule._target_=trainer.schedules.Constant", f"recipe.schedule.warmup_steps={LR_WARMUP_STEPS}",
+            "~recipe.schedule.min_lr_ratio",
+            "train.parallel=fsdp2", "train.precision=bf16", "train.fsdp.reduce_dtype=fp32",
+            f"train.activation_checkpointing={'true' if plan.ac == 'full' else 'false'}",
+            f"train.grad_clip={MAX_NORM!r}", "train.grad_accum=1", f"train.max_steps={plan.total_steps}",
+            "train.epochs=1", "train.eval=false", "train.log_every=1", "train.progress=false",
+            f"graph.warmup_iters={plan.warmup_steps - 1}", "checkpoint.save=false", "logger=none",
+            f"seed={plan.seed}"]
+
+
+def ours_args(plan: Plan, args: argparse.Namespace) -> List[str]:
+    return [*args.train_options, *ours_overrides(plan), *args.overrides]
+
+
+def group_of(plan: Plan) -> str:
+    return f"bench_torchtitan-{plan.shape.name}"
+
+
+def matched_settings(plan: Plan) -> List[Tuple[str, str, str]]:
+    """(setting, torchtitan's side, this repo's side): what the table's two sides hold equal."""
+    s = plan.shape
+    ac = {"full": ("activation_checkpoint.mode=full (every block)", "train.activation_checkpointing=true (every block)"),
+          "none": ("activation_checkpoint.mode=none", "train.activation_checkpointing=false")}[plan.ac]
+    return [
+        ("model", f"torchtitan Transformer, TransformerModelArgs {s.flavour or '8B, resized'}",
+         "transformers LlamaForCausalLM from recipe.model.config"),
+        ("shape", f"{s.layers} x {s.dim}, {s.heads} heads / {s.kv_heads} KV, FFN {s.ffn_hidden}, vocab {s.vocab}",
+         "the same (hidden_size, num_hidden_layers, ..., intermediate_size, vocab_size)"),
+        ("RoPE", f"theta {s.rope_theta:g}, Llama 3.1 scaling (factor 8)", "rope_parameters: rope_type llama3, the same"),
+        ("attention (not matched)", "SDPA, causal, cuDNN's kernel first (torchtitan's wrapper)",
+         "SDPA, causal, as transformers calls it (torch's kernel order)"),
+        ("initial weights (not matched)", "torchtitan's init_weights (depth-scaled)",
+         "transformers' (normal, std 0.02): step-1 losses differ by tenths"),
+        ("tokens per GPU per step", f"{plan.seq_len} x {plan.local_batch}",
+         f"recipe.model.context={plan.seq_len}, recipe.data.batch_size={plan.local_batch}"),
+        ("data", f"the same windows of the synthetic language (recipes.gpt), seed {plan.seed}",
+         f"recipe.data.source=synthetic, seed={plan.seed}"),
+        ("sharding", "parallelize_llama: FSDP2 over every GPU, blocks resharded after forward",
+         "train.parallel=fsdp2, train.fsdp.reshard_after_forward=true"),
+        ("precision", "fp32 weights; FSDP2 bf16 parameters, fp32 reduce",
+         "train.precision=bf16 (FSDP2 bf16 parameters), train.fsdp.reduce_dtype=fp32"),
+        ("activation checkpointing", *ac),
+        ("compile", "eager; compiled: compile.enable (each block, and the loss)",
+         "graph=full (one CUDA graph); full_compiled: each block compiled, the loss apart, in the graph"),
+        ("optimizer", f"AdamW fused, lr {LR:g}, betas {BETAS[0]}/{BETAS[1]}, eps {EPS:g}, weight decay {WEIGHT_DECAY}",
+         "recipe.optim: torch.optim.AdamW, the same (fused)"),
+        ("LR schedule", f"warm-up {LR_WARMUP_STEPS} steps, then constant", f"trainer.schedules.Constant, warmup_steps={LR_WARMUP_STEPS}"),
+        ("gradient clipping", f"max_norm {MAX_NORM}", f"train.grad_clip={MAX_NORM}"),
+        ("steps", f"{plan.warmup_steps} untimed, {plan.steps} timed",
+         f"{plan.warmup_steps - 1} eager + capture untimed, {plan.steps} timed (graph.warmup_iters)"),
+    ]
+
+
+# ---- rows of the table -----------------------------------------------------------------
+
+def make_row(plan: Plan, run: str, status: str, timed: Dict[str, Any], peaks: Tuple[Any, Any],
+             losses: Tuple[Optional[float], Optional[float]], peak_tflops: Optional[float],
+             run_dir: Optional[str]) -> Dict[str, Any]:
+    """One run's row. tokens/s per GPU = tokens per GPU per step / mean step time, MFU from the one FLOP
+    formula (scripts/lib/llama3.py), for both sides alike."""
+    mean = timed.get("step_ms_mean")
+    tokens = plan.tokens_per_gpu_step * 1e3 / mean if mean else None
+    mfu = mfu_pct(tokens, plan.flops_per_token, peak_tflops) if tokens and peak_tflops else None
+    return {"size": plan.shape.name, "run": run, "nproc": plan.nproc, "seq_len": plan.seq_len,
+            "local_batch": plan.local_batch, "ac": plan.ac, "tokens_per_s_per_gpu": tokens, "mfu_pct": mfu,
+            "step_ms_median": timed.get("step_ms_median"), "step_ms_p90": timed.get("step_ms_p90"),
+            "step_ms_mean": mean, "steps_timed": timed.get("steps_timed"),
+            "peak_allocated_mib": peaks[0], "peak_reserved_mib": peaks[1],
+            "loss_first": losses[0], "loss_last": losses[1], "status": status, "run_dir": run_dir}
+
+
+def theirs_row(plan: Plan, variant: str, result: Optional[Dict[str, Any]], status: str,
+               peak_tflops: Optional[float], run_dir: Optional[str]) -> Dict[str, Any]:
+    r = result or {}
+    losses = r.get("losses") or [None]
+    return make_row(plan, f"torchtitan {variant}", status, r, (r.get("peak_allocated_mib"), r.get("peak_reserved_mib")),
+                    (losses[0], losses[-1]), peak_tflops, run_dir)
+
+
+def ours_row(plan: Plan, mode: str, outcome: Dict[str, Any], peak_tflops: Optional[float]) -> Dict[str, Any]:
+    r = outcome.get("results") or {}
+    status = comparison_rows([outcome])[0]["status"]  # flags a fallback to eager, or only warm-up steps timed
+    timed = {k.removeprefix("perf/"): r.get(k) for k in ("perf/step_ms_median", "perf/step_ms_p90",
+                                                          "perf/step_ms_mean", "perf/steps_timed")}
+    return make_row(plan, f"this repo {mode}", status, timed, (r.get("perf/peak_allocated_mib"),
+                    r.get("perf/peak_reserved_mib")), train_losses(outcome.get("run_dir"), plan.total_steps),
+                    peak_tflops, outcome.get("run_dir"))
+
+
+def train_losses(run_dir: Optional[str], last_step: int) -> Tuple[Optional[float], Optional[float]]:
+    """The train loss logged at step 1 and at ``last_step`` in the run's metrics.jsonl (train.log_every=1)."""
+    if not run_dir or not (Path(run_dir) / "metrics.jsonl").is_file():
+        return None, None
+    by_step = {}
+    for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line) if line.strip() else {}
+        if "train/loss" in row:
+            by_step[row["step"]] = row["train/loss"]
+    return by_step.get(1), by_step.get(last_step)
+
+
+COLUMNS = [("size", "size", "{}"), ("run", "run", "{}"), ("ac", "AC", "{}"),
+           ("tokens_per_s_per_gpu", "tokens/s per GPU", "{:,.0f}"), ("mfu_pct", "MFU", "{:.1f}%"),
+           ("step_ms_median", "step ms median", "{:,.1f}"), ("step_ms_p90", "step ms p90", "{:,.1f}"),
+           ("peak_allocated_mib", "peak allocated MiB per GPU", "{:,.0f}"),
+           ("peak_reserved_mib", "peak reserved MiB per GPU", "{:,.0f}"),
+           ("loss_first", "loss, step 1", "{:.3f}"), ("loss_last", "loss, last step", "{:.3f}"),
+           ("status", "status", "{}")]
+
+
+def cell(value: Any, form: str) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "—"
+    return form.format(value).replace("|", "\\|")
+
+
+def report(rows: Sequence[Dict[str, Any]], run_plans: Sequence[Plan], device: str,
+           peak: Optional[Tuple[str, float]]) -> str:
+    """The Markdown that is printed and saved: the table, then what its numbers are."""
+    nprocs = sorted({row["nproc"] for row in rows}) or [p.nproc for p in run_plans[:1]]
+    lines = [f"## torchtitan {TORCHTITAN} against this repo: Llama 3 on {'/'.join(map(str, nprocs))} x {device}", "",
+             markdown_table([header for _, header, _ in COLUMNS],
+                            [[cell(row.get(key), form) for key, _, form in COLUMNS] for row in rows]), ""]
+    for plan in run_plans:
+        s = plan.shape
+        lines.append(f"- `{s.name}`: {s.layers} layers x {s.dim}, {s.heads} heads / {s.kv_heads} KV heads, FFN "
+                     f"{s.ffn_hidden}, vocabulary {s.vocab}, RoPE theta {s.rope_theta:g}: {parameter_count(s):,} "
+                     f"parameters; {plan.flops_per_token / 1e9:.2f} GFLOP per token at {plan.seq_len} tokens; "
+                     f"{plan.seq_len} x {plan.local_batch} tokens per GPU per step; {plan.warmup_steps} untimed "
+                     f"steps, then {plan.steps} timed.")
+    peak_text = f"{peak[0]}, {peak[1]:g} TFLOP/s (trainer/perf.py)" if peak else "no known peak for this GPU: no MFU"
+    lines += ["", "FLOPs per token = 6 x (parameters - token embedding) + 12 x layers x width x sequence length, "
+              f"one formula for both sides (scripts/lib/llama3.py); MFU against {peak_text}. tokens/s per GPU = "
+              "tokens per GPU per step / mean step time. Step times: the interval between step ends "
+              "(graphing.StepTimer) over the timed steps. Memory: rank 0's GPU, the peak over the whole run. "
+              "Losses: the mean over all GPUs' tokens.", ""]
+    for plan in run_plans[:1]:
+        lines += [markdown_table(["matched", "torchtitan", "this repo"], [list(m) for m in matched_settings(plan)])]
+    return "\n".join(lines) + "\n"
+
+
+# ---- running ---------------------------------------------------------------------------
+
+def failure_line(stderr: str) -> str:
+    """The line that says why a run failed: the first error its processes printed (the rank that failed first;
+    others then fail on the broken connection), not torchrun's own report; else its last line."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip() and not set(line.strip()) <= set("=-")]
+    own = [line for line in lines if "ChildFailedError" not in line and "torch.distributed.elastic" not in line]
+    named = [line for line in own if "ran past" in line or re.search(r"\w*(Error|Exception)\b:|\berror:", line)]
+    return (named[:1] or lines[-1:] or ["(no output)"])[0][-300:]
+
+
+def run_theirs(plan: Plan, variant: str, runs: Path, timeout: float) -> Tuple[Optional[Dict[str, Any]], str, str]:
+    """One torchtitan run: (its result, status, its directory)."""
+    folder = runs / plan.shape.name / f"torchtitan_{variant}"
+    folder.mkdir(parents=True, exist_ok=True)
+    result_file = folder / "result.json"
+    cmd = theirs_command(plan, variant, result_file, deadline_s=timeout)
+    (folder / "command.txt").write_text(shlex.join(cmd) + "\n")
+    stdout, stderr, code = run_captured(cmd, timeout + 120, env={"PYTHONUNBUFFERED": "1"})
+    (folder / "stdout.log").write_text(stdout)
+    (folder / "stderr.log").write_text(stderr)
+    if code is None:
+        return None, f"timed out after {timeout + 120:g} s", str(folder)
+    if code != 0 or not result_file.is_file():
+        return None, f"failed (exit {code}): {failure_line(stderr)}", str(folder)
+    return json.loads(result_file.read_text()), "ok", str(folder)
+
+
+def torchtitan_version() -> str:
+    """torchtitan's version, once its Llama 3 model imports (in a child: no torch in this process yet);
+    refuses (exit 2) with how to install it otherwise. Runs before anything looks for CUDA."""
+    import importlib.util
+
+    if importlib.util.find_spec("torchtitan") is None:
+        refuse(f"{SCRIPT}: --theirs runs torchtitan, which this Python ({sys.executable}) cannot import: {INSTALL}. "
+               "(--theirs none runs this repo's side alone; --dry-run shows both sides' commands.)")
+    code = "import torchtitan, torchtitan.models.llama3; print(torchtitan.__version__)"
+    stdout, stderr, status = run_captured([sys.executable, "-c", code], 600)
+    if status != 0:
+        refuse(f"{SCRIPT}: torchtitan is installed but its Llama 3 model does not import "
+               f"({failure_line(stderr)}): {INSTALL}")
+    found = stdout.strip().splitlines()[-1] if stdout.strip() else "?"
+    if found != TORCHTITAN:
+        print(f"{SCRIPT}: warning: torchtitan {found} is installed; the shapes and settings here were read from "
+              f"{TORCHTITAN} (the worker checks the shape it builds)", file=sys.stderr, flush=True)
+    return found
+
+
+def merged(rows: List[Dict[str, Any]], output: Path) -> List[Dict[str, Any]]:
+    """``rows`` after the rows of ``output`` (an earlier call's) that they do not replace."""
+    if not output.is_file():
+        return rows
+    key = lambda row: (row["size"], row["run"], row["nproc"], row["seq_len"], row["local_batch"], row["ac"])  # noqa: E731
+    fresh = {key(row) for row in rows}
+    return [row for row in json.loads(output.read_text()).get("rows", []) if key(row) not in fresh] + rows
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = Parser(prog=SCRIPT, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                    epilog="train.py's overrides given here go to this repo's runs, after the script's own settings\n"
+                           "(those are refused as overrides: they keep the two sides matched).")
+    parser.add_argument("--size", choices=("8b", "1b", "both"), default="both", help="which shape (default both)")
+    parser.add_argument("--nproc", type=int, default=None, help="GPUs, one process each (default: every GPU)")
+    parser.add_argument("--seq-len", type=positive_int, default=8192, help="tokens per sequence (default 8192)")
+    parser.add_argument("--local-batch", type=positive_int, default=1, help="sequences per GPU per step (default 1)")
+    parser.add_argument("--steps", type=positive_int, default=20, help="timed steps per run (default 20)")
+    parser.add_argument("--warmup-steps", type=positive_int, default=OUR_WARMUP,
+                        help=f"untimed steps before them, at least {OUR_WARMUP}: this repo's 11 eager steps and its "
+                             f"capture (default {OUR_WARMUP})")
+    parser.add_argument("--ours", type=variants(OURS, "--ours"), default=list(OURS),
+                        help="this repo's graph modes: full, full_compiled, or none (default both)")
+    parser.add_argument("--theirs", type=variants(THEIRS, "--theirs"), default=list(THEIRS),
+                        help="torchtitan's runs: eager, compiled (compile.enable), or none (default both)")
+    parser.add_argument("--ac", choices=("auto", "none", "full"), default="auto",
+                        help="activation checkpointing on both sides (default auto: full for 8b, none for 1b)")
+    parser.add_argument("--seed", type=int, default=0, help="of the data and the weights, both sides (default 0)")
+    parser.add_argument("--output", type=Path, default=None,
+                        help="the table's JSON (default scripts/results/torchtitan_<N>gpu.json; .md beside it)")
+    parser.add_argument("--runs", type=Path, default=None,
+                        help="every run's directory and logs (default outputs/bench_torchtitan/<timestamp>)")
+    parser.add_argument("--append", action="store_true",
+                        help="keep the rows of an existing --output that this call does not rerun")
+    parser.add_argument("--timeout", type=positive_int, default=1800, help="seconds one run may take (default 1800)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print both sides' commands and the matched settings, run nothing (no GPU needed)")
+    # A bad option, then a typo in train.py's part, fail here, once: the part composed with this repo's side's
+    # settings (no torch imported).
+    def checked_defaults(a: argparse.Namespace) -> List[str]:
+        check(parser, a)
+        return ours_overrides(plans(a, a.nproc or 1)[0])
+
+    args, _ = script_config(parser, argv, defaults=checked_defaults)
+    if args.dry_run:
+        return dry_run(args)
+    version = torchtitan_version() if args.theirs else None  # before CUDA: the install line, on any machine
+    gpus = cuda_device_count()
+    if gpus == 0:
+        refuse(f"{SCRIPT}: both sides train on CUDA GPUs and this machine has none (--dry-run prints what would run)")
+    nproc = args.nproc or gpus
+    if nproc > gpus:
+        refuse(f"{SCRIPT}: --nproc {nproc}: this machine has {gpus} CUDA GPU{'s' * (gpus > 1)}")
+    return run(args, plans(args, nproc), version)
+
+
+def check(parser: Parser, args: argparse.Namespace) -> None:
+    """Refuses (one line, exit 2) what cannot run or would break the match."""
+    if args.nproc is not None and args.nproc < 1:
+        parser.error(f"--nproc {args.nproc}: must be at least 1")
+    if args.warmup_steps < OUR_WARMUP:
+        parser.error(f"--warmup-steps {args.warmup_steps}: must be at least {OUR_WARMUP} (this repo's 11 eager "
+                     "warm-up steps and its capture; torchtitan gets as many, so both train as many steps)")
+    if not args.ours and not args.theirs:
+        parser.error("--ours none and --theirs none: nothing to run")
+    for override in args.overrides:
+        key = override_key(override)
+        if key in SETS or any(key == s or key.startswith(s + ".") for s in SETS_UNDER):
+            parser.error(f"{override!r} is set by this script to match torchtitan's side: drop it")
+
+
+def dry_run(args: argparse.Namespace) -> int:
+    nproc = args.nproc or max(cuda_device_count(), 1)
+    runs = (args.runs or ROOT / "outputs" / "bench_torchtitan" / "<timestamp>").resolve()
+    output = args.output or ROOT / "scripts" / "results" / f"torchtitan_{nproc}gpu.json"
+    run_plans = plans(args, nproc)
+    print(f"{SCRIPT} --dry-run: {nproc} GPU{'s' * (nproc > 1)}; runs under {runs}; table to {output}\n")
+    for plan in run_plans:
+        s = plan.shape
+        print(f"[{s.name}] {s.layers} x {s.dim}, {s.heads}/{s.kv_heads} heads, FFN {s.ffn_hidden}, vocab {s.vocab}: "
+              f"{parameter_count(s):,} parameters, {plan.flops_per_token:,.0f} FLOPs per token at {plan.seq_len}; "
+              f"activation checkpointing {plan.ac}")
+        for variant in args.theirs:
+            cmd = theirs_command(plan, variant, runs / s.name / f"torchtitan_{variant}" / "result.json", args.timeout)
+            print(f"{s.name} torchtitan {variant}: {shlex.join(cmd)}")
+        for mode in args.ours:
+            cmd = command(mode, plan.nproc, ours_args(plan, args), runs / s.name / "runs" / mode, group_of(plan),
+                          group_of(plan))
+            print(f"{s.name} this repo {mode}: {shlex.join(cmd)}")
+        print()
+    print(markdown_table(["matched", "torchtitan", "this repo"], [list(m) for m in matched_settings(run_plans[0])]))
+    return 0
+
+
+def run(args: argparse.Namespace, run_plans: List[Plan], version: Optional[str]) -> int:
+    import torch  # after the checks: --help, bad input and the refusals answer without it
+
+    from trainer.perf import peak_tflops
+
+    exit_on_sigterm()  # a SIGTERM stops the run in flight (scripts/lib/launch.py) on the way out
+    device = torch.cuda.get_device_name(0)
+    peak = peak_tflops(device, "bf16")
+    nproc = run_plans[0].nproc
+    runs = (args.runs or ROOT / "outputs" / "bench_torchtitan" / timestamp()).resolve()
+    output = (args.output or ROOT / "scripts" / "results" / f"torchtitan_{nproc}gpu.json").resolve()
+    print(f"{SCRIPT}: {nproc} x {device}, torch {torch.__version__}, torchtitan {version or '(not run)'}; "
+          f"runs under {runs}", flush=True)
+    rows: List[Dict[str, Any]] = []
+    for plan in run_plans:
+        for variant in args.theirs:
+            result, status, folder = run_theirs(plan, variant, runs, args.timeout)
+            rows.append(theirs_row(plan, variant, result, status, peak[1] if peak else None, folder))
+            say(rows[-1])
+        for mode in args.ours:
+            print(f"{SCRIPT}: [{plan.shape.name}] this repo {mode}: running", flush=True)
+            outcome = launch_mode(mode, plan.nproc, ours_args(plan, args), runs / plan.shape.name, group=group_of(plan),
+                                  run_name=group_of(plan), timeout=args.timeout, cuda=True)
+            stderr = runs / plan.shape.name / "runs" / mode / "stderr.log"
+            if outcome["status"].startswith("failed (exit") and stderr.is_file():  # the error, not torchrun's last line
+                outcome["status"] = f"failed (exit {outcome['exit_code']}): {failure_line(stderr.read_text())}"
+            rows.append(ours_row(plan, mode, outcome, peak[1] if peak else None))
+            say(rows[-1])
+    table_rows = merged(rows, output) if args.append else rows
+    text = report(table_rows, run_plans, device, peak)
+    print("\n" + text)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    write_json(output, {"device": device, "torch": torch.__version__, "torchtitan": version, "peak": peak,
+                        "sizes": {p.shape.name: {"shape": vars(p.shape), "parameters": parameter_count(p.shape),
+                                                 "flops_per_token": p.flops_per_token, "seq_len": p.seq_len,
+                                                 "local_batch": p.local_batch, "ac": p.ac, "nproc": p.nproc,
+                                                 "warmup_steps": p.warmup_steps, "steps": p.steps,
+                                                 "train_args": ours_args(p, args)} for p in run_plans},
+                        "matched": [list(m) for m in matched_settings(run_plans[0])], "rows": table_rows})
+    output.with_suffix(".md").write_text(text)
+    print(f"wrote {output} and {output.with_suffix('.md').name}; runs in {runs}")
+    return 1 if any(not row["status"].startswith("ok") for row in rows) else 0
+
+
+def say(row: Dict[str, Any]) -> None:
+    """Each run's numbers as they come: a machine taken away mid-benchmark still leaves them in the log."""
+    numbers = ""
+    if row["tokens_per_s_per_gpu"] is not None:
+        numbers = (f": {row['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, MFU {cell(row['mfu_pct'], '{:.1f}%')}, "
+                   f"step {cell(row['step_ms_median'], '{:,.1f}')} ms median, loss {cell(row['loss_first'], '{:.3f}')}"
+                   f" -> {cell(row['loss_last'], '{:.3f}')}, peak reserved {cell(row['peak_reserved_mib'], '{:,.0f}')} MiB")
+    print(f"{SCRIPT}: [{row['size']}] {row['run']}: {row['status']}{numbers}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,400 @@
+"""scripts/bench_torchtitan.py, this repo against torchtitan on Llama 3 8B and 1B (issue 40), on the CPU.
+
+A user gets one line and exit 2 for a bad option, and without torchtitan the command that installs it, before
+anything looks for a GPU. Both sides train the same shape: torchtitan 0.2.2's 8B flavour (8.03e9 parameters)
+and the 1B shape, as this repo's hf_causal_lm config, with one FLOP formula for both sides' MFU, the one each
+trainer logs. ``--dry-run`` prints both sides' commands with the matched settings; no torchtitan or GPU needed.
+Where transformers (an extra) or torchtitan is installed, their own models are built on the meta device and
+counted against the formula.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import shlex
+import pytest
+
+from conftest import ROOT, launch, needs_extra
+from scripts.lib.llama3 import (
+    SHAPES, embedding_parameters, ffn_hidden_size, hf_config, mfu_pct, parameter_count,
+    training_flops_per_token,
+)
+
+import scripts.bench_torchtitan as bench  # noqa: E402  (a test may import a script; scripts do not)
+
+HAVE_TORCHTITAN = importlib.util.find_spec("torchtitan") is not None
+SCRIPT = str(ROOT / "scripts" / "bench_torchtitan.py")
+
+
+def plan(size: str = "8b", nproc: int = 2, ac: str = "full", steps: int = 20) -> "bench.Plan":
+    return bench.Plan(SHAPES[size], nproc=nproc, seq_len=8192, local_batch=1, warmup_steps=12, steps=steps, ac=ac)
+
+
+# ---- the command line ------------------------------------------------------------------
+
+BAD = [  # (arguments, words of the one line)
+    (["--size", "3b"], "argument --size: invalid choice: '3b'"),
+    (["--nproc", "0"], "--nproc 0: must be at least 1"),
+    (["--nproc", "-2"], "--nproc -2: must be at least 1"),
+    (["--nproc", "two"], "argument --nproc: invalid int value: 'two'"),
+    (["--seq-len", "abc"], "argument --seq-len: 'abc' is not a positive integer"),
+    (["--seq-len", "0"], "argument --seq-len: '0' is not a positive integer"),
+    (["--seq-len", "-8192"], "argument --seq-len: '-8192' is not a positive integer"),
+    (["--seq-len", "8.5"], "argument --seq-len: '8.5' is not a positive integer"),
+    (["--local-batch", "0"], "argument --local-batch: '0' is not a positive integer"),
+    (["--warmup-steps", "5"], "--warmup-steps 5: must be at least 12"),
+    (["--ours", "compile"], "--ours 'compile': choose from full, full_compiled"),
+    (["--theirs", "eager,fast"], "--theirs 'eager,fast': choose from eager, compiled"),
+    (["--ours", "none", "--theirs", "none"], "nothing to run"),
+    (["--", "train.parallel=ddp"], "'train.parallel=ddp' is set by this script"),
+    (["--", "recipe.model.config.hidden_size=8"], "'recipe.model.config.hidden_size=8' is set by this script"),
+    (["--", "recipe=gpt_tiny"], "'recipe=gpt_tiny' is set by this script"),
+    (["--", "train.epochz=3"], "Key 'epochz' not in 'TrainLoopConfig'"),
+]
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("args,words", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_a_bad_option_is_one_line_and_exit_2(args, words, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        bench.main(["--dry-run", *args])
+    out, err = capsys.readouterr()
+    assert stopped.value.code == 2, err
+    assert err.splitlines() == [err.strip()] and err.startswith("bench_torchtitan.py: "), err
+    assert words in err and "Traceback" not in err and not out
+
+
+@pytest.mark.skipif(HAVE_TORCHTITAN, reason="checks the refusal where torchtitan is not installed")
+def test_without_torchtitan_it_says_how_to_install_it_before_looking_for_cuda():
+    proc = launch(["--nproc", "2"], script=SCRIPT, timeout=60, env={"PYTHONPROFILEIMPORTTIME": "1"})
+    imported = {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    message = "".join(line for line in proc.stderr.splitlines(keepends=True) if not line.startswith("import time:"))
+    assert proc.returncode == 2, message  # a refusal (scripts/lib/refuse.py), not a crash (1)
+    assert message.splitlines() == [message.strip()] and not proc.stdout
+    assert "pip install -r scripts/requirements-torchtitan.txt" in message
+    assert "pip download --no-deps -d wheels -r scripts/requirements-torchtitan.txt" in message and "--no-index" in message  # no index
+    assert "CUDA" not in message and "GPU" not in message
+    # Nothing looked for CUDA: that needs torch, which this run never imported.
+    assert "argparse" in imported and not {m for m in imported if m == "torch" or m.startswith("torch.")}
+
+
+@pytest.mark.skipif(HAVE_TORCHTITAN, reason="checks the refusal where torchtitan is not installed")
+def test_with_this_repos_side_alone_it_needs_no_torchtitan_but_a_gpu():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("checks the refusal on a machine without CUDA")
+    proc = launch(["--theirs", "none", "--nproc", "2"], script=SCRIPT, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == ("bench_torchtitan.py: both sides train on CUDA GPUs and this machine has none "
+                                   "(--dry-run prints what would run)")
+
+
+# ---- the shapes, their counts and the FLOP formula ---------------------------------------
+
+@pytest.mark.fast
+def test_the_shapes_are_torchtitans_8b_and_the_stated_1b():
+    eight, one = SHAPES["8b"], SHAPES["1b"]
+    assert (eight.dim, eight.layers, eight.heads, eight.kv_heads, eight.vocab, eight.rope_theta, eight.flavour) == \
+        (4096, 32, 32, 8, 128256, 500000.0, "8B")
+    assert (one.dim, one.layers, one.heads, one.kv_heads, one.vocab, one.rope_theta, one.flavour) == \
+        (2048, 16, 32, 8, 128256, 500000.0, None)
+    # torchtitan's feed-forward rule, checked on Llama 3's published sizes: 8B 14336, 70B 28672, 405B 53248.
+    assert (eight.ffn_hidden, one.ffn_hidden) == (14336, 8192)
+    assert ffn_hidden_size(8192, 1.3, 4096) == 28672 and ffn_hidden_size(16384, 1.2, 4096) == 53248
+    # By hand: embedding + 32 x (q 4096^2 + k, v 4096 x 1024 + o 4096^2 + 3 x 4096 x 14336 + 2 norms) + norm + head.
+    layer = 4096 * 4096 * 2 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 4096
+    assert parameter_count(eight) == 2 * 128256 * 4096 + 32 * layer + 4096 == 8_030_261_248
+    assert parameter_count(one) == 1_498_482_688
+    assert embedding_parameters(eight) == 525_336_576
+
+
+@pytest.mark.fast
+def test_one_flop_formula_six_n_plus_the_attention_term():
+    eight = SHAPES["8b"]
+    dense = 6 * (8_030_261_248 - 128256 * 4096)
+    attention = 12 * 32 * 4096 * 8192
+    assert training_flops_per_token(eight, 8192) == dense + attention == 57_914_449_920
+    assert training_flops_per_token(eight, 4096) == dense + attention // 2
+    assert training_flops_per_token(SHAPES["1b"], 2048) == 6 * (1_498_482_688 - 128256 * 2048) + 12 * 16 * 2048 * 2048
+    # MFU: a GPU training 4096 tokens/s of 8B at T=8192 against a 989 TFLOP/s peak (trainer/perf.py's H100/H200 SXM).
+    assert mfu_pct(4096, 57_914_449_920, 989.0) == pytest.approx(100 * 4096 * 57_914_449_920 / 989e12)
+    assert mfu_pct(4096, 57_914_449_920, 989.0) == pytest.approx(23.985, abs=1e-3)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("size,ac", [("8b", "full"), ("1b", "none")])
+def test_this_repos_side_composes_the_same_shape_and_matched_settings(size, ac):
+    from omegaconf import OmegaConf
+
+    from conf.schema import compose
+
+    p = plan(size, nproc=4, ac=ac, steps=30)
+    cfg = compose([*bench.ours_overrides(p), "graph=full_compiled"])
+    model = OmegaConf.to_container(cfg.recipe.model, resolve=True)
+    assert model["config"] == hf_config(SHAPES[size]) and model["path"] is None and model["context"] == 8192
+    config = model["config"]
+    assert (config["hidden_size"], config["num_hidden_layers"], config["intermediate_size"], config["vocab_size"]) == \
+        (SHAPES[size].dim, SHAPES[size].layers, SHAPES[size].ffn_hidden, 128256)
+    assert config["rope_parameters"] == {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                         "original_max_position_embeddings": 8192}
+    assert config["tie_word_embeddings"] is False
+    t = cfg.train
+    assert (t.parallel.value, t.precision.value, t.fsdp.reduce_dtype.value, t.fsdp.reshard_after_forward) == \
+        ("fsdp2", "bf16", "fp32", True)
+    assert t.activation_checkpointing is (ac == "full")
+    assert (t.max_steps, t.grad_clip, t.grad_accum, t.log_every, t.eval) == (42, 1.0, 1, 1, False)
+    assert cfg.graph.warmup_iters == 11 and cfg.graph.compile_model is True
+    data = cfg.recipe.data
+    assert (data.source, data.batch_size, data.train_size, data.drop_last) == ("synthetic", 1, 4 * 42, True)
+    optim = OmegaConf.to_container(cfg.recipe.optim)
+    assert optim == {"_target_": "torch.optim.AdamW", "_partial_": True, "lr": 3e-4, "betas": [0.9, 0.95],
+                     "weight_decay": 0.1, "eps": 1e-8}
+    assert OmegaConf.to_container(cfg.recipe.schedule) == {"_target_": "trainer.schedules.Constant",
+                                                           "_partial_": True, "warmup_steps": 10}
+    assert cfg.recipe.accuracy is False and cfg.checkpoint.save is False
+
+
+@pytest.mark.extras
+@pytest.mark.parametrize("size", ["8b", "1b"])
+def test_transformers_builds_each_shape_with_these_counts(size):
+    needs_extra("transformers")
+    import torch
+    from omegaconf import OmegaConf
+
+    from conf.schema import compose
+    from recipes import hf_causal_lm
+
+    cfg = compose(bench.ours_overrides(plan(size)))
+    settings = hf_causal_lm.model_settings(cfg.recipe.model)
+    config = hf_causal_lm.model_config(settings, hf_causal_lm.transformers_module())  # every key read, none a typo
+    hf_causal_lm.check_config(config, settings)
+    with torch.device("meta"):
+        model = hf_causal_lm.transformers_module().AutoModelForCausalLM.from_config(config)
+    shape = SHAPES[size]
+    assert sum(p.numel() for p in model.parameters()) == parameter_count(shape)
+    assert model.model.layers[0].mlp.gate_proj.weight.shape == (shape.ffn_hidden, shape.dim)
+    assert model.model.layers[0].self_attn.k_proj.weight.shape == (shape.kv_heads * shape.head_dim, shape.dim)
+    # What results.json's MFU uses for this recipe, and the formula here: the same number.
+    assert hf_causal_lm.training_flops_per_token(model, 8192) == training_flops_per_token(shape, 8192)
+    assert OmegaConf.to_container(cfg.recipe.model.config)["rope_parameters"]["rope_type"] == "llama3"
+
+
+@pytest.mark.skipif(not HAVE_TORCHTITAN, reason="needs torchtitan: pip install -r scripts/requirements-torchtitan.txt")
+@pytest.mark.parametrize("size", ["8b", "1b"])
+def test_torchtitan_builds_each_shape_with_these_counts(size):
+    import torch
+    from torchtitan.models.llama3 import Transformer
+
+    from scripts.lib.torchtitan_worker import model_args_of
+
+    shape = SHAPES[size]
+    args = model_args_of(shape)
+    with torch.device("meta"):
+        model = Transformer(args)
+    assert args.get_nparams_and_flops(model, 8192) == (parameter_count(shape), training_flops_per_token(shape, 8192))
+    assert model.layers["0"].feed_forward.w1.weight.shape == (shape.ffn_hidden, shape.dim)
+
+
+@pytest.mark.skipif(not HAVE_TORCHTITAN, reason="needs torchtitan: pip install -r scripts/requirements-torchtitan.txt")
+def test_torchtitans_job_config_holds_the_matched_settings(tmp_path):
+    from scripts.lib.torchtitan_worker import job_config, parse
+
+    args = parse(["--size", "8b", "--seq-len", "8192", "--local-batch", "1", "--warmup-steps", "12", "--steps", "20",
+                  "--ac", "full", "--compile", "--output", str(tmp_path / "r.json")])
+    job = job_config(args, str(tmp_path), cuda=True)
+    t = job.training
+    assert (t.seq_len, t.local_batch_size, t.steps, t.max_norm) == (8192, 1, 32, 1.0)
+    assert (t.dtype, t.mixed_precision_param, t.mixed_precision_reduce) == ("float32", "bfloat16", "float32")
+    assert (job.activation_checkpoint.mode, job.compile.enable, job.compile.components) == ("full", True,
+                                                                                            ["model", "loss"])
+    o = job.optimizer
+    assert (o.name, o.lr, o.beta1, o.beta2, o.eps, o.weight_decay, o.implementation) == \
+        ("AdamW", 3e-4, 0.9, 0.95, 1e-8, 0.1, "fused")
+    assert (job.lr_scheduler.warmup_steps, job.lr_scheduler.decay_ratio) == (10, 0.0)  # then constant
+    assert (job.parallelism.data_parallel_shard_degree, job.parallelism.fsdp_reshard_after_forward) == (-1, "default")
+
+
+@pytest.mark.skipif(not HAVE_TORCHTITAN, reason="needs torchtitan: pip install -r scripts/requirements-torchtitan.txt")
+@pytest.mark.parametrize("size", ["8b", "1b"])
+def test_both_sides_rotate_with_the_same_frequencies(size):
+    needs_extra("transformers")
+    from torchtitan.models.llama3.model.model import precompute_freqs_cis
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from scripts.lib.torchtitan_worker import model_args_of
+
+    shape = SHAPES[size]
+    args = model_args_of(shape)
+    theirs = precompute_freqs_cis(shape.head_dim, 2, args.rope_theta, args.rope_scaling_args).angle()[1]
+    ours, scale = ROPE_INIT_FUNCTIONS["llama3"](AutoConfig.for_model(**hf_config(shape)), "cpu")
+    assert scale == 1.0 and ours.shape == theirs.shape == (shape.head_dim // 2,)
+    assert ours.float().allclose(theirs, rtol=1e-5, atol=1e-7)
+
+
+# ---- --dry-run: both sides' commands ---------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def dry_run():
+    """``--dry-run`` as a user runs it, here without torchtitan or a GPU: {(size, side run): argument list}."""
+    proc = launch(["--dry-run", "--nproc", "4", "--steps", "30", "--", "train.fsdp.reshard_after_forward=false"],
+                  script=SCRIPT, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = re.findall(r"^(8b|1b) (torchtitan \w+|this repo \w+): (.*)$", proc.stdout, flags=re.M)
+    return proc.stdout, {(size, run): shlex.split(cmd) for size, run, cmd in lines}
+
+
+def options(argv):
+    """``--flag value`` pairs (and lone flags as True) of a worker command line."""
+    out = {}
+    for i, arg in enumerate(argv):
+        if arg.startswith("--") and "=" not in arg:
+            nxt = argv[i + 1] if i + 1 < len(argv) else None
+            out[arg] = True if nxt is None or nxt.startswith("--") else nxt
+    return out
+
+
+def overrides(argv):
+    """train.py's overrides of a command line: {key: value}."""
+    after = argv[argv.index("train.py") + 1:]
+    return dict(arg.split("=", 1) if "=" in arg else (arg, None) for arg in after)
+
+
+def test_dry_run_prints_every_run_of_both_sides(dry_run):
+    text, runs = dry_run
+    assert set(runs) == {(size, run) for size in ("8b", "1b") for run in
+                         ("torchtitan eager", "torchtitan compiled", "this repo full", "this repo full_compiled")}
+    assert "8,030,261,248 parameters, 57,914,449,920 FLOPs per token at 8192" in text
+    assert "1,498,482,688 parameters" in text
+    assert "| activation checkpointing | activation_checkpoint.mode=full (every block) | " \
+           "train.activation_checkpointing=true (every block) |" in text  # the matched settings, 8b's
+
+
+@pytest.mark.parametrize("size,ac", [("8b", "full"), ("1b", "none")])
+def test_dry_run_commands_hold_the_same_settings_on_both_sides(dry_run, size, ac):
+    _, runs = dry_run
+    workers = {}
+    for variant in ("eager", "compiled"):
+        argv = runs[size, f"torchtitan {variant}"]
+        assert argv[1:6] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", "-m"]
+        assert argv[6] == "scripts.lib.torchtitan_worker"
+        worker = options(argv)
+        assert (worker["--size"], worker["--seq-len"], worker["--local-batch"], worker["--ac"]) == \
+            (size, "8192", "1", ac)
+        assert (worker["--warmup-steps"], worker["--steps"]) == ("12", "30")
+        assert ("--compile" in argv) is (variant == "compiled")
+        workers[variant] = worker
+    assert {k: v for k, v in workers["eager"].items() if k not in ("--output",)} == \
+        {k: v for k, v in workers["compiled"].items() if k not in ("--output", "--compile")}  # compile alone differs
+    worker = workers["eager"]
+    for mode in ("full", "full_compiled"):
+        argv = runs[size, f"this repo {mode}"]
+        assert argv[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4"]
+        ours = overrides(argv)
+        assert ours["graph"] == mode and ours["recipe"] == "hf_causal_lm" and ours["recipe.model.config"] == "null"
+        shape = SHAPES[size]
+        assert f"hidden_size:{shape.dim},num_hidden_layers:{shape.layers}" in ours["+recipe.model.config"]
+        assert f"intermediate_size:{shape.ffn_hidden},vocab_size:128256" in ours["+recipe.model.config"]
+        # The same tokens per GPU, steps, activation checkpointing and numerics as the worker's.
+        assert (ours["recipe.model.context"], ours["recipe.data.batch_size"]) == (worker["--seq-len"],
+                                                                               worker["--local-batch"])
+        assert int(ours["train.max_steps"]) == int(worker["--warmup-steps"]) + int(worker["--steps"]) == 42
+        assert ours["graph.warmup_iters"] == "11"  # 11 eager + the capture = the worker's 12 untimed steps
+        assert ours["train.activation_checkpointing"] == ("true" if ac == "full" else "false")
+        assert (ours["train.parallel"], ours["train.precision"], ours["train.fsdp.reduce_dtype"]) == \
+            ("fsdp2", "bf16", "fp32")
+        assert ours["recipe.data.source"] == "synthetic" and ours["logger"] == "none"
+        assert argv[-4].startswith("output_root=") and ours["train.fsdp.reshard_after_forward"] == "false"  # the user's
+
+
+# ---- the table -------------------------------------------------------------------------------------
+
+def test_both_sides_rows_come_from_one_formula_and_the_table_says_so(tmp_path):
+    p = plan("8b", nproc=2)
+    theirs = {"step_ms_median": 1990.0, "step_ms_p90": 2050.0, "step_ms_mean": 2000.0, "steps_timed": 20,
+              "losses": [12.25] + [9.0] * 30 + [7.5], "peak_allocated_mib": 90_000.0, "peak_reserved_mib": 95_000.0}
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "train/loss": 12.0 - s / 10})
+                                                   + "\n" for s in range(1, 33)))
+    ours = {"mode": "full", "status": "ok", "run_dir": str(run_dir), "results": {
+        "perf/step_ms_median": 1600.0, "perf/step_ms_p90": 1610.0, "perf/step_ms_mean": 1638.4, "perf/steps_timed": 20,
+        "perf/peak_allocated_mib": 80_000.0, "perf/peak_reserved_mib": 81_000.0, "perf/tokens_per_s": 10000.0}}
+    failed = {"mode": "full_compiled", "status": "failed (exit 1): torch.OutOfMemoryError: CUDA out of memory",
+              "run_dir": None, "results": {}}
+    rows = [bench.theirs_row(p, "eager", theirs, "ok", 989.0, "tt"), bench.ours_row(p, "full", ours, 989.0),
+            bench.ours_row(p, "full_compiled", failed, 989.0)]
+    flops = 57_914_449_920
+    assert rows[0]["tokens_per_s_per_gpu"] == pytest.approx(8192 / 2.0)
+    assert rows[1]["tokens_per_s_per_gpu"] == pytest.approx(8192 / 1.6384) == 5000.0
+    for row in rows[:2]:  # one formula, both sides
+        assert row["mfu_pct"] == pytest.approx(100 * row["tokens_per_s_per_gpu"] * flops / 989e12)
+    assert (rows[0]["loss_first"], rows[0]["loss_last"]) == (12.25, 7.5)
+    assert (rows[1]["loss_first"], rows[1]["loss_last"]) == pytest.approx((11.9, 8.8))  # steps 1 and 32
+    assert rows[1]["peak_reserved_mib"] == 81_000.0 and rows[2]["tokens_per_s_per_gpu"] is None
+    text = bench.report(rows, [p], "NVIDIA H200", ("H200 SXM bf16 dense", 989.0))
+    table = [line for line in text.splitlines() if line.startswith("| 8b |")]
+    assert table[0].startswith("| 8b | torchtitan eager | full | 4,096 | 24.0% | 1,990.0 | 2,050.0 | 90,000 | 95,000 "
+                               "| 12.250 | 7.500 | ok |")
+    assert table[1].startswith("| 8b | this repo full | full | 5,000 | 29.3% |")
+    assert table[2] == ("| 8b | this repo full_compiled | full | — | — | — | — | — | — | — | — | failed (exit 1): "
+                        "torch.OutOfMemoryError: CUDA out of memory |")
+    assert "6 x (parameters - token embedding) + 12 x layers x width x sequence length" in text
+    assert "8,030,261,248 parameters" in text
+
+    # --append: an earlier call's rows stay where this call did not rerun them.
+    output = tmp_path / "torchtitan_2gpu.json"
+    output.write_text(json.dumps({"rows": [dict(rows[0], run="torchtitan compiled"), dict(rows[1], status="old")]}))
+    merged = bench.merged(rows[1:], output)
+    assert [(r["run"], r["status"]) for r in merged] == [("torchtitan compiled", "ok"), ("this repo full", "ok"),
+                                                          ("this repo full_compiled", rows[2]["status"])]
+
+
+@pytest.mark.fast
+def test_a_failed_run_is_reported_by_its_first_error_not_torchruns_report():
+    stderr = ("W1127 warnings.warn(UserWarning: a warning)\n[rank0]: Traceback (most recent call last):\n"
+              "[rank0]:   File \"x.py\", line 1\n"
+              "[rank0]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n"
+              "[rank1]: RuntimeError: NCCL communicator was aborted\n"
+              "    raise ChildFailedError(\ntorch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+              "============\nRoot Cause (first observed failure):\n  exitcode  : 1\n  error_file: <N/A>\n=======\n")
+    assert bench.failure_line(stderr) == "[rank0]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
+    assert bench.failure_line("x\ntorchtitan_worker: rank 0 ran past 60 s: stopping\n[rank1]: RuntimeError: reset\n") \
+        == "torchtitan_worker: rank 0 ran past 60 s: stopping"
+    assert bench.failure_line("Error: train.epochs=0 must be at least 1\n") == "Error: train.epochs=0 must be at least 1"
+    assert bench.failure_line("something\nlast words\n") == "last words" and bench.failure_line("") == "(no output)"
+
+
+def test_the_worker_trains_on_the_windows_this_repos_side_draws():
+    import torch
+    from omegaconf import OmegaConf
+
+    from conf.schema import compose
+    from recipes.gpt import language_data
+    from scripts.lib.torchtitan_worker import batches, parse
+
+    p = bench.Plan(SHAPES["8b"], nproc=2, seq_len=16, local_batch=3, warmup_steps=12, steps=2, ac="full")
+    cfg = compose(bench.ours_overrides(p))
+    ours = language_data(cfg.recipe.data, cfg.seed, cfg.recipe.model.context,
+                         OmegaConf.to_container(cfg.recipe.model.config)["vocab_size"]).train
+    args = parse(["--size", "8b", "--seq-len", "16", "--local-batch", "3", "--warmup-steps", "12", "--steps", "2",
+                  "--ac", "full", "--output", "unused.json"])
+    ranks = [batches(args, rank, 2, 128256) for rank in range(2)]
+    assert all(len(steps) == 14 and steps[0][0].shape == (3, 16) and steps[0][0].dtype == torch.int64 for steps in ranks)
+    theirs = torch.cat([x for steps in ranks for x, _ in steps])
+    labels = torch.cat([y for steps in ranks for _, y in steps])
+    assert len(ours) == len(theirs) == 2 * 3 * 14  # every window once, on one side as on the other
+    assert sorted(map(tuple, theirs.tolist())) == sorted(map(tuple, ours.x.long().tolist()))
+    assert torch.equal(labels[:, :-1], theirs[:, 1:])  # next-token labels
+
+
+def test_the_worker_is_a_module_of_scripts_lib_and_no_script_imports_another():
+    source = (ROOT / "scripts" / "bench_torchtitan.py").read_text()
+    assert not re.search(r"^\s*(from|import) scripts\.(?!lib\b)", source, flags=re.M)
+    assert (ROOT / "scripts" / "lib" / "torchtitan_worker.py").is_file()
+    requirements = (ROOT / "scripts" / "requirements-torchtitan.txt").read_text()
+    assert re.search(r"^torchtitan==0\.2\.2$", requirements, flags=re.M)
+    assert not (ROOT / "requirements-torchtitan.txt").exists()  # never needed to train: not at the root
