@@ -25,6 +25,7 @@ from enum import Enum
 from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
 
 from graphing.options import CaptureErrorMode, CompileMode, GraphMode, OnCaptureFailure
 
@@ -253,6 +254,13 @@ class TrainConfig:
     # One owner per run_dir, held by a lock (trainer/run_lock.py). true: where the filesystem refuses
     # locks, take over a run_dir whose owner record names another host
     take_over_run_dir: bool = False
+
+
+def changed_settings(node, defaults) -> Dict[str, Any]:
+    """The keys of a settings group whose values differ from its schema's defaults."""
+    values = OmegaConf.to_container(node, resolve=True, enum_to_str=True)
+    base = OmegaConf.to_container(OmegaConf.structured(defaults), resolve=True, enum_to_str=True)
+    return {k: v for k, v in values.items() if v != base.get(k)}
 
 
 def register_configs() -> None:

@@ -161,15 +161,19 @@ def test_auto_mode_picks_full_on_cuda_and_eager_on_cpu():
     ("torch.optim.AdamW", {"capturable": False}, "recipe.optim.capturable=false cannot run inside a CUDA graph"),
 ])
 def test_an_optimizer_a_graph_would_freeze_is_refused_in_full_mode(target, settings, needle):
-    from trainer.optim import build_optimizer
-    from trainer.optim import optimizer_spec
+    # A setting is refused by the plan's check (check_captured_optimizer); a class, once built (build_optimizer).
+    from trainer.optim import build_optimizer, check_captured_optimizer, optimizer_spec
 
     cfg = optimizer_spec(OmegaConf.create({"_target_": target, "_partial_": True, "lr": 0.1, **settings}))
-    params = torch.nn.Linear(2, 2).parameters()
+
+    def plan_then_build(captured: bool):
+        check_captured_optimizer(cfg, captured=captured)
+        return build_optimizer(cfg, torch.nn.Linear(2, 2).parameters(), torch.device("cpu"), captured=captured)
+
     with pytest.raises(ConfigError) as err:
-        build_optimizer(cfg, params, torch.device("cpu"), captured=True)
+        plan_then_build(captured=True)
     assert needle in str(err.value) and "graph=eager" in str(err.value)
-    build_optimizer(cfg, torch.nn.Linear(2, 2).parameters(), torch.device("cpu"), captured=False)  # eager: fine
+    plan_then_build(captured=False)  # eager: fine
 
 
 class _Huge(torch.nn.Module):

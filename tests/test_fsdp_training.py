@@ -146,7 +146,7 @@ def test_what_a_gpu_run_under_fsdp2_cannot_carry_is_refused_by_name(graph, preci
     from graphing import GraphMode, GraphOptions
     from trainer.errors import ConfigError
     from trainer.optim import optimizer_spec
-    from trainer.plan import fsdp_spec
+    from trainer.sharding import fsdp_spec
 
     cfg = compose([*GPT, "train.parallel=fsdp2", f"recipe.optim._target_={optim}", "~recipe.optim.betas",
                    "~recipe.optim.weight_decay"])

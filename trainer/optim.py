@@ -1,8 +1,9 @@
-"""The optimizer and LR schedule, built from their checked specs (trainer/plan.py) and made graph-safe.
+"""The optimizer and LR schedule: their specs, checked (``optimizer_spec``, ``schedule_spec``, which the plan
+calls before the ranks meet, trainer/plan.py), then built from them and made graph-safe.
 
 ``recipe.optim`` names any optimizer class (``_target_: torch.optim.AdamW``); its other
 keys are the class's arguments. It is a partial, as Hydra's ``_partial_: true`` says (the
-key may be left out; any other value is refused by trainer/plan.py): the trainer adds the
+key may be left out; any other value is refused when the plan checks the spec): the trainer adds the
 parameters and the learning rate as a device tensor, and on CUDA the options that let
 the step run inside a CUDA graph (``capturable``/``fused``, graphing/optimizers.py). A
 class or setting that cannot be captured is refused before training, naming the key.
@@ -116,6 +117,17 @@ def schedule_spec(cfg_schedule) -> ScheduleSpec:
     return ScheduleSpec(target=target, cls=cls, kwargs=settings)
 
 
+def check_captured_optimizer(spec: OptimizerSpec, captured: bool) -> None:
+    """Refuses ``recipe.optim`` settings that keep the step off a CUDA graph when the step is captured
+    (graph mode full): the plan's check, before the ranks meet."""
+    if not captured:
+        return
+    for key in ("capturable", "fused"):
+        if spec.kwargs.get(key) is False and "capturable" in spec.accepted:
+            raise ConfigError(f"recipe.optim.{key}=false cannot run inside a CUDA graph: the step counter "
+                              f"would stay on the host; remove recipe.optim.{key} or set graph=eager")
+
+
 def build_optimizer(spec: OptimizerSpec, params: Iterable[torch.nn.Parameter], device: torch.device,
                     captured: bool, loss_scaled: bool = False, sharded: bool = False) -> torch.optim.Optimizer:
     """The optimizer ``spec`` names, with a device-tensor lr and graph-safe options.
@@ -127,11 +139,6 @@ def build_optimizer(spec: OptimizerSpec, params: Iterable[torch.nn.Parameter], d
     and AdamW step on each rank's local shards (trainer/shard_optimizer.py: bitwise the DTensor step,
     without its dispatch).
     """
-    if captured:
-        for key in ("capturable", "fused"):
-            if spec.kwargs.get(key) is False and "capturable" in spec.accepted:
-                raise ConfigError(f"recipe.optim.{key}=false cannot run inside a CUDA graph: the step counter "
-                                  f"would stay on the host; remove recipe.optim.{key} or set graph=eager")
     lr = torch.tensor(spec.lr, dtype=torch.float32, device=device)  # schedules write it in place
     plain = dict(spec.kwargs)
     extra = graph_safe_optimizer_kwargs(spec.cls, device, plain)

@@ -11,9 +11,13 @@ it returns (``RunPlan.build_recipe``).
 
 Every setting is read or refused: one that this run cannot carry (a setting of another
 mode, an option the recipe does not apply) stops the run here with a ConfigError naming it.
+A concern with settings of its own checks them in its own module, and the plan calls it:
+the optimizer and the schedule (trainer/optim.py ``optimizer_spec``, ``schedule_spec``),
+sharding (trainer/sharding.py ``fsdp_spec``), the graph (graphing's ``GraphOptions.resolved``,
+worded here as ``graph.*``).
 
-The plan is what the rest of the run reads its choices from (trainer/assembly.py builds
-the parts from it); plain values (epochs, intervals, paths) stay in ``plan.cfg``. A new
+The plan is what the rest of the run reads its choices from (the Trainer, trainer/trainer.py,
+builds the run from it); plain values (epochs, intervals, paths) stay in ``plan.cfg``. A new
 choice (fp16 with a loss scaler, a set of input shapes to graph) is resolved here, once,
 and read by the parts it concerns.
 """
@@ -27,17 +31,16 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Optional
 
 import torch
-from omegaconf import OmegaConf
 
-from conf.schema import DDPConfig, FSDPConfig, GraphConfig, LossScaleConfig
+from conf.schema import GraphConfig, LossScaleConfig, changed_settings
 from graphing import GraphConfigError, GraphMode, GraphOptions
 from graphing.compat import ddp_buffer_sync_argument
 from trainer.checkpoint import is_sharded_checkpoint
 from trainer.data import choose_loader
 from trainer.errors import ConfigError
 from trainer.recipe import Recipe
-from trainer.sharding import check_optimizer
-from trainer.optim import OptimizerSpec, ScheduleSpec, optimizer_spec, schedule_spec
+from trainer.sharding import FSDPSpec, fsdp_spec
+from trainer.optim import OptimizerSpec, ScheduleSpec, check_captured_optimizer, optimizer_spec, schedule_spec
 from trainer.targets import import_target
 
 
@@ -53,14 +56,6 @@ class DDPSpec:
     through (None: DDP's own, in the gradients' dtype)."""
     kwargs: Dict[str, Any]
     comm_hook: Optional[Callable]
-
-
-@dataclass(frozen=True)
-class FSDPSpec:
-    """``train.fsdp`` of ``train.parallel=fsdp2`` (trainer/sharding.py)."""
-    reshard_after_forward: bool
-    reduce_dtype: str  # fp32 | bf16
-    init: str  # host | meta
 
 
 @dataclass(frozen=True)
@@ -95,6 +90,7 @@ def plan_run(cfg, device: torch.device, world_size: int) -> RunPlan:
     precision = resolve_precision(cfg.train.precision.value, device)
     _check_loss_scale(cfg.train, precision)
     graph = graph_options(cfg, device, world_size)
+    check_captured_optimizer(optimizer, captured=graph.mode is GraphMode.full)
     fsdp = fsdp_spec(cfg, precision, graph, optimizer)
     return RunPlan(cfg=cfg, device=device, world_size=world_size, graph=graph,
                    precision=precision, build_recipe=build_recipe,
@@ -160,7 +156,7 @@ def _check_loss_scale(train, precision: str) -> None:
     """``train.loss_scale`` is fp16's: set for another precision, it is refused, naming the key."""
     if precision == "fp16":
         return
-    for key, value in _changed(train.loss_scale, LossScaleConfig).items():
+    for key, value in changed_settings(train.loss_scale, LossScaleConfig).items():
         raise ConfigError(f"train.loss_scale.{key}={value:g} applies to train.precision=fp16 only, but this run "
                           f"trains in {precision} (train.precision={train.precision.value}): set "
                           f"train.precision=fp16, or drop train.loss_scale.{key}")
@@ -195,49 +191,6 @@ def ddp_spec(cfg, world_size: int) -> DDPSpec:
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
         comm_hook = bf16_compress_hook
     return DDPSpec(kwargs=kwargs, comm_hook=comm_hook)
-
-
-def _changed(node, defaults) -> Dict[str, Any]:
-    """The keys of a settings group whose values differ from its schema's defaults."""
-    values = OmegaConf.to_container(node, resolve=True, enum_to_str=True)
-    base = OmegaConf.to_container(OmegaConf.structured(defaults), resolve=True, enum_to_str=True)
-    return {k: v for k, v in values.items() if v != base.get(k)}
-
-
-def fsdp_spec(cfg, precision: str, graph: GraphOptions, optimizer: "OptimizerSpec") -> Optional[FSDPSpec]:
-    """``train.parallel`` and its settings, checked: each parallel's settings are refused under the other,
-    and what FSDP2 cannot carry (fp16's loss scale, partial and compile graphs, fused SGD) is refused by name."""
-    t = cfg.train
-    parallel = t.parallel.value
-    # The other parallel's settings group: (its key, the train.parallel it belongs to, what this run changed there)
-    group, owner, changed = (("fsdp", "fsdp2", _changed(t.fsdp, FSDPConfig)) if parallel == "ddp" else
-                             ("ddp", "ddp", _changed(t.ddp, DDPConfig)))
-    # FSDP2 never broadcasts buffers while training, as broadcast_buffers=false (a recipe's own choice, e.g.
-    # cifar10_resnet18's) asks; evaluation takes rank 0's under both (trainer/trainer.py take_rank0_buffers)
-    changed.pop("broadcast_buffers", None)
-    for key, value in changed.items():
-        shown = str(value).lower() if isinstance(value, bool) else value
-        raise ConfigError(f"train.{group}.{key}={shown} is a setting of train.parallel={owner}, but this run uses "
-                          f"train.parallel={parallel}: drop train.{group}.{key}, or set train.parallel={owner}")
-    if parallel == "ddp":
-        return None
-    if precision == "fp16":
-        raise ConfigError("train.precision=fp16 with train.parallel=fsdp2: the loss scale's inf/NaN check would have "
-                          "to agree across ranks on the device, inside the graph, which torch's sharded scaler does "
-                          "only in unscale_: set train.precision=bf16 (no loss scale needed), or train.parallel=ddp")
-    if graph.mode in (GraphMode.partial, GraphMode.compile):
-        raise ConfigError(f"graph={graph.mode.value} with train.parallel=fsdp2: "
-                          + ("torch.cuda.make_graphed_callables replays the model without FSDP2's all-gather and "
-                             "reduce-scatter hooks" if graph.mode is GraphMode.partial else
-                             "torch.compile's reduce-overhead graphs would capture FSDP2's collectives without "
-                             "their streams") + ": set graph=full (the whole step, FSDP2's collectives included) "
-                          "or graph=eager")
-    if t.fsdp.reduce_dtype.value == "bf16" and precision != "bf16":
-        raise ConfigError(f"train.fsdp.reduce_dtype=bf16 reduces bf16 gradients, but train.precision resolves to "
-                          f"{precision}: set train.precision=bf16, or train.fsdp.reduce_dtype=fp32")
-    check_optimizer(optimizer.target, optimizer.cls, captured=graph.mode is GraphMode.full)
-    return FSDPSpec(reshard_after_forward=t.fsdp.reshard_after_forward, reduce_dtype=t.fsdp.reduce_dtype.value,
-                    init=t.fsdp.init.value)
 
 
 def recipe_builder(cfg) -> Callable:

@@ -22,23 +22,73 @@ The whole step (forward, backward with FSDP2's collectives, clipping, optimizer)
 by graph.mode=full like a DDP step: FSDP2's streams fork from the capture stream and join it
 within each step, and nothing outside a step leaves an event that the captured step waits on
 (checked on one GPU, tests/test_fsdp_gpu.py). What FSDP2 cannot carry is refused by the plan
-(trainer/plan.py ``fsdp_spec``); its checkpoints, and its whole tensors for best.pt, are
+(``fsdp_spec``, called by trainer/plan.py); its checkpoints, and its whole tensors for best.pt, are
 trainer/checkpoint/dcp_shards.py's.
 """
 from __future__ import annotations
 
-from typing import Iterable, List, Optional
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterable, List, Optional
 
 import torch
 import torch.distributed as dist
 
+from conf.schema import DDPConfig, FSDPConfig, changed_settings
+from graphing import GraphMode, GraphOptions
 from trainer.errors import ConfigError
+
+if TYPE_CHECKING:
+    from trainer.optim import OptimizerSpec
 
 # The optimizer classes whose step runs on DTensor shards, and how (torch 2.11 to 2.15). DTensor
 # has rules for the foreach and fused kernels of Adam and AdamW (a tensor lr included), and for the
 # foreach kernels of SGD, but none for fused SGD, whose step is the only one a graph can take (the
 # others read a tensor lr on the host).
 FUSED_ON_SHARDS = ("torch.optim.adam.Adam", "torch.optim.adamw.AdamW")
+
+
+@dataclass(frozen=True)
+class FSDPSpec:
+    """``train.fsdp`` of ``train.parallel=fsdp2`` (trainer/sharding.py)."""
+    reshard_after_forward: bool
+    reduce_dtype: str  # fp32 | bf16
+    init: str  # host | meta
+
+
+def fsdp_spec(cfg, precision: str, graph: GraphOptions, optimizer: "OptimizerSpec") -> Optional[FSDPSpec]:
+    """``train.parallel`` and its settings, checked: each parallel's settings are refused under the other,
+    and what FSDP2 cannot carry (fp16's loss scale, partial and compile graphs, fused SGD) is refused by name."""
+    t = cfg.train
+    parallel = t.parallel.value
+    # The other parallel's settings group: (its key, the train.parallel it belongs to, what this run changed there)
+    group, owner, changed = (("fsdp", "fsdp2", changed_settings(t.fsdp, FSDPConfig)) if parallel == "ddp" else
+                             ("ddp", "ddp", changed_settings(t.ddp, DDPConfig)))
+    # FSDP2 never broadcasts buffers while training, as broadcast_buffers=false (a recipe's own choice, e.g.
+    # cifar10_resnet18's) asks; evaluation takes rank 0's under both (trainer/trainer.py take_rank0_buffers)
+    changed.pop("broadcast_buffers", None)
+    for key, value in changed.items():
+        shown = str(value).lower() if isinstance(value, bool) else value
+        raise ConfigError(f"train.{group}.{key}={shown} is a setting of train.parallel={owner}, but this run uses "
+                          f"train.parallel={parallel}: drop train.{group}.{key}, or set train.parallel={owner}")
+    if parallel == "ddp":
+        return None
+    if precision == "fp16":
+        raise ConfigError("train.precision=fp16 with train.parallel=fsdp2: the loss scale's inf/NaN check would have "
+                          "to agree across ranks on the device, inside the graph, which torch's sharded scaler does "
+                          "only in unscale_: set train.precision=bf16 (no loss scale needed), or train.parallel=ddp")
+    if graph.mode in (GraphMode.partial, GraphMode.compile):
+        raise ConfigError(f"graph={graph.mode.value} with train.parallel=fsdp2: "
+                          + ("torch.cuda.make_graphed_callables replays the model without FSDP2's all-gather and "
+                             "reduce-scatter hooks" if graph.mode is GraphMode.partial else
+                             "torch.compile's reduce-overhead graphs would capture FSDP2's collectives without "
+                             "their streams") + ": set graph=full (the whole step, FSDP2's collectives included) "
+                          "or graph=eager")
+    if t.fsdp.reduce_dtype.value == "bf16" and precision != "bf16":
+        raise ConfigError(f"train.fsdp.reduce_dtype=bf16 reduces bf16 gradients, but train.precision resolves to "
+                          f"{precision}: set train.precision=bf16, or train.fsdp.reduce_dtype=fp32")
+    check_optimizer(optimizer.target, optimizer.cls, captured=graph.mode is GraphMode.full)
+    return FSDPSpec(reshard_after_forward=t.fsdp.reshard_after_forward, reduce_dtype=t.fsdp.reduce_dtype.value,
+                    init=t.fsdp.init.value)
 
 
 def mixed_precision_policy(precision: str, reduce_dtype: str):
