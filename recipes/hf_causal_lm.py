@@ -19,12 +19,17 @@ The step calls ``model(input_ids)``, the token ids positionally (graph.mode=part
 positional tensors), with ``use_cache=False`` set in the model's config rather than passed,
 and the criterion reads the output's ``logits`` (``Recipe.forward``, trainer/recipe.py).
 Its blocks (``Recipe.blocks``, what train.parallel=fsdp2 shards one by one) are the modules of the
-classes its own ``_no_split_modules`` names.
+classes its own ``_no_split_modules`` names. Under ``train.fsdp.init=meta`` a model from ``config`` is
+built on the meta device and, once sharded and allocated, drawn by transformers' own initialization
+(``initialize_weights``, rotary frequencies included: ``init_weights`` below), so no rank holds it
+whole; every parameter and buffer is checked to have been written, and one that was not stops the
+run naming it.
 
 transformers is optional: ``pip install -r requirements-hf.txt``.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import inspect
@@ -176,6 +181,54 @@ def build_model(config, settings: ModelSettings, transformers) -> torch.nn.Modul
     return model.train()  # from_pretrained returns it in eval mode
 
 
+def init_weights(model: torch.nn.Module) -> None:
+    """``Recipe.init_weights`` (train.fsdp.init=meta): the allocated, sharded model drawn by transformers'
+    own ``initialize_weights``, as ``from_config`` would have drawn it whole.
+
+    Built on the meta device, transformers skipped its initialization (nothing to draw there), and
+    ``to_empty`` left every parameter and buffer holding whatever its memory held. Each is first filled
+    with a mark (NaN; an integer's lowest value), then initialized; one still marked was not written by
+    its model's ``_init_weights`` and would train from garbage: refused, by name."""
+    import torch.distributed as dist
+
+    named = [*model.named_parameters(), *model.named_buffers()]
+    unmarkable = [name for name, t in named if t.dtype == torch.bool]
+    if unmarkable:
+        raise ConfigError(f"train.fsdp.init=meta: {type(model).__name__}'s {unmarkable[0]} is a boolean tensor whose "
+                          "initialization cannot be checked after a meta-device build: set train.fsdp.init=host")
+    with torch.no_grad():
+        for _, tensor in named:
+            _local(tensor).fill_(_mark(tensor.dtype))
+    for module in model.modules():
+        module.__dict__.pop("_is_hf_initialized", None)  # transformers skips a module marked initialized
+    model.initialize_weights()
+    left = torch.tensor([float(_still_marked(_local(t))) for _, t in named])
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(left)  # a rank's shard may be empty: every rank decides alike
+    if left.any():
+        name = named[int(left.nonzero()[0])][0]
+        raise ConfigError(f"train.fsdp.init=meta: {type(model).__name__}'s {name} is not written by transformers' "
+                          "initialization after a meta-device build (its model's _init_weights leaves it): set "
+                          "train.fsdp.init=host")
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (a sharded parameter), or the tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _mark(dtype: torch.dtype):
+    return float("nan") if dtype.is_floating_point or dtype.is_complex else torch.iinfo(dtype).min
+
+
+def _still_marked(tensor: torch.Tensor) -> bool:
+    if tensor.numel() == 0:
+        return False
+    if tensor.dtype.is_floating_point or tensor.dtype.is_complex:
+        return bool(torch.isnan(tensor).any())
+    return bool((tensor == torch.iinfo(tensor.dtype).min).any())
+
+
 def training_flops_per_token(model: torch.nn.Module, context: int) -> float:
     """6 FLOPs per matmul parameter per token (forward + backward), plus attention's 12·L·d·T.
 
@@ -207,10 +260,17 @@ def build(cfg, rt: Runtime) -> Recipe:
     vocab_key = ("recipe.model.config.vocab_size" if settings.path is None
                  else f"vocab_size (in recipe.model.path={settings.path!r})")
     data = language_data(cfg.recipe.data, cfg.seed, settings.context, config.vocab_size, vocab_key)
-    model = build_model(config, settings, transformers)
+    meta = rt is not None and rt.init_device.type == "meta"
+    if meta and settings.path is not None:
+        raise ConfigError(f"train.fsdp.init=meta builds the model without its weights and draws them after sharding, "
+                          f"so the weights in recipe.model.path={settings.path!r} would be lost: set "
+                          "train.fsdp.init=host to load them")
+    with torch.device("meta") if meta else contextlib.nullcontext():  # meta: nothing allocated until sharded
+        model = build_model(config, settings, transformers)
     return Recipe(name=cfg.recipe.name, model=model, data=data, preprocess=preprocess,
                   criterion=next_token_criterion(cfg.recipe.label_smoothing), correct=top1_correct,
                   units_per_sample=settings.context, unit="tokens",
                   flops_per_unit=training_flops_per_token(model, settings.context), forward=logits,
                   label_smoothing=cfg.recipe.label_smoothing,
-                  blocks=blocks_named(model, model._no_split_modules))  # its own list: LlamaDecoderLayer, ...
+                  blocks=blocks_named(model, model._no_split_modules),  # its own list: LlamaDecoderLayer, ...
+                  init_weights=init_weights)

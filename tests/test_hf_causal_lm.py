@@ -144,3 +144,67 @@ def test_its_decoder_layers_are_sharded_by_fsdp2_and_recomputed_by_activation_ch
     assert len(losses["plain"]) == 3
     assert losses["recomputed"] == losses["plain"]  # the forward done twice, the same numbers
     assert losses["fsdp2"] == pytest.approx(losses["plain"], rel=1e-6)  # one rank: FSDP2 shards nothing away
+
+
+def _meta_built_llama():
+    """TINY_LLAMA as the recipe builds it under train.fsdp.init=meta, then allocated (``to_empty``), unsharded."""
+    from recipes.hf_causal_lm import ModelSettings, build_model
+
+    config = transformers.AutoConfig.for_model(**TINY_LLAMA)
+    with torch.device("meta"):
+        model = build_model(config, ModelSettings(TINY_LLAMA, None, 16), transformers)
+    assert all(p.is_meta for p in model.parameters())
+    return model.to_empty(device="cpu"), config
+
+
+@pytest.mark.fast
+def test_a_meta_built_model_is_drawn_by_transformers_own_initialization():
+    from recipes.hf_causal_lm import ModelSettings, build_model, init_weights
+
+    model, config = _meta_built_llama()
+    torch.manual_seed(0)
+    init_weights(model)
+    host = build_model(config, ModelSettings(TINY_LLAMA, None, 16), transformers)
+    rotary, host_rotary = model.model.rotary_emb, host.model.rotary_emb
+    assert torch.equal(rotary.inv_freq, host_rotary.inv_freq)  # a buffer, recomputed rather than left as memory held
+    for (name, p), (_, q) in zip(model.named_parameters(), host.named_parameters()):
+        assert torch.isfinite(p).all(), name
+        if name.endswith("norm.weight"):
+            assert torch.equal(p, q), name  # ones
+        else:  # drawn with the config's initializer_range, as from_config draws them
+            assert p.std().item() == pytest.approx(config.initializer_range, rel=0.25), name
+
+
+@pytest.mark.fast
+def test_a_meta_built_tensor_that_initialization_leaves_unwritten_is_refused_by_name():
+    from recipes.hf_causal_lm import init_weights
+    from trainer.errors import ConfigError
+
+    model, _ = _meta_built_llama()
+    model.model.register_buffer("stray_table", torch.empty(4))  # no _init_weights writes it
+    with pytest.raises(ConfigError, match=r"train.fsdp.init=meta: LlamaForCausalLM's model.stray_table is not "
+                                          r"written by transformers' initialization .* set train.fsdp.init=host"):
+        init_weights(model)
+
+
+def test_two_gloo_ranks_build_it_on_the_meta_device_shard_it_and_train(out):
+    done = launch([*DEBUG, "recipe.data.train_size=128", "train.parallel=fsdp2", "train.fsdp.init=meta",
+                   "train.max_steps=6", "train.log_every=1",
+                   "train.progress=false", "train.eval=false", "checkpoint.save=false"], out, nproc=2, timeout=180)
+    assert done.returncode == 0, done.output[-4000:]
+    losses = [row["train/loss"] for row in done.metrics() if "train/loss" in row]
+    assert len(losses) == 6 and all(math.isfinite(x) for x in losses), losses
+    assert abs(losses[0] - math.log(256)) < 0.3, losses  # small random weights: about chance, never garbage
+    assert losses[-1] < losses[0], losses
+    import yaml
+
+    assert yaml.safe_load((done.run_dir / "config.yaml").read_text())["train"]["fsdp"]["init"] == "meta"
+
+
+@pytest.mark.fast
+def test_a_meta_build_of_a_saved_model_is_refused(train_here, tmp_path):
+    transformers.AutoConfig.for_model(**TINY_LLAMA).save_pretrained(tmp_path)  # a config; weights never read
+    done = train_here([*DEBUG, "recipe.model.config=null", f"recipe.model.path={tmp_path}", "train.parallel=fsdp2",
+                       "train.fsdp.init=meta", "train.max_steps=1"])
+    assert done.returncode == 2
+    assert done.stderr.count("train.fsdp.init=meta builds the model without its weights") == 1, done.stderr[-3000:]
