@@ -54,8 +54,8 @@ GPUs: 128.5 GB for 8B (64 GB per GPU on 2, 32 on 4, 16 on 8), 24 GB for 1B. Acti
 x 1 tokens per GPU add roughly 10-15 GB with ``--ac full`` and 45-60 GB for 8B with ``--ac none``
 (estimates, not measured). So 8B at 8192 x 1: ``--ac full`` on 2 or more H200s (about 139 GiB each) or 4
 or more H100s (about 78 GiB); ``--ac none`` wants 4 or more H200s. 1B fits one GPU either way. This repo's
-side also builds the whole model in fp32 on the host in every rank before sharding it (32 GB per rank for
-8B). A run that fails (out of memory, say) stays in the table with its status; the script then exits 1.
+side builds the model on the meta device as torchtitan does (``train.fsdp.init=meta``: sharded, then
+each rank draws its own shards), so no rank holds the 8B model whole. A run that fails (out of memory, say) stays in the table with its status; the script then exits 1.
 
 Prints the table; writes it to ``--output`` (default scripts/results/torchtitan_<N>gpu.json, with the
 Markdown beside it as .md) and every run's directory and logs under ``--runs``. ``--append`` keeps the rows of
@@ -191,7 +191,7 @@ def ours_overrides(plan: Plan) -> List[str]:
             f"recipe.optim.weight_decay={WEIGHT_DECAY!r}", f"+recipe.optim.eps={EPS!r}",
             "recipe.schedule._target_=trainer.schedules.Constant", f"recipe.schedule.warmup_steps={LR_WARMUP_STEPS}",
             "~recipe.schedule.min_lr_ratio",
-            "train.parallel=fsdp2", "train.precision=bf16", "train.fsdp.reduce_dtype=fp32",
+            "train.parallel=fsdp2", "train.fsdp.init=meta", "train.precision=bf16", "train.fsdp.reduce_dtype=fp32",
             f"train.activation_checkpointing={'true' if plan.ac == 'full' else 'false'}",
             f"train.grad_clip={MAX_NORM!r}", "train.grad_accum=1", f"train.max_steps={plan.total_steps}",
             "train.epochs=1", "train.eval=false", "train.log_every=1", "train.progress=false",
@@ -226,8 +226,9 @@ def matched_settings(plan: Plan) -> List[Tuple[str, str, str]]:
          f"recipe.model.context={plan.seq_len}, recipe.data.batch_size={plan.local_batch}"),
         ("data", f"the same windows of the synthetic language (recipes.gpt), seed {plan.seed}",
          f"recipe.data.source=synthetic, seed={plan.seed}"),
-        ("sharding", "parallelize_llama: FSDP2 over every GPU, blocks resharded after forward",
-         "train.parallel=fsdp2, train.fsdp.reshard_after_forward=true"),
+        ("sharding", "parallelize_llama: FSDP2 over every GPU, blocks resharded after forward; built on the "
+         "meta device, each rank drawing its shards", "train.parallel=fsdp2, train.fsdp.reshard_after_forward=true, "
+         "train.fsdp.init=meta"),
         ("precision", "fp32 weights; FSDP2 bf16 parameters, fp32 reduce",
          "train.precision=bf16 (FSDP2 bf16 parameters), train.fsdp.reduce_dtype=fp32"),
         ("activation checkpointing", *ac),
