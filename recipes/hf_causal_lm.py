@@ -202,11 +202,12 @@ def init_weights(model: torch.nn.Module) -> None:
     for module in model.modules():
         module.__dict__.pop("_is_hf_initialized", None)  # transformers skips a module marked initialized
     model.initialize_weights()
-    left = torch.tensor([float(_still_marked(_local(t))) for _, t in named])
+    device = _local(named[0][1]).device if named else torch.device("cpu")  # NCCL reduces device tensors only
+    left = torch.tensor([float(_still_marked(_local(t))) for _, t in named], device=device)
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(left)  # a rank's shard may be empty: every rank decides alike
-    if left.any():
-        name = named[int(left.nonzero()[0])][0]
+    if bool(left.any()):
+        name = named[int(left.nonzero()[0].item())][0]
         raise ConfigError(f"train.fsdp.init=meta: {type(model).__name__}'s {name} is not written by transformers' "
                           "initialization after a meta-device build (its model's _init_weights leaves it): set "
                           "train.fsdp.init=host")
