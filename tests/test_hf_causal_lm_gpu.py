@@ -98,3 +98,22 @@ def test_two_ranks_under_ddp_train_graphed_like_eager(out):
     assert [s for s, _ in train_losses(eager)] == [s for s, _ in train_losses(graph)], why
     for (step, le), (_, lg) in zip(train_losses(eager), train_losses(graph)):
         assert math.isfinite(le) and lg == pytest.approx(le, rel=REL_TOLERANCE), f"train loss at step {step}\n{why}"
+
+
+def test_a_meta_device_build_sharded_with_fsdp2_trains_graphed_like_eager(out):
+    """train.fsdp.init=meta: the llama built on the meta device, sharded (2 GPUs where there are two),
+    drawn by transformers' initialization on the GPU; graph=full follows eager from the same draws."""
+    args = [*SAME_RUNS, *model("llama"), "train.parallel=fsdp2", "train.fsdp.init=meta", "recipe.data.batch_size=8"]
+    nproc = 2 if cuda_count() >= 2 else None
+    eager = launch([*args, "graph=eager"], out / "eager", nproc=nproc, timeout=600)
+    graph = launch([*args, "graph=full"], out / "full", nproc=nproc, timeout=600)
+    for done in (eager, graph):
+        assert done.returncode == 0, done.output[-4000:]
+    why = f"eager {train_losses(eager)}\ngraph {train_losses(graph)}"
+    first = train_losses(eager)[0][1]
+    assert abs(first - math.log(256)) < 0.5, why  # drawn small, as from_config draws them: about chance
+    assert [s for s, _ in train_losses(eager)] == [s for s, _ in train_losses(graph)], why
+    for (step, le), (_, lg) in zip(train_losses(eager), train_losses(graph)):
+        assert math.isfinite(le) and lg == pytest.approx(le, rel=REL_TOLERANCE), f"train loss at step {step}\n{why}"
+    losses = [loss for _, loss in train_losses(graph)]
+    assert losses[-1] < losses[0] - 0.5, f"no training progress: {why}"
