@@ -100,6 +100,10 @@ def test_two_ranks_under_ddp_train_graphed_like_eager(out):
         assert math.isfinite(le) and lg == pytest.approx(le, rel=REL_TOLERANCE), f"train loss at step {step}\n{why}"
 
 
+# Sharded in bf16, the graph and eager steps agree as tests/test_fsdp_gpu.py's bf16 cases do.
+FSDP2_REL_TOLERANCE = 2e-2
+
+
 def test_a_meta_device_build_sharded_with_fsdp2_trains_graphed_like_eager(out):
     """train.fsdp.init=meta: the llama built on the meta device, sharded (2 GPUs where there are two),
     drawn by transformers' initialization on the GPU; graph=full follows eager from the same draws."""
@@ -114,6 +118,6 @@ def test_a_meta_device_build_sharded_with_fsdp2_trains_graphed_like_eager(out):
     assert abs(first - math.log(256)) < 0.5, why  # drawn small, as from_config draws them: about chance
     assert [s for s, _ in train_losses(eager)] == [s for s, _ in train_losses(graph)], why
     for (step, le), (_, lg) in zip(train_losses(eager), train_losses(graph)):
-        assert math.isfinite(le) and lg == pytest.approx(le, rel=REL_TOLERANCE), f"train loss at step {step}\n{why}"
+        assert math.isfinite(le) and lg == pytest.approx(le, rel=FSDP2_REL_TOLERANCE), f"train loss at step {step}\n{why}"
     losses = [loss for _, loss in train_losses(graph)]
     assert losses[-1] < losses[0] - 0.5, f"no training progress: {why}"
