@@ -44,6 +44,7 @@ from recipes.gpt import language_data, next_token_criterion, preprocess
 from trainer.errors import ConfigError, first_line
 from trainer.recipe import Batch, Recipe, blocks_named, top1_correct
 from trainer.runtime import Runtime
+from trainer.shard_optimizer import local_tensor
 
 REQUIREMENT = "transformers>=5.17,<6"  # as requirements-hf.txt says
 INSTALL = "pip install -r requirements-hf.txt"
@@ -198,12 +199,12 @@ def init_weights(model: torch.nn.Module) -> None:
                           "initialization cannot be checked after a meta-device build: set train.fsdp.init=host")
     with torch.no_grad():
         for _, tensor in named:
-            _local(tensor).fill_(_mark(tensor.dtype))
+            local_tensor(tensor).fill_(_mark(tensor.dtype))
     for module in model.modules():
         module.__dict__.pop("_is_hf_initialized", None)  # transformers skips a module marked initialized
     model.initialize_weights()
-    device = _local(named[0][1]).device if named else torch.device("cpu")  # NCCL reduces device tensors only
-    left = torch.tensor([float(_still_marked(_local(t))) for _, t in named], device=device)
+    device = local_tensor(named[0][1]).device if named else torch.device("cpu")  # NCCL reduces device tensors only
+    left = torch.tensor([float(_still_marked(local_tensor(t))) for _, t in named], device=device)
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(left)  # a rank's shard may be empty: every rank decides alike
     if bool(left.any()):
@@ -211,11 +212,6 @@ def init_weights(model: torch.nn.Module) -> None:
         raise ConfigError(f"train.fsdp.init=meta: {type(model).__name__}'s {name} is not written by transformers' "
                           "initialization after a meta-device build (its model's _init_weights leaves it): set "
                           "train.fsdp.init=host")
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (a sharded parameter), or the tensor itself."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def _mark(dtype: torch.dtype):

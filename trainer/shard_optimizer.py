@@ -28,7 +28,7 @@ import torch
 ELEMENTWISE = (torch.optim.Adam, torch.optim.AdamW)
 
 
-def _local(tensor):
+def local_tensor(tensor):
     """A DTensor's local tensor (the tensor itself: under no_grad ``to_local`` returns it, no view), else as is."""
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
@@ -47,11 +47,11 @@ class LocalShardStep:
         for group in self.param_groups:
             local_params = []
             for p in group["params"]:
-                local = _local(p)
+                local = local_tensor(p)
                 if local is not p:
-                    local.grad = None if p.grad is None else _local(p.grad)
+                    local.grad = None if p.grad is None else local_tensor(p.grad)
                 if state.get(p):
-                    local_state[local] = {key: _local(value) for key, value in state[p].items()}
+                    local_state[local] = {key: local_tensor(value) for key, value in state[p].items()}
                 owner[local] = p
                 local_params.append(local)
             group["params"] = local_params

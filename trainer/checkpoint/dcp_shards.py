@@ -31,6 +31,7 @@ from trainer import storage
 from trainer.checkpoint.format import CheckpointFormat, Ranks
 from trainer.checkpoint.layout import SHARDS_SUFFIX, set_aside, step_path, temp_dir
 from trainer.errors import StorageError
+from trainer.shard_optimizer import local_tensor
 
 TRAINER_STATE = "trainer_state.pt"  # rank 0's part: everything but the model's and optimizer's tensors
 METADATA = ".metadata"  # DCP's, written last
@@ -140,7 +141,7 @@ def is_sharded_checkpoint(path) -> bool:
 def local_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """The bytes this rank's shards of the model and optimizer state take: what it writes."""
     def size(t: torch.Tensor) -> int:
-        local = t.to_local() if hasattr(t, "to_local") else t
+        local = local_tensor(t)
         return local.numel() * local.element_size()
     tensors = [*model.parameters(), *model.buffers(),
                *(v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor))]
