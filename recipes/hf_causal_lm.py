@@ -179,7 +179,53 @@ def build_model(config, settings: ModelSettings, transformers) -> torch.nn.Modul
         raise ConfigError(f"recipe.model.path={settings.path!r}: transformers cannot load its weights "
                           f"({first_line(e)})") from None
     model.config.use_cache = False  # training keeps no key/value cache; set here, the call passes tensors only
+    use_causal_sdpa(model, transformers)
     return model.train()  # from_pretrained returns it in eval mode
+
+
+# transformers' SDPA attention registered under a name of its own with no mask function beside it: for this name
+# transformers builds no attention mask at all (its mask builders return None for an implementation that has
+# none registered), and SDPA is called with is_causal=True, the flash kernel's path.
+CAUSAL_SDPA = "sdpa_causal_unpadded"
+
+
+def use_causal_sdpa(model: torch.nn.Module, transformers) -> bool:
+    """Switches ``model`` from transformers' "sdpa" attention to :data:`CAUSAL_SDPA` where the mask transformers
+    would build is the plain causal one; True if it did.
+
+    Why: transformers decides per call whether SDPA may skip the mask and use ``is_causal``, and it never skips
+    while a CUDA stream captures (its ``is_tracing`` counts capture as tracing). So a captured step would
+    materialize a T x T mask that no eager step builds: another attention kernel (no flash; at 8192 tokens,
+    1.5x the step time of a 1.5B Llama on H200s), memory for the mask, and under graph=full_compiled a mask
+    argument that the compiled blocks never saw in warm-up, so they recompile inside the capture and it fails.
+    This recipe's windows are never padded and carry no mask (``logits`` below), so the mask is causal and
+    nothing else; this makes that true for eager and graphed steps alike, and lets SDPA pick flash in both.
+    Left alone: any other attention implementation, and every model whose mask is more than causal (a sliding
+    window, chunked attention, a bidirectional or non-causal config), for which transformers' own mask stays."""
+    config = model.config
+    if getattr(config, "_attn_implementation", None) != "sdpa" or not plain_causal_mask(config):
+        return False
+    interface = transformers.AttentionInterface
+    if CAUSAL_SDPA not in interface._global_mapping:
+        interface.register(CAUSAL_SDPA, interface._global_mapping["sdpa"])
+    model.set_attn_implementation(CAUSAL_SDPA)
+    return True
+
+
+def plain_causal_mask(config) -> bool:
+    """Whether the attention mask transformers builds for ``config``'s layers, given unpadded windows whose
+    positions count from 0, is the causal one: no sliding window or attention chunks on any layer, every layer
+    of type full attention, and a causal decoder."""
+    sub_configs = [config, *(getattr(config, name, None) for name in ("text_config",))]
+    for c in (c for c in sub_configs if c is not None):
+        if getattr(c, "is_causal", True) is False or getattr(c, "is_decoder", True) is False:
+            return False
+        if getattr(c, "sliding_window", None) is not None or getattr(c, "attention_chunk_size", None) is not None:
+            return False
+        layer_types = getattr(c, "layer_types", None)
+        if layer_types is not None and any(kind != "full_attention" for kind in layer_types):
+            return False
+    return True
 
 
 def init_weights(model: torch.nn.Module) -> None:

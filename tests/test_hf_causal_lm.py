@@ -208,3 +208,70 @@ def test_a_meta_build_of_a_saved_model_is_refused(train_here, tmp_path):
                        "train.fsdp.init=meta", "train.max_steps=1"])
     assert done.returncode == 2
     assert done.stderr.count("train.fsdp.init=meta builds the model without its weights") == 1, done.stderr[-3000:]
+
+
+# Small models whose mask is causal and nothing else, and one whose mask is more (a sliding window of 8).
+CAUSAL_CONFIGS = {
+    "llama": TINY_LLAMA,
+    "qwen2": dict(TINY_LLAMA, model_type="qwen2"),
+    "gpt2": dict(model_type="gpt2", n_embd=32, n_layer=2, n_head=4, n_positions=64, vocab_size=256,
+                 bos_token_id=0, eos_token_id=0),
+}
+WINDOWED = dict(TINY_LLAMA, model_type="mistral", sliding_window=8)
+
+
+def causal_mask_built(model, embeds):
+    """What transformers' create_causal_mask returns for ``model`` on unpadded windows of ``embeds`` (its cache
+    argument is ``past_key_values`` in 5.17, ``cache`` in later releases)."""
+    import inspect
+
+    from transformers.masking_utils import create_causal_mask
+
+    batch, length = embeds.shape[:2]
+    cache = "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
+    return create_causal_mask(config=model.config, inputs_embeds=embeds, attention_mask=None, **{cache: None},
+                              position_ids=torch.arange(length, device=embeds.device).expand(batch, length))
+
+
+def built_model(config_dict):
+    from recipes.hf_causal_lm import ModelSettings, build_model
+
+    torch.manual_seed(0)
+    return build_model(transformers.AutoConfig.for_model(**config_dict), ModelSettings(config_dict, None, 32),
+                       transformers).eval()
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("name", sorted(CAUSAL_CONFIGS))
+def test_a_causal_model_attends_through_sdpa_with_no_mask_built_and_the_same_logits(name):
+    """No mask at all (SDPA's is_causal, the flash path, in eager and captured steps alike) gives the logits of
+    transformers' own SDPA given the causal mask whole."""
+    from recipes.hf_causal_lm import CAUSAL_SDPA
+
+    model = built_model(CAUSAL_CONFIGS[name])
+    assert model.config._attn_implementation == CAUSAL_SDPA
+    x = torch.randint(0, 256, (2, 32))
+    assert causal_mask_built(model, model.get_input_embeddings()(x)) is None
+    with torch.no_grad():
+        ours = model(x).logits
+        model.set_attn_implementation("sdpa")
+        causal = torch.ones(32, 32, dtype=torch.bool).tril().expand(2, 1, 32, 32)
+        stock = model(x, attention_mask=causal).logits  # a 4D mask: transformers passes it to SDPA as it is
+    torch.testing.assert_close(ours, stock, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.fast
+def test_a_model_whose_mask_is_more_than_causal_keeps_transformers_mask():
+    from recipes.hf_causal_lm import plain_causal_mask
+
+    model = built_model(WINDOWED)
+    assert model.config._attn_implementation == "sdpa"  # the window needs the mask transformers builds
+    x = torch.randint(0, 256, (1, 32))
+    with torch.no_grad():
+        windowed = model(x).logits
+        model.set_attn_implementation("eager")
+        assert torch.allclose(windowed, model(x).logits, atol=1e-5)  # the same window, another kernel
+    qwen2_sliding = transformers.AutoConfig.for_model(**dict(TINY_LLAMA, model_type="qwen2", use_sliding_window=True,
+                                                             sliding_window=8, max_window_layers=1))
+    assert not plain_causal_mask(qwen2_sliding)
+    assert plain_causal_mask(transformers.AutoConfig.for_model(**dict(TINY_LLAMA, model_type="qwen2")))

@@ -32,11 +32,11 @@ COMMON = ["recipe=hf_causal_lm", "experiment=debug", "logger=none", "train.progr
           "recipe.data.test_size=96", "recipe.data.batch_size=16", "recipe.data.eval_batch_size=32",
           "recipe.optim.lr=1e-3", "recipe.schedule.warmup_steps=5"]
 SAME_RUNS = [*COMMON, "deterministic=true"]  # deterministic kernels (cuBLAS workspace) for eager against graph
-# Graph and eager run the same model on the same data from the same seed. What differs: transformers
-# skips its host-side shortcuts while a stream captures, so the captured step builds the causal mask that
-# an eager step leaves to SDPA's is_causal (another attention kernel, other bf16 rounding), amplified over
-# the steps. Measured on an H100 (torch 2.11, transformers 5.17): at most 2e-5 for all three models. A
-# graph that replays stale inputs or skips the optimizer moves these numbers by 1e-2 and more.
+# Graph and eager run the same model on the same data from the same seed, with the same attention kernel
+# (recipes/hf_causal_lm.py CAUSAL_SDPA: no mask built in either). Measured on an H100 (torch 2.11,
+# transformers 5.17) while the captured step still built the causal mask (another kernel, other bf16
+# rounding): at most 2e-5 for all three models. A graph that replays stale inputs or skips the optimizer
+# moves these numbers by 1e-2 and more.
 REL_TOLERANCE = 2e-3
 
 
@@ -104,20 +104,45 @@ def test_two_ranks_under_ddp_train_graphed_like_eager(out):
 FSDP2_REL_TOLERANCE = 2e-2
 
 
-def test_a_meta_device_build_sharded_with_fsdp2_trains_graphed_like_eager(out):
+def test_a_meta_device_build_sharded_with_fsdp2_trains_graphed_and_compiled_like_eager(out):
     """train.fsdp.init=meta: the llama built on the meta device, sharded (2 GPUs where there are two),
-    drawn by transformers' initialization on the GPU; graph=full follows eager from the same draws."""
+    drawn by transformers' initialization on the GPU; graph=full and graph=full_compiled (each decoder layer
+    compiled, the mask and rotary tables built eagerly between them) follow eager from the same draws."""
     args = [*SAME_RUNS, *model("llama"), "train.parallel=fsdp2", "train.fsdp.init=meta", "recipe.data.batch_size=8"]
     nproc = 2 if cuda_count() >= 2 else None
     eager = launch([*args, "graph=eager"], out / "eager", nproc=nproc, timeout=600)
-    graph = launch([*args, "graph=full"], out / "full", nproc=nproc, timeout=600)
-    for done in (eager, graph):
-        assert done.returncode == 0, done.output[-4000:]
-    why = f"eager {train_losses(eager)}\ngraph {train_losses(graph)}"
-    first = train_losses(eager)[0][1]
-    assert abs(first - math.log(256)) < 0.5, why  # drawn small, as from_config draws them: about chance
-    assert [s for s, _ in train_losses(eager)] == [s for s, _ in train_losses(graph)], why
-    for (step, le), (_, lg) in zip(train_losses(eager), train_losses(graph)):
-        assert math.isfinite(le) and lg == pytest.approx(le, rel=FSDP2_REL_TOLERANCE), f"train loss at step {step}\n{why}"
-    losses = [loss for _, loss in train_losses(graph)]
-    assert losses[-1] < losses[0] - 0.5, f"no training progress: {why}"
+    for graph in ("full", "full_compiled"):
+        done = launch([*args, f"graph={graph}"], out / graph, nproc=nproc, timeout=600)
+        for run in (eager, done):
+            assert run.returncode == 0, run.output[-4000:]
+        assert done.results()["timed_phase"] == "graph"
+        why = f"eager {train_losses(eager)}\n{graph} {train_losses(done)}"
+        first = train_losses(eager)[0][1]
+        assert abs(first - math.log(256)) < 0.5, why  # drawn small, as from_config draws them: about chance
+        assert [s for s, _ in train_losses(eager)] == [s for s, _ in train_losses(done)], why
+        for (step, le), (_, lg) in zip(train_losses(eager), train_losses(done)):
+            assert math.isfinite(le) and lg == pytest.approx(le, rel=FSDP2_REL_TOLERANCE), f"loss at step {step}\n{why}"
+        losses = [loss for _, loss in train_losses(done)]
+        assert losses[-1] < losses[0] - 0.5, f"no training progress: {why}"
+
+
+def test_a_captured_forward_builds_no_attention_mask():
+    """While a stream captures, transformers builds the whole causal mask for its own "sdpa" attention (it
+    never takes SDPA's is_causal shortcut then); the recipe's attention builds none, so a captured step runs
+    the flash kernel an eager step runs. Both asked inside one real capture."""
+    import torch
+
+    from recipes.hf_causal_lm import CAUSAL_SDPA
+    from test_hf_causal_lm import built_model, causal_mask_built
+
+    ours = built_model(MODELS["llama"]).cuda()
+    assert ours.config._attn_implementation == CAUSAL_SDPA
+    embeds = torch.zeros(2, 64, MODELS["llama"]["hidden_size"], device="cuda")
+    stock = built_model(MODELS["llama"]).cuda()
+    stock.set_attn_implementation("sdpa")
+    masks = {}
+    with torch.cuda.graph(torch.cuda.CUDAGraph()):
+        masks["recipe"] = causal_mask_built(ours, embeds)
+        masks["stock"] = causal_mask_built(stock, embeds)
+    assert masks["recipe"] is None
+    assert isinstance(masks["stock"], torch.Tensor) and masks["stock"].shape[-2:] == (64, 64)  # what it replaces
