@@ -97,7 +97,8 @@ def model_args_of(shape: LlamaShape):
     else:
         args = dataclasses.replace(copy.deepcopy(llama3_args["8B"]), dim=shape.dim, n_layers=shape.layers,
                                    n_heads=shape.heads, n_kv_heads=shape.kv_heads,
-                                   ffn_dim_multiplier=shape.ffn_dim_multiplier, multiple_of=shape.multiple_of)
+                                   ffn_dim_multiplier=shape.ffn_dim_multiplier, multiple_of=shape.multiple_of,
+                                   vocab_size=shape.vocab)
     theirs = (args.dim, args.n_layers, args.n_heads, args.n_kv_heads, args.vocab_size, float(args.rope_theta),
               args.norm_eps, args.ffn_dim_multiplier, args.multiple_of)
     ours = (shape.dim, shape.layers, shape.heads, shape.kv_heads, shape.vocab, shape.rope_theta, shape.norm_eps,
