@@ -220,8 +220,9 @@ def matched_settings(plan: Plan) -> List[Tuple[str, str, str]]:
         ("RoPE", f"theta {s.rope_theta:g}, Llama 3.1 scaling (factor 8)", "rope_parameters: rope_type llama3, the same"),
         ("attention (not matched)", "SDPA, causal, cuDNN's kernel first (torchtitan's wrapper)",
          "SDPA, causal, as transformers calls it (torch's kernel order)"),
-        ("initial weights (not matched)", "torchtitan's init_weights (depth-scaled)",
-         "transformers' (normal, std 0.02): step-1 losses differ by tenths"),
+        ("initial weights (not matched)", "torchtitan's init_weights (depth-scaled; the token embedding std 1)",
+         "transformers' (normal, std 0.02, the token embedding too): the losses differ by tenths at step 1 and by "
+         "more later; torchtitan's model drawn this way follows this side's losses (checked at a tiny shape)"),
         ("tokens per GPU per step", f"{plan.seq_len} x {plan.local_batch}",
          f"recipe.model.context={plan.seq_len}, recipe.data.batch_size={plan.local_batch}"),
         ("data", f"the same windows of the synthetic language (recipes.gpt), seed {plan.seed}",
@@ -256,7 +257,7 @@ def make_row(plan: Plan, run: str, status: str, timed: Dict[str, Any], peaks: Tu
     return {"size": plan.shape.name, "run": run, "nproc": plan.nproc, "seq_len": plan.seq_len,
             "local_batch": plan.local_batch, "ac": plan.ac, "tokens_per_s_per_gpu": tokens, "mfu_pct": mfu,
             "step_ms_median": timed.get("step_ms_median"), "step_ms_p90": timed.get("step_ms_p90"),
-            "step_ms_mean": mean, "steps_timed": timed.get("steps_timed"),
+            "step_ms_mean": mean, "warmup_steps": plan.warmup_steps, "steps_timed": timed.get("steps_timed"),
             "peak_allocated_mib": peaks[0], "peak_reserved_mib": peaks[1],
             "loss_first": losses[0], "loss_last": losses[1], "status": status, "run_dir": run_dir}
 
@@ -296,8 +297,33 @@ COLUMNS = [("size", "size", "{}"), ("run", "run", "{}"), ("ac", "AC", "{}"),
            ("step_ms_median", "step ms median", "{:,.1f}"), ("step_ms_p90", "step ms p90", "{:,.1f}"),
            ("peak_allocated_mib", "peak allocated MiB per GPU", "{:,.0f}"),
            ("peak_reserved_mib", "peak reserved MiB per GPU", "{:,.0f}"),
+           ("vs_torchtitan_best", "tokens/s vs torchtitan's best", "{:.3f}x"),
+           ("reserved_vs_torchtitan_best", "reserved vs its", "{:.2f}x"),
            ("loss_first", "loss, step 1", "{:.3f}"), ("loss_last", "loss, last step", "{:.3f}"),
            ("status", "status", "{}")]
+
+
+def matched_key(row: Dict[str, Any]) -> Tuple:
+    """The rows that ran the same thing: one size, GPU count, tokens per GPU and activation checkpointing."""
+    return row["size"], row["nproc"], row["seq_len"], row["local_batch"], row["ac"]
+
+
+def with_ratios(rows: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """``rows`` with each run's tokens/s and peak reserved memory over those of torchtitan's fastest run at the
+    same settings (``matched_key``), the issue's yardstick; None where there is no such run or no number."""
+    best: Dict[Tuple, Dict[str, Any]] = {}
+    for row in rows:
+        if row["run"].startswith("torchtitan") and row.get("tokens_per_s_per_gpu"):
+            key = matched_key(row)
+            if key not in best or row["tokens_per_s_per_gpu"] > best[key]["tokens_per_s_per_gpu"]:
+                best[key] = row
+    out = []
+    for row in rows:
+        top = best.get(matched_key(row))
+        ratio = lambda k: (row[k] / top[k]) if top and row.get(k) and top.get(k) else None  # noqa: E731
+        out.append({**row, "vs_torchtitan_best": ratio("tokens_per_s_per_gpu"),
+                    "reserved_vs_torchtitan_best": ratio("peak_reserved_mib")})
+    return out
 
 
 def cell(value: Any, form: str) -> str:
@@ -313,21 +339,39 @@ def report(rows: Sequence[Dict[str, Any]], run_plans: Sequence[Plan], device: st
     lines = [f"## torchtitan {TORCHTITAN} against this repo: Llama 3 on {'/'.join(map(str, nprocs))} x {device}", "",
              markdown_table([header for _, header, _ in COLUMNS],
                             [[cell(row.get(key), form) for key, _, form in COLUMNS] for row in rows]), ""]
-    for plan in run_plans:
-        s = plan.shape
+    described = []
+    for row in rows:  # one line per shape and tokens per step in the table (an --append'ed table holds several)
+        what = (row["size"], row["seq_len"], row["local_batch"])
+        if what in described or row["size"] not in SHAPES:
+            continue
+        described.append(what)
+        s, flops = SHAPES[row["size"]], training_flops_per_token(SHAPES[row["size"]], row["seq_len"])
+        timed = [(r.get("warmup_steps"), r["steps_timed"]) for r in rows
+                 if (r["size"], r["seq_len"], r["local_batch"]) == what and r.get("warmup_steps") and r.get("steps_timed")]
+        steps = f"; {timed[0][0]} untimed steps, then {timed[0][1]} timed" if timed else ""
         lines.append(f"- `{s.name}`: {s.layers} layers x {s.dim}, {s.heads} heads / {s.kv_heads} KV heads, FFN "
                      f"{s.ffn_hidden}, vocabulary {s.vocab}, RoPE theta {s.rope_theta:g}: {parameter_count(s):,} "
-                     f"parameters; {plan.flops_per_token / 1e9:.2f} GFLOP per token at {plan.seq_len} tokens; "
-                     f"{plan.seq_len} x {plan.local_batch} tokens per GPU per step; {plan.warmup_steps} untimed "
-                     f"steps, then {plan.steps} timed.")
+                     f"parameters; {flops / 1e9:.2f} GFLOP per token at {row['seq_len']} tokens; "
+                     f"{row['seq_len']} x {row['local_batch']} tokens per GPU per step{steps}.")
     peak_text = f"{peak[0]}, {peak[1]:g} TFLOP/s (trainer/perf.py)" if peak else "no known peak for this GPU: no MFU"
     lines += ["", "FLOPs per token = 6 x (parameters - token embedding) + 12 x layers x width x sequence length, "
               f"one formula for both sides (scripts/lib/llama3.py); MFU against {peak_text}. tokens/s per GPU = "
               "tokens per GPU per step / mean step time. Step times: the interval between step ends "
               "(graphing.StepTimer) over the timed steps. Memory: rank 0's GPU, the peak over the whole run. "
-              "Losses: the mean over all GPUs' tokens.", ""]
+              "The two ratios: this row's tokens/s and peak reserved memory over those of torchtitan's fastest run "
+              "with the same size, GPUs, tokens and activation checkpointing. Losses: the mean over all GPUs' "
+              "tokens.", ""]
     for plan in run_plans[:1]:
-        lines += [markdown_table(["matched", "torchtitan", "this repo"], [list(m) for m in matched_settings(plan)])]
+        matched = [list(m) for m in matched_settings(plan)]
+        if len({row["size"] for row in rows}) > 1:  # an --append'ed table: the sizes' lines above say each shape
+            matched = [m if m[0] not in ("model", "shape") else
+                       [m[0], "torchtitan Transformer, TransformerModelArgs of each size above" if m[0] == "model"
+                        else "each size's, above", m[2]] for m in matched]
+        if len({row["ac"] for row in rows}) > 1:  # an --append'ed table: each row's AC column says which
+            matched = [m if m[0] != "activation checkpointing" else
+                       [m[0], "activation_checkpoint.mode = the AC column: full (every block) or none",
+                        "train.activation_checkpointing=true (every block) or false, the same"] for m in matched]
+        lines += [markdown_table(["matched", "torchtitan", "this repo"], matched)]
     return "\n".join(lines) + "\n"
 
 
@@ -501,17 +545,18 @@ def run(args: argparse.Namespace, run_plans: List[Plan], version: Optional[str])
                 outcome["status"] = f"failed (exit {outcome['exit_code']}): {failure_line(stderr.read_text())}"
             rows.append(ours_row(plan, mode, outcome, peak[1] if peak else None))
             say(rows[-1])
-    table_rows = merged(rows, output) if args.append else rows
+    table_rows = with_ratios(merged(rows, output) if args.append else rows)
     text = report(table_rows, run_plans, device, peak)
     print("\n" + text)
     output.parent.mkdir(parents=True, exist_ok=True)
+    sizes = json.loads(output.read_text()).get("sizes", {}) if args.append and output.is_file() else {}
+    for p in run_plans:  # keyed by shape and activation checkpointing: an --append'ed table may hold both of 8b's
+        sizes[f"{p.shape.name}, ac {p.ac}"] = {
+            "shape": vars(p.shape), "parameters": parameter_count(p.shape), "flops_per_token": p.flops_per_token,
+            "seq_len": p.seq_len, "local_batch": p.local_batch, "ac": p.ac, "nproc": p.nproc,
+            "warmup_steps": p.warmup_steps, "steps": p.steps, "train_args": ours_args(p, args)}
     write_json(output, {"device": device, "torch": torch.__version__, "torchtitan": version, "peak": peak,
-                        "sizes": {p.shape.name: {"shape": vars(p.shape), "parameters": parameter_count(p.shape),
-                                                 "flops_per_token": p.flops_per_token, "seq_len": p.seq_len,
-                                                 "local_batch": p.local_batch, "ac": p.ac, "nproc": p.nproc,
-                                                 "warmup_steps": p.warmup_steps, "steps": p.steps,
-                                                 "train_args": ours_args(p, args)} for p in run_plans},
-                        "matched": [list(m) for m in matched_settings(run_plans[0])], "rows": table_rows})
+                        "sizes": sizes, "matched": [list(m) for m in matched_settings(run_plans[0])], "rows": table_rows})
     output.with_suffix(".md").write_text(text)
     print(f"wrote {output} and {output.with_suffix('.md').name}; runs in {runs}")
     return 1 if any(not row["status"].startswith("ok") for row in rows) else 0

@@ -335,20 +335,34 @@ def test_both_sides_rows_come_from_one_formula_and_the_table_says_so(tmp_path):
     assert (rows[0]["loss_first"], rows[0]["loss_last"]) == (12.25, 7.5)
     assert (rows[1]["loss_first"], rows[1]["loss_last"]) == pytest.approx((11.9, 8.8))  # steps 1 and 32
     assert rows[1]["peak_reserved_mib"] == 81_000.0 and rows[2]["tokens_per_s_per_gpu"] is None
+    # Each run against torchtitan's fastest at the same settings; a run at other settings has no yardstick.
+    other = dict(rows[1], ac="none")
+    rows = bench.with_ratios([*rows, other])
+    assert rows[1]["vs_torchtitan_best"] == pytest.approx(5000 / 4096)
+    assert rows[1]["reserved_vs_torchtitan_best"] == pytest.approx(81_000 / 95_000)
+    assert rows[2]["vs_torchtitan_best"] is None and rows[3]["vs_torchtitan_best"] is None
     text = bench.report(rows, [p], "NVIDIA H200", ("H200 SXM bf16 dense", 989.0))
     table = [line for line in text.splitlines() if line.startswith("| 8b |")]
     assert table[0].startswith("| 8b | torchtitan eager | full | 4,096 | 24.0% | 1,990.0 | 2,050.0 | 90,000 | 95,000 "
-                               "| 12.250 | 7.500 | ok |")
-    assert table[1].startswith("| 8b | this repo full | full | 5,000 | 29.3% |")
-    assert table[2] == ("| 8b | this repo full_compiled | full | — | — | — | — | — | — | — | — | failed (exit 1): "
+                               "| 1.000x | 1.00x | 12.250 | 7.500 | ok |")
+    assert table[1].startswith("| 8b | this repo full | full | 5,000 | 29.3% | 1,600.0 | 1,610.0 | 80,000 | 81,000 "
+                               "| 1.221x | 0.85x |")
+    assert table[2] == ("| 8b | this repo full_compiled | full | — | — | — | — | — | — | — | — | — | — | failed (exit 1): "
                         "torch.OutOfMemoryError: CUDA out of memory |")
+    assert table[3].startswith("| 8b | this repo full | none | 5,000 | 29.3% |") and "| — | — |" in table[3]
+    assert "activation_checkpoint.mode = the AC column" in text  # two AC settings in one table
+    assert text.count("- `8b`: 32 layers x 4096") == 1 and "; 12 untimed steps, then 20 timed." in text
+    small = dict(rows[0], size="1b", seq_len=2048)
+    text = bench.report([*rows, small], [p], "NVIDIA H200", ("H200 SXM bf16 dense", 989.0))
+    assert "- `1b`: 16 layers x 2048" in text and "at 2048 tokens; 2048 x 1 tokens per GPU per step" in text
+    assert "| shape | each size's, above |" in text  # not 8b's shape for the 1b rows
     assert "6 x (parameters - token embedding) + 12 x layers x width x sequence length" in text
     assert "8,030,261,248 parameters" in text
 
     # --append: an earlier call's rows stay where this call did not rerun them.
     output = tmp_path / "torchtitan_2gpu.json"
     output.write_text(json.dumps({"rows": [dict(rows[0], run="torchtitan compiled"), dict(rows[1], status="old")]}))
-    merged = bench.merged(rows[1:], output)
+    merged = bench.merged(rows[1:3], output)
     assert [(r["run"], r["status"]) for r in merged] == [("torchtitan compiled", "ok"), ("this repo full", "ok"),
                                                           ("this repo full_compiled", rows[2]["status"])]
 
