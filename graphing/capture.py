@@ -33,7 +33,15 @@ def explain_capture_failure(err: BaseException, capture_error_mode: str) -> str:
     if chain is not None:
         text += f" (after {type(chain).__name__}: {chain})"
     low = text.lower()
-    if "operation not permitted when stream is capturing" in low or "capture" in low and "sync" in low \
+    if "generator not in capture mode" in low:
+        # Measured on torch 2.11: torch.compile recomputes a checkpointed region's random draws (dropout) from
+        # generators of its own (graph-safe RNG functionalization), which no capture outside its own cudagraphs
+        # registers. A compiled checkpointed region without random draws captures (Llama, gpt_tiny at dropout 0).
+        cause = ("a compiled region that is recomputed by activation checkpointing draws random numbers (dropout): "
+                 "torch.compile keeps that recompute's random state in generators of its own, which this capture "
+                 "does not hold. Set the model's dropout to 0, or train without compile inside the graph "
+                 "(graph=full captures checkpointing and dropout), or train.activation_checkpointing=false")
+    elif "operation not permitted when stream is capturing" in low or "capture" in low and "sync" in low \
             or "item()" in low or "cudaerrorstreamcaptureunsupported" in low:
         cause = ("the step synchronizes with the host while it is being captured, e.g. `.item()`, "
                  "`.cpu()`, `print(tensor)`, `bool(tensor)` in an `if`, or a tensor used as a Python number. "

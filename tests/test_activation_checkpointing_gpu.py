@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from conftest import cuda_count, launch
-from test_recipes_gpu import COMMON, RECIPES, REL_TOLERANCE
+from test_recipes_gpu import COMMON, COMPILED_TOLERANCE, RECIPES, REL_TOLERANCE
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(cuda_count() < 1, reason="needs a CUDA GPU")]
 
@@ -163,12 +163,28 @@ def test_a_checkpointed_recipe_trains_graphed_as_eagerly_and_as_without_checkpoi
         f"checkpointed peak {g['perf/peak_allocated_mib']:.1f} MiB, without {p['perf/peak_allocated_mib']:.1f} MiB"
 
 
-def test_full_compiled_with_checkpointing_is_refused_naming_both_settings(out):
+def test_full_compiled_with_checkpointing_trains_a_dropout_free_gpt_as_eagerly(out):
+    """Compiled checkpointed blocks without random draws capture: the recompute is the forward again."""
+    runs = [*COMMON, "deterministic=true", f"train.max_steps={STEPS['gpt_tiny']}", *RECIPES["gpt_tiny"],
+            "recipe.model.dropout=0.0", f"{SETTING}=true"]
+    eager = launch([*runs, "graph=eager"], out / "eager", timeout=600)
+    compiled = launch([*runs, "graph=full_compiled"], out / "full_compiled", timeout=600)
+    for done in (eager, compiled):
+        assert done.returncode == 0, done.stderr[-4000:]
+    c = compiled.results()
+    assert c["mode"] == "full" and c["timed_phase"] == "graph" and c["graph/train_capture_s"] > 0
+    assert OmegaConf.load(compiled.run_dir / "config.yaml").train.activation_checkpointing_used is True
+    _same_training(eager, compiled, COMPILED_TOLERANCE, "checkpointed: eager vs full_compiled")
+
+
+def test_full_compiled_with_checkpointing_and_dropout_fails_its_capture_naming_the_settings(out):
+    """With dropout, torch.compile (2.11) recomputes the random draws from generators the capture does not
+    hold: the capture fails, once, with what to change."""
     done = launch([*COMMON, *CHECKPOINTED["gpt_tiny"], "graph=full_compiled", f"{SETTING}=true"], out, timeout=300)
     text = done.stdout + done.stderr
-    assert done.returncode == 2, text[-4000:]
-    assert text.count("graph.compile_model=true (graph=full_compiled) with train.activation_checkpointing=true") == 1
-    assert "Traceback" not in text
+    assert done.returncode == 3, text[-4000:]  # trainer/exit_codes.py EXIT_CAPTURE
+    assert text.count("a compiled region that is recomputed by activation checkpointing draws random numbers") == 1
+    assert "Set the model's dropout to 0" in text and "train.activation_checkpointing=false" in text
 
 
 @pytest.mark.parametrize("graph,mode", [("partial", "partial")])

@@ -244,11 +244,4 @@ def graph_options(cfg, device: torch.device, world_size: int) -> GraphOptions:
     if g.compare and options.mode is not GraphMode.full:
         raise ConfigError(f"graph.compare=true times eager steps against full-graph steps, but graph.mode "
                           f"resolves to {options.mode.value} here: set graph=full on a GPU (or drop graph.compare)")
-    if options.compile_model and cfg.train.activation_checkpointing:
-        # Measured on torch 2.11: the compiled recompute advances the CUDA generator outside the
-        # capture ("Attempt to increase offset for a CUDA generator not in capture mode").
-        raise ConfigError("graph.compile_model=true (graph=full_compiled) with train.activation_checkpointing=true: "
-                          "torch.compile's recompute of a checkpointed block draws its random numbers outside the "
-                          "CUDA graph capture, which fails. Set graph=full (checkpointing is captured there), or "
-                          "train.activation_checkpointing=false")
     return options
