@@ -52,7 +52,7 @@ untied: 1,498,482,688 parameters.
 What fits where: fp32 weights, gradients and AdamW's moments take 16 bytes per parameter, sharded over the
 GPUs: 128.5 GB for 8B (64 GB per GPU on 2, 32 on 4, 16 on 8), 24 GB for 1B. Activations and logits at 8192
 x 1 tokens per GPU add roughly 10-15 GB with ``--ac full`` and 45-60 GB for 8B with ``--ac none``
-(estimates, not measured). So 8B at 8192 x 1: ``--ac full`` on 2 or more H200s (about 139 GiB each) or 4
+(measured on 4 H200s, peak reserved per GPU: 44-58 GiB with ``--ac full``, 76-105 GiB with ``none``). So 8B at 8192 x 1: ``--ac full`` on 2 or more H200s (about 139 GiB each) or 4
 or more H100s (about 78 GiB); ``--ac none`` wants 4 or more H200s. 1B fits one GPU either way. This repo's
 side builds the model on the meta device as torchtitan does (``train.fsdp.init=meta``: sharded, then
 each rank draws its own shards), so no rank holds the 8B model whole. A run that fails (out of memory, say) stays in the table with its status; the script then exits 1.
