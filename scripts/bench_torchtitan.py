@@ -68,7 +68,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 import shlex
 import sys
 from dataclasses import dataclass
@@ -81,7 +80,8 @@ if str(ROOT) not in sys.path:
 
 from scripts.lib.comparison import comparison_rows  # noqa: E402
 from scripts.lib.launch import (  # noqa: E402
-    RESERVED, command, cuda_device_count, exit_on_sigterm, launch_mode, override_key, run_captured, timestamp,
+    RESERVED, command, cuda_device_count, exit_on_sigterm, failure_line, launch_mode, override_key, run_captured,
+    timestamp,
 )
 from scripts.lib.llama3 import (  # noqa: E402
     BETAS, EPS, LR, LR_WARMUP_STEPS, MAX_NORM, SHAPES, WEIGHT_DECAY, LlamaShape, hf_config, hydra_value, mfu_pct,
@@ -377,15 +377,6 @@ def report(rows: Sequence[Dict[str, Any]], run_plans: Sequence[Plan], device: st
 
 # ---- running ---------------------------------------------------------------------------
 
-def failure_line(stderr: str) -> str:
-    """The line that says why a run failed: the first error its processes printed (the rank that failed first;
-    others then fail on the broken connection), not torchrun's own report; else its last line."""
-    lines = [line.strip() for line in stderr.splitlines() if line.strip() and not set(line.strip()) <= set("=-")]
-    own = [line for line in lines if "ChildFailedError" not in line and "torch.distributed.elastic" not in line]
-    named = [line for line in own if "ran past" in line or re.search(r"\w*(Error|Exception)\b:|\berror:", line)]
-    return (named[:1] or lines[-1:] or ["(no output)"])[0][-300:]
-
-
 def run_theirs(plan: Plan, variant: str, runs: Path, timeout: float) -> Tuple[Optional[Dict[str, Any]], str, str]:
     """One torchtitan run: (its result, status, its directory)."""
     folder = runs / plan.shape.name / f"torchtitan_{variant}"
@@ -540,9 +531,6 @@ def run(args: argparse.Namespace, run_plans: List[Plan], version: Optional[str])
             print(f"{SCRIPT}: [{plan.shape.name}] this repo {mode}: running", flush=True)
             outcome = launch_mode(mode, plan.nproc, ours_args(plan, args), runs / plan.shape.name, group=group_of(plan),
                                   run_name=group_of(plan), timeout=args.timeout, cuda=True)
-            stderr = runs / plan.shape.name / "runs" / mode / "stderr.log"
-            if outcome["status"].startswith("failed (exit") and stderr.is_file():  # the error, not torchrun's last line
-                outcome["status"] = f"failed (exit {outcome['exit_code']}): {failure_line(stderr.read_text())}"
             rows.append(ours_row(plan, mode, outcome, peak[1] if peak else None))
             say(rows[-1])
     table_rows = with_ratios(merged(rows, output) if args.append else rows)

@@ -98,9 +98,13 @@ def command(mode: str, nproc: int, train_args: Sequence[str], output_root: Path,
             f"logger.wandb.name={hydra_value(f'{run_name}-{mode}')}"]
 
 
-def last_line(path: Path) -> str:
-    lines = [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()]
-    return lines[-1] if lines else ""
+def failure_line(stderr: str) -> str:
+    """The line that says why a run failed: the first error its processes printed (the rank that failed first;
+    others then fail on the broken connection), not torchrun's own report; else its last line."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip() and not set(line.strip()) <= set("=-")]
+    own = [line for line in lines if "ChildFailedError" not in line and "torch.distributed.elastic" not in line]
+    named = [line for line in own if "ran past" in line or re.search(r"\w*(Error|Exception)\b:|\berror:", line)]
+    return (named[:1] or lines[-1:] or ["(no output)"])[0][-300:]
 
 
 def run_dirs(root: Path) -> set:
@@ -143,7 +147,7 @@ def launch_mode(mode: str, nproc: int, train_args: Sequence[str], output: Path, 
     if outcome["exit_code"] is None:
         outcome["status"] = f"timed out after {timeout:g} s"
     elif outcome["exit_code"] != 0:
-        outcome["status"] = f"failed (exit {outcome['exit_code']}): {last_line(root / 'stderr.log')}"
+        outcome["status"] = f"failed (exit {outcome['exit_code']}): {failure_line((root / 'stderr.log').read_text(errors='replace'))}"
     elif not results_file or not results_file.exists():
         outcome["status"] = f"failed (exit 0 but no results.json under {root})"
     else:
