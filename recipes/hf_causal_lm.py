@@ -189,9 +189,9 @@ def build_model(config, settings: ModelSettings, transformers) -> torch.nn.Modul
 CAUSAL_SDPA = "sdpa_causal_unpadded"
 
 
-def use_causal_sdpa(model: torch.nn.Module, transformers) -> bool:
+def use_causal_sdpa(model: torch.nn.Module, transformers) -> None:
     """Switches ``model`` from transformers' "sdpa" attention to :data:`CAUSAL_SDPA` where the mask transformers
-    would build is the plain causal one; True if it did.
+    would build is the plain causal one.
 
     Why: transformers decides per call whether SDPA may skip the mask and use ``is_causal``, and it never skips
     while a CUDA stream captures (its ``is_tracing`` counts capture as tracing). So a captured step would
@@ -202,22 +202,19 @@ def use_causal_sdpa(model: torch.nn.Module, transformers) -> bool:
     nothing else; this makes that true for eager and graphed steps alike, and lets SDPA pick flash in both.
     Left alone: any other attention implementation, and every model whose mask is more than causal (a sliding
     window, chunked attention, a bidirectional or non-causal config), for which transformers' own mask stays."""
-    config = model.config
-    if getattr(config, "_attn_implementation", None) != "sdpa" or not plain_causal_mask(config):
-        return False
-    interface = transformers.AttentionInterface
-    if CAUSAL_SDPA not in interface._global_mapping:
-        interface.register(CAUSAL_SDPA, interface._global_mapping["sdpa"])
+    if getattr(model.config, "_attn_implementation", None) != "sdpa" or not plain_causal_mask(model.config):
+        return
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    transformers.AttentionInterface.register(CAUSAL_SDPA, sdpa_attention_forward)  # idempotent
     model.set_attn_implementation(CAUSAL_SDPA)
-    return True
 
 
 def plain_causal_mask(config) -> bool:
     """Whether the attention mask transformers builds for ``config``'s layers, given unpadded windows whose
     positions count from 0, is the causal one: no sliding window or attention chunks on any layer, every layer
     of type full attention, and a causal decoder."""
-    sub_configs = [config, *(getattr(config, name, None) for name in ("text_config",))]
-    for c in (c for c in sub_configs if c is not None):
+    for c in (c for c in (config, getattr(config, "text_config", None)) if c is not None):
         if getattr(c, "is_causal", True) is False or getattr(c, "is_decoder", True) is False:
             return False
         if getattr(c, "sliding_window", None) is not None or getattr(c, "attention_chunk_size", None) is not None:

@@ -325,7 +325,7 @@ class Trainer:
     # ---- the results -----------------------------------------------------------------
     def _summary(self, steps: int, wall: float) -> Dict[str, Any]:
         report = self.executor.report
-        headline_phase = self.executor.phase(StepRole.train, self.train_loader.shapes.full)  # full steps make the headline
+        headline_phase = self.phase()  # full steps make the headline
         if headline_phase in ("warmup", "capture"):  # too short a run to leave warm-up
             headline_phase = "warmup"
         out: Dict[str, Any] = {
