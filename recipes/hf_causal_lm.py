@@ -247,7 +247,8 @@ def init_weights(model: torch.nn.Module) -> None:
         module.__dict__.pop("_is_hf_initialized", None)  # transformers skips a module marked initialized
     model.initialize_weights()
     device = local_tensor(named[0][1]).device if named else torch.device("cpu")  # NCCL reduces device tensors only
-    left = torch.tensor([float(_still_marked(local_tensor(t))) for _, t in named], device=device)
+    marks = [_still_marked(local_tensor(t)).to(device) for _, t in named]  # on the device: read once, below
+    left = torch.stack(marks).float() if marks else torch.zeros(0, device=device)
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(left)  # a rank's shard may be empty: every rank decides alike
     if bool(left.any()):
@@ -261,12 +262,11 @@ def _mark(dtype: torch.dtype):
     return float("nan") if dtype.is_floating_point or dtype.is_complex else torch.iinfo(dtype).min
 
 
-def _still_marked(tensor: torch.Tensor) -> bool:
-    if tensor.numel() == 0:
-        return False
+def _still_marked(tensor: torch.Tensor) -> torch.Tensor:
+    """Whether any element of ``tensor`` still holds ``_mark``'s value: a 0-dim bool on its device (False if empty)."""
     if tensor.dtype.is_floating_point or tensor.dtype.is_complex:
-        return bool(torch.isnan(tensor).any())
-    return bool((tensor == torch.iinfo(tensor.dtype).min).any())
+        return torch.isnan(tensor).any()
+    return (tensor == torch.iinfo(tensor.dtype).min).any()
 
 
 def training_flops_per_token(model: torch.nn.Module, context: int) -> float:
