@@ -66,8 +66,10 @@ without either it says so and exits 2. ``--dry-run`` needs neither.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
+import os
 import shlex
 import sys
 from dataclasses import dataclass
@@ -83,6 +85,7 @@ from scripts.lib.launch import (  # noqa: E402
     RESERVED, command, cuda_device_count, exit_on_sigterm, failure_line, launch_mode, override_key, run_captured,
     timestamp,
 )
+from scripts.lib.launch import hydra_value as quoted  # noqa: E402  (a path as an override's value)
 from scripts.lib.llama3 import (  # noqa: E402
     BETAS, EPS, LR, LR_WARMUP_STEPS, MAX_NORM, SHAPES, WEIGHT_DECAY, LlamaShape, hf_config, hydra_value, mfu_pct,
     parameter_count, training_flops_per_token,
@@ -94,6 +97,7 @@ from trainer.results import markdown_table, write_json  # noqa: E402
 SCRIPT = "bench_torchtitan.py"
 TORCHTITAN = "0.2.2"  # the release read for the shapes and settings; scripts/requirements-torchtitan.txt pins it
 THEIRS, OURS = ("eager", "compiled"), ("full", "full_compiled")
+TORCHTITAN_ALLOC_CONF = "expandable_segments:True"  # torchtitan's launcher (run_train.sh) runs its trainer with it
 INSTALL = (f"install it: pip install -r scripts/requirements-torchtitan.txt (torchtitan=={TORCHTITAN} and its "
            "requirements). On a machine without a package index, bring them as wheels: on one with pip, "
            "`pip download --no-deps -d wheels -r scripts/requirements-torchtitan.txt` (with --python-version and "
@@ -148,6 +152,7 @@ class Plan:
     steps: int
     ac: str  # none | full
     seed: int = 0
+    alloc_conf: str = ""  # PYTORCH_CUDA_ALLOC_CONF of both sides' processes ("": torch's default allocator)
 
     @property
     def total_steps(self) -> int:
@@ -165,18 +170,20 @@ class Plan:
 def plans(args: argparse.Namespace, nproc: int) -> List[Plan]:
     sizes = list(SHAPES) if args.size == "both" else [args.size]
     return [Plan(SHAPES[size], nproc, args.seq_len, args.local_batch, args.warmup_steps, args.steps,
-                 args.ac if args.ac != "auto" else ("full" if size == "8b" else "none"), args.seed) for size in sizes]
+                 args.ac if args.ac != "auto" else ("full" if size == "8b" else "none"), args.seed, args.alloc_conf)
+            for size in sizes]
 
 
 # ---- the commands of both sides --------------------------------------------------------
 
-def theirs_command(plan: Plan, variant: str, output: Path, deadline_s: float) -> List[str]:
+def theirs_command(plan: Plan, variant: str, output: Path, deadline_s: float, profile_steps: int = 0) -> List[str]:
     """torchrun over scripts/lib/torchtitan_worker.py (a module: it imports scripts.lib and recipes)."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={plan.nproc}",
             "-m", "scripts.lib.torchtitan_worker", "--size", plan.shape.name, "--seq-len", str(plan.seq_len),
             "--local-batch", str(plan.local_batch), "--warmup-steps", str(plan.warmup_steps),
             "--steps", str(plan.steps), "--ac", plan.ac, *(["--compile"] if variant == "compiled" else []),
-            "--seed", str(plan.seed), "--deadline-s", f"{deadline_s:g}", "--output", str(output)]
+            "--seed", str(plan.seed), "--deadline-s", f"{deadline_s:g}", "--output", str(output),
+            *(["--profile-steps", str(profile_steps)] if profile_steps else [])]
 
 
 def ours_overrides(plan: Plan) -> List[str]:
@@ -201,6 +208,18 @@ def ours_overrides(plan: Plan) -> List[str]:
 
 def ours_args(plan: Plan, args: argparse.Namespace) -> List[str]:
     return [*args.train_options, *ours_overrides(plan), *args.overrides]
+
+
+def profile_command(plan: Plan, mode: str, args: argparse.Namespace, folder: Path) -> List[str]:
+    """scripts/profile_step.py over this repo's side of ``plan`` in graph ``mode``: after the warm-up and capture,
+    ``args.profile`` steps settle, as many are timed, as many profiled; its data and max_steps hold them all (a
+    run of its own, not the table's timed run; every other setting is that run's)."""
+    n = args.profile
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={plan.nproc}",
+            "scripts/profile_step.py", "--steps", str(n), "--top", "20", "--gaps", "6", "--streams",
+            "--output", str(folder / "profile.json"), *args.train_options,
+            *ours_overrides(dataclasses.replace(plan, steps=3 * n)), *args.overrides, f"graph={mode}",
+            f"output_root={quoted(str(folder))}"]
 
 
 def group_of(plan: Plan) -> str:
@@ -241,6 +260,8 @@ def matched_settings(plan: Plan) -> List[Tuple[str, str, str]]:
         ("gradient clipping", f"max_norm {MAX_NORM}", f"train.grad_clip={MAX_NORM}"),
         ("steps", f"{plan.warmup_steps} untimed, {plan.steps} timed",
          f"{plan.warmup_steps - 1} eager + capture untimed, {plan.steps} timed (graph.warmup_iters)"),
+        ("CUDA allocator", f"PYTORCH_CUDA_ALLOC_CONF={plan.alloc_conf or '(unset)'}"
+         + (" (what torchtitan's run_train.sh sets)" if plan.alloc_conf == TORCHTITAN_ALLOC_CONF else ""), "the same"),
     ]
 
 
@@ -248,7 +269,7 @@ def matched_settings(plan: Plan) -> List[Tuple[str, str, str]]:
 
 def make_row(plan: Plan, run: str, status: str, timed: Dict[str, Any], peaks: Tuple[Any, Any],
              losses: Tuple[Optional[float], Optional[float]], peak_tflops: Optional[float],
-             run_dir: Optional[str]) -> Dict[str, Any]:
+             run_dir: Optional[str], profile: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """One run's row. tokens/s per GPU = tokens per GPU per step / mean step time, MFU from the one FLOP
     formula (scripts/lib/llama3.py), for both sides alike."""
     mean = timed.get("step_ms_mean")
@@ -259,7 +280,9 @@ def make_row(plan: Plan, run: str, status: str, timed: Dict[str, Any], peaks: Tu
             "step_ms_median": timed.get("step_ms_median"), "step_ms_p90": timed.get("step_ms_p90"),
             "step_ms_mean": mean, "warmup_steps": plan.warmup_steps, "steps_timed": timed.get("steps_timed"),
             "peak_allocated_mib": peaks[0], "peak_reserved_mib": peaks[1],
-            "loss_first": losses[0], "loss_last": losses[1], "status": status, "run_dir": run_dir}
+            "loss_first": losses[0], "loss_last": losses[1], "status": status, "run_dir": run_dir,
+            "alloc_conf": plan.alloc_conf or None,
+            **({"profile": profile} if profile else {})}
 
 
 def theirs_row(plan: Plan, variant: str, result: Optional[Dict[str, Any]], status: str,
@@ -267,17 +290,18 @@ def theirs_row(plan: Plan, variant: str, result: Optional[Dict[str, Any]], statu
     r = result or {}
     losses = r.get("losses") or [None]
     return make_row(plan, f"torchtitan {variant}", status, r, (r.get("peak_allocated_mib"), r.get("peak_reserved_mib")),
-                    (losses[0], losses[-1]), peak_tflops, run_dir)
+                    (losses[0], losses[-1]), peak_tflops, run_dir, r.get("profile"))
 
 
-def ours_row(plan: Plan, mode: str, outcome: Dict[str, Any], peak_tflops: Optional[float]) -> Dict[str, Any]:
+def ours_row(plan: Plan, mode: str, outcome: Dict[str, Any], peak_tflops: Optional[float],
+             profile: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     r = outcome.get("results") or {}
     status = comparison_rows([outcome])[0]["status"]  # flags a fallback to eager, or only warm-up steps timed
     timed = {k.removeprefix("perf/"): r.get(k) for k in ("perf/step_ms_median", "perf/step_ms_p90",
                                                           "perf/step_ms_mean", "perf/steps_timed")}
     return make_row(plan, f"this repo {mode}", status, timed, (r.get("perf/peak_allocated_mib"),
                     r.get("perf/peak_reserved_mib")), train_losses(outcome.get("run_dir"), plan.total_steps),
-                    peak_tflops, outcome.get("run_dir"))
+                    peak_tflops, outcome.get("run_dir"), profile)
 
 
 def train_losses(run_dir: Optional[str], last_step: int) -> Tuple[Optional[float], Optional[float]]:
@@ -292,7 +316,7 @@ def train_losses(run_dir: Optional[str], last_step: int) -> Tuple[Optional[float
     return by_step.get(1), by_step.get(last_step)
 
 
-COLUMNS = [("size", "size", "{}"), ("run", "run", "{}"), ("ac", "AC", "{}"),
+COLUMNS = [("size", "size", "{}"), ("run", "run", "{}"), ("ac", "AC", "{}"), ("alloc_conf", "allocator", "{}"),
            ("tokens_per_s_per_gpu", "tokens/s per GPU", "{:,.0f}"), ("mfu_pct", "MFU", "{:.1f}%"),
            ("step_ms_median", "step ms median", "{:,.1f}"), ("step_ms_p90", "step ms p90", "{:,.1f}"),
            ("peak_allocated_mib", "peak allocated MiB per GPU", "{:,.0f}"),
@@ -304,8 +328,9 @@ COLUMNS = [("size", "size", "{}"), ("run", "run", "{}"), ("ac", "AC", "{}"),
 
 
 def matched_key(row: Dict[str, Any]) -> Tuple:
-    """The rows that ran the same thing: one size, GPU count, tokens per GPU and activation checkpointing."""
-    return row["size"], row["nproc"], row["seq_len"], row["local_batch"], row["ac"]
+    """The rows that ran the same thing: one size, GPU count, tokens per GPU, activation checkpointing and CUDA
+    allocator settings (a row from before the allocator was a setting has none: it ran with torch's default)."""
+    return row["size"], row["nproc"], row["seq_len"], row["local_batch"], row["ac"], row.get("alloc_conf")
 
 
 def with_ratios(rows: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
@@ -359,8 +384,9 @@ def report(rows: Sequence[Dict[str, Any]], run_plans: Sequence[Plan], device: st
               "tokens per GPU per step / mean step time. Step times: the interval between step ends "
               "(graphing.StepTimer) over the timed steps. Memory: rank 0's GPU, the peak over the whole run. "
               "The two ratios: this row's tokens/s and peak reserved memory over those of torchtitan's fastest run "
-              "with the same size, GPUs, tokens and activation checkpointing. Losses: the mean over all GPUs' "
-              "tokens.", ""]
+              "with the same size, GPUs, tokens, activation checkpointing and allocator. allocator: "
+              "PYTORCH_CUDA_ALLOC_CONF of both sides' processes (—: torch's default). Losses: the mean over all "
+              "GPUs' tokens.", ""]
     for plan in run_plans[:1]:
         matched = [list(m) for m in matched_settings(plan)]
         if len({row["size"] for row in rows}) > 1:  # an --append'ed table: the sizes' lines above say each shape
@@ -372,17 +398,49 @@ def report(rows: Sequence[Dict[str, Any]], run_plans: Sequence[Plan], device: st
                        [m[0], "activation_checkpoint.mode = the AC column: full (every block) or none",
                         "train.activation_checkpointing=true (every block) or false, the same"] for m in matched]
         lines += [markdown_table(["matched", "torchtitan", "this repo"], matched)]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + profile_report(rows)) + "\n"
+
+
+def profile_report(rows: Sequence[Dict[str, Any]]) -> List[str]:
+    """Where each profiled run's step goes on rank 0's GPU (``--profile``), one table per set of matched runs:
+    milliseconds per step by kind of kernel (scripts/lib/kernel_profile.py), both sides read alike."""
+    from scripts.lib.kernel_profile import KINDS, OTHER
+
+    groups: Dict[Tuple, List[Dict[str, Any]]] = {}
+    for row in rows:
+        if row.get("profile"):
+            groups.setdefault(matched_key(row), []).append(row)
+    lines: List[str] = []
+    for (size, nproc, seq_len, batch, ac, alloc), runs in groups.items():
+        kinds = [{k["kind"]: k["ms_per_step"] for k in run["profile"].get("kinds", [])} for run in runs]
+        ms = lambda value: cell(value, "{:,.2f}")  # noqa: E731
+        table = [["step (timed, no profiler)", *(ms(run.get("step_ms_mean")) for run in runs)],
+                 ["GPU busy (a kernel running)", *(ms(run["profile"].get("gpu_busy_ms")) for run in runs)],
+                 ["GPU idle", *(ms(run["profile"].get("idle_ms")) for run in runs)]]
+        for kind in [k for k, _ in KINDS] + [OTHER]:
+            if any(kind in found for found in kinds):
+                table.append([kind, *(ms(found.get(kind, 0.0)) for found in kinds)])
+        table.append(["collectives beside compute", *(ms(run["profile"].get("collective_beside_compute_ms"))
+                                                      for run in runs)])
+        table.append(["kernels per step", *(cell(run["profile"].get("gpu_ops_per_step"), "{:,.0f}") for run in runs)])
+        lines += ["", f"Where a step goes, {size}, AC {ac}, {nproc} GPUs, {seq_len} x {batch} tokens per GPU"
+                  f"{f', {alloc}' if alloc else ''}: ms per step on rank 0's GPU over "
+                  f"{'/'.join(str(run['profile'].get('steps', '?')) for run in runs)} profiled steps (kernel kinds "
+                  "by name, scripts/lib/kernel_profile.py; kinds overlap in time across streams, so they sum to more "
+                  "than the busy time)", "",
+                  markdown_table(["ms per step", *(run["run"] for run in runs)], table)]
+    return lines
 
 
 # ---- running ---------------------------------------------------------------------------
 
-def run_theirs(plan: Plan, variant: str, runs: Path, timeout: float) -> Tuple[Optional[Dict[str, Any]], str, str]:
+def run_theirs(plan: Plan, variant: str, runs: Path, timeout: float,
+               profile_steps: int = 0) -> Tuple[Optional[Dict[str, Any]], str, str]:
     """One torchtitan run: (its result, status, its directory)."""
     folder = runs / plan.shape.name / f"torchtitan_{variant}"
     folder.mkdir(parents=True, exist_ok=True)
     result_file = folder / "result.json"
-    cmd = theirs_command(plan, variant, result_file, deadline_s=timeout)
+    cmd = theirs_command(plan, variant, result_file, deadline_s=timeout, profile_steps=profile_steps)
     (folder / "command.txt").write_text(shlex.join(cmd) + "\n")
     stdout, stderr, code = run_captured(cmd, timeout + 120, env={"PYTHONUNBUFFERED": "1"})
     (folder / "stdout.log").write_text(stdout)
@@ -392,6 +450,24 @@ def run_theirs(plan: Plan, variant: str, runs: Path, timeout: float) -> Tuple[Op
     if code != 0 or not result_file.is_file():
         return None, f"failed (exit {code}): {failure_line(stderr)}", str(folder)
     return json.loads(result_file.read_text()), "ok", str(folder)
+
+
+def profile_ours(plan: Plan, mode: str, args: argparse.Namespace, runs: Path) -> Optional[Dict[str, Any]]:
+    """This repo's side in ``mode``, profiled (``profile_command``): what scripts/profile_step.py found, or None
+    (said, with the reason) when the run failed: a profile is an extra, the table's row stands without it."""
+    folder = runs / plan.shape.name / "profiles" / mode
+    folder.mkdir(parents=True, exist_ok=True)
+    cmd = profile_command(plan, mode, args, folder)
+    (folder / "command.txt").write_text(shlex.join(cmd) + "\n")
+    print(f"{SCRIPT}: [{plan.shape.name}] this repo {mode}: profiling {args.profile} steps", flush=True)
+    stdout, stderr, code = run_captured(cmd, args.timeout, env={"PYTHONUNBUFFERED": "1"})
+    (folder / "stdout.log").write_text(stdout)
+    (folder / "stderr.log").write_text(stderr)
+    if code != 0 or not (folder / "profile.json").is_file():
+        why = f"ran past {args.timeout} s" if code is None else f"exit {code}: {failure_line(stderr)}"
+        print(f"{SCRIPT}: [{plan.shape.name}] this repo {mode}: no profile ({why})", flush=True)
+        return None
+    return {"steps": args.profile, **json.loads((folder / "profile.json").read_text())}
 
 
 def torchtitan_version() -> str:
@@ -418,7 +494,7 @@ def merged(rows: List[Dict[str, Any]], output: Path) -> List[Dict[str, Any]]:
     """``rows`` after the rows of ``output`` (an earlier call's) that they do not replace."""
     if not output.is_file():
         return rows
-    key = lambda row: (row["size"], row["run"], row["nproc"], row["seq_len"], row["local_batch"], row["ac"])  # noqa: E731
+    key = lambda row: (row["run"], *matched_key(row))  # noqa: E731
     fresh = {key(row) for row in rows}
     return [row for row in json.loads(output.read_text()).get("rows", []) if key(row) not in fresh] + rows
 
@@ -449,6 +525,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--append", action="store_true",
                         help="keep the rows of an existing --output that this call does not rerun")
     parser.add_argument("--timeout", type=positive_int, default=1800, help="seconds one run may take (default 1800)")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="also profile N steps of each run (torchtitan's after its timed steps, this repo's in a "
+                             "scripts/profile_step.py run of its own) and add where each step's GPU time goes")
+    parser.add_argument("--alloc-conf", default=TORCHTITAN_ALLOC_CONF,
+                        help="PYTORCH_CUDA_ALLOC_CONF for both sides (default: torchtitan's launcher's, "
+                             f"{TORCHTITAN_ALLOC_CONF!r}; '' for torch's default allocator)")
     parser.add_argument("--dry-run", action="store_true",
                         help="print both sides' commands and the matched settings, run nothing (no GPU needed)")
     # A bad option, then a typo in train.py's part, fail here, once: the part composed with this repo's side's
@@ -479,6 +561,8 @@ def check(parser: Parser, args: argparse.Namespace) -> None:
                      "warm-up steps and its capture; torchtitan gets as many, so both train as many steps)")
     if not args.ours and not args.theirs:
         parser.error("--ours none and --theirs none: nothing to run")
+    if args.profile < 0:
+        parser.error(f"--profile {args.profile}: a number of steps, 0 for no profile")
     for override in args.overrides:
         key = override_key(override)
         if key in SETS or any(key == s or key.startswith(s + ".") for s in SETS_UNDER):
@@ -497,12 +581,16 @@ def dry_run(args: argparse.Namespace) -> int:
               f"{parameter_count(s):,} parameters, {plan.flops_per_token:,.0f} FLOPs per token at {plan.seq_len}; "
               f"activation checkpointing {plan.ac}")
         for variant in args.theirs:
-            cmd = theirs_command(plan, variant, runs / s.name / f"torchtitan_{variant}" / "result.json", args.timeout)
+            cmd = theirs_command(plan, variant, runs / s.name / f"torchtitan_{variant}" / "result.json", args.timeout,
+                                 args.profile)
             print(f"{s.name} torchtitan {variant}: {shlex.join(cmd)}")
         for mode in args.ours:
             cmd = command(mode, plan.nproc, ours_args(plan, args), runs / s.name / "runs" / mode, group_of(plan),
                           group_of(plan))
             print(f"{s.name} this repo {mode}: {shlex.join(cmd)}")
+            if args.profile:
+                cmd = profile_command(plan, mode, args, runs / s.name / "profiles" / mode)
+                print(f"{s.name} this repo {mode}, profiled: {shlex.join(cmd)}")
         print()
     print(markdown_table(["matched", "torchtitan", "this repo"], [list(m) for m in matched_settings(run_plans[0])]))
     return 0
@@ -514,6 +602,10 @@ def run(args: argparse.Namespace, run_plans: List[Plan], version: Optional[str])
     from trainer.perf import peak_tflops
 
     exit_on_sigterm()  # a SIGTERM stops the run in flight (scripts/lib/launch.py) on the way out
+    if args.alloc_conf:  # both sides' processes inherit it
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = args.alloc_conf
+    else:
+        os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
     device = torch.cuda.get_device_name(0)
     peak = peak_tflops(device, "bf16")
     nproc = run_plans[0].nproc
@@ -524,14 +616,15 @@ def run(args: argparse.Namespace, run_plans: List[Plan], version: Optional[str])
     rows: List[Dict[str, Any]] = []
     for plan in run_plans:
         for variant in args.theirs:
-            result, status, folder = run_theirs(plan, variant, runs, args.timeout)
+            result, status, folder = run_theirs(plan, variant, runs, args.timeout, args.profile)
             rows.append(theirs_row(plan, variant, result, status, peak[1] if peak else None, folder))
             say(rows[-1])
         for mode in args.ours:
             print(f"{SCRIPT}: [{plan.shape.name}] this repo {mode}: running", flush=True)
             outcome = launch_mode(mode, plan.nproc, ours_args(plan, args), runs / plan.shape.name, group=group_of(plan),
                                   run_name=group_of(plan), timeout=args.timeout, cuda=True)
-            rows.append(ours_row(plan, mode, outcome, peak[1] if peak else None))
+            profile = profile_ours(plan, mode, args, runs) if args.profile else None
+            rows.append(ours_row(plan, mode, outcome, peak[1] if peak else None, profile))
             say(rows[-1])
     table_rows = with_ratios(merged(rows, output) if args.append else rows)
     text = report(table_rows, run_plans, device, peak)

@@ -8,8 +8,10 @@ Builds the trainer as train.py does, warms up (and captures, in graph modes), th
 profiles ``--steps`` steps: the step's wall time (``--steps`` steps timed as train.py times them,
 graphing.StepTimer, before the profiled ones), the time during which at least one kernel or copy
 ran (CUPTI; ``kernel_ms`` sums them over streams), its ratio to the step (how busy the GPU
-was), and the kernel count per step, throughput (global and per GPU) and MFU per GPU, as
-train.py's results compute it. Under torchrun every rank profiles; rank 0 reports. ``--top N`` adds the N kernels that took the
+was), the kernel count per step, the kernels' time by kind (matmuls, attention, collectives, fused
+Triton kernels, ...: scripts/lib/kernel_profile.py, which reads torchtitan's step the same way for
+scripts/bench_torchtitan.py), throughput (global and per GPU) and MFU per GPU, as train.py's
+results compute it. Under torchrun every rank profiles; rank 0 reports. ``--top N`` adds the N kernels that took the
 most time per step, with their counts (where the time goes, and where each op comes from);
 ``--gaps N`` the N places where the GPU sat idle longest in a step, summed per step, each
 named by the ops before and after it (where a graphed step still waits). ``--streams`` lists
@@ -30,6 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from scripts.lib.kernel_profile import device_events, summary  # noqa: E402
 from scripts.lib.refuse import refuse  # noqa: E402
 from scripts.lib.timing import time_steps  # noqa: E402
 from trainer.cli import script_config  # noqa: E402
@@ -54,7 +57,6 @@ def main() -> int:
 
 def profile_job(session, args) -> int:
     import torch
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     trainer = session.build()
@@ -72,17 +74,15 @@ def profile_job(session, args) -> int:
         for _ in range(args.steps):
             trainer.run_step()
         torch.cuda.synchronize()
-    device = torch.cuda.current_device()  # this rank's GPU: the trace may hold another's peer copies
-    gpu_events = [e for e in prof.events() if e.device_type == DeviceType.CUDA and e.device_index in (device, -1)]
-    spans = [(e.time_range.start, e.time_range.end, e.name, e.device_resource_id) for e in gpu_events]
-    kernel_ms = sum(e.device_time for e in gpu_events) / 1e3 / args.steps
-    busy_ms = sum(end - start for start, end in union(spans)) / 1e3 / args.steps  # streams overlap: not a sum
+    events = device_events(prof, torch.cuda.current_device())
+    found = summary(events, args.steps, top=args.top, gaps=args.gaps)
     mode = ex.report.mode + ("+compile_model" if trainer.plan.graph.compile_model else "")
     result = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "mode": mode, "recipe": trainer.recipe.name,
         "world_size": trainer.rt.world_size, "batch_size": session.cfg.recipe.data.batch_size,
-        "precision": trainer.plan.precision, "step_ms": wall_ms, "gpu_busy_ms": busy_ms,
-        "gpu_busy_fraction": busy_ms / wall_ms, "kernel_ms": kernel_ms, "gpu_ops_per_step": len(gpu_events) / args.steps,
+        "precision": trainer.plan.precision, "step_ms": wall_ms, "gpu_busy_ms": found["gpu_busy_ms"],
+        "gpu_busy_fraction": found["gpu_busy_ms"] / wall_ms, "kernel_ms": found["kernel_ms"],
+        "gpu_ops_per_step": found["gpu_ops_per_step"], "kinds": found["kinds"],
     }
     units_per_s = trainer.global_batch * trainer.recipe.units_per_sample * 1e3 / wall_ms
     result[f"{trainer.recipe.unit}_per_s"] = units_per_s
@@ -91,15 +91,18 @@ def profile_job(session, args) -> int:
     if mfu is not None:
         result["mfu_pct"] = mfu
     if args.top:
-        result["top_kernels"] = top_kernels(gpu_events, args.steps, args.top)
+        result["top_kernels"] = found["top_kernels"]
     if args.gaps:
-        result["idle_ms"], result["idle_gaps"] = idle_gaps(gpu_events, args.steps, args.gaps)
+        result["idle_ms"], result["idle_gaps"] = found["idle_ms"], found["idle_gaps"]
     if args.streams:
-        result["streams"] = stream_table(spans, args.steps)
-        result["collective_ms"], result["collective_beside_compute_ms"] = collective_overlap(spans, args.steps)
+        result["streams"] = found["streams"]
+        result["collective_ms"] = found["collective_ms"]
+        result["collective_beside_compute_ms"] = found["collective_beside_compute_ms"]
     if not trainer.rt.is_main:  # one report: rank 0's (every rank ran the same steps)
         return 0
-    print(json.dumps({k: v for k, v in result.items() if k not in ("top_kernels", "idle_gaps", "streams")}))
+    print(json.dumps({k: v for k, v in result.items() if k not in ("top_kernels", "idle_gaps", "streams", "kinds")}))
+    for row in result["kinds"]:
+        print(f"  {row['ms_per_step']:8.4f} ms  {row['per_step']:7.1f} kernels  {row['kind']}")
     for row in result.get("streams", []):
         print(f"  stream {row['stream']}: {row['ms_per_step']:8.4f} ms {row['ops_per_step']:7.1f} ops per step; "
               f"{'; '.join(name[:50] for name in row['busiest'])}")
@@ -111,81 +114,6 @@ def profile_job(session, args) -> int:
     if args.output:
         args.output.write_text(json.dumps(result, indent=2) + "\n")
     return 0
-
-
-def top_kernels(events, steps: int, n: int):
-    """The ``n`` GPU ops with the most time per step: name, ms per step, launches per step."""
-    by_name = {}
-    for e in events:
-        ms, count = by_name.get(e.name, (0.0, 0))
-        by_name[e.name] = (ms + e.device_time / 1e3, count + 1)
-    rows = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:n]
-    return [{"name": name, "ms_per_step": ms / steps, "per_step": count / steps} for name, (ms, count) in rows]
-
-
-def is_collective(name: str) -> bool:
-    return name.lower().startswith("nccl")
-
-
-def stream_table(spans, steps: int, busiest: int = 3):
-    """Per CUDA stream (``spans``: (start_us, end_us, kernel name, stream) of every GPU op): ms and ops per step
-    and its ``busiest`` kernels, the stream with the most time first."""
-    by_stream = {}
-    for start, end, name, stream in spans:
-        kernels = by_stream.setdefault(stream, {})
-        kernels[name] = kernels.get(name, 0.0) + (end - start)
-    rows = []
-    for stream, kernels in by_stream.items():
-        ops = sum(1 for *_, s in spans if s == stream)
-        top = sorted(kernels, key=lambda k: -kernels[k])[:busiest]
-        rows.append({"stream": stream, "ms_per_step": sum(kernels.values()) / 1e3 / steps, "ops_per_step": ops / steps,
-                     "busiest": top, "collectives": any(is_collective(k) for k in kernels)})
-    return sorted(rows, key=lambda r: -r["ms_per_step"])
-
-
-def union(spans):
-    """The time covered by ``spans`` ((start, end, ...) tuples) as disjoint [start, end] intervals, in order."""
-    merged = []
-    for start, end, *_ in sorted(spans):
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    return merged
-
-
-def collective_overlap(spans, steps: int):
-    """(ms per step of collective kernels, ms per step of it during which another, non-collective kernel ran)."""
-    merged = union(span for span in spans if not is_collective(span[2]))  # the union of compute time
-    total = beside = 0.0
-    for start, end, name, _ in spans:
-        if not is_collective(name):
-            continue
-        total += end - start
-        beside += sum(max(0.0, min(end, b) - max(start, a)) for a, b in merged if a < end and b > start)
-    return total / 1e3 / steps, beside / 1e3 / steps
-
-
-def idle_gaps(events, steps: int, n: int):
-    """The GPU's idle time per step (no op running on any stream), and the ``n`` op boundaries
-    with the most of it: ms per step, gaps per step, the op that ended before and the one
-    that started after."""
-    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in events)
-    if not spans:
-        return 0.0, []
-    by_pair, idle_us = {}, 0.0
-    busy_until, last = spans[0][1], spans[0][2]
-    for start, end, name in spans[1:]:
-        if start > busy_until:
-            gap = start - busy_until
-            idle_us += gap
-            us, count = by_pair.get((last, name), (0.0, 0))
-            by_pair[last, name] = (us + gap, count + 1)
-        if end > busy_until:
-            busy_until, last = end, name
-    rows = sorted(by_pair.items(), key=lambda kv: -kv[1][0])[:n]
-    return idle_us / 1e3 / steps, [{"after": a, "before": b, "ms_per_step": us / 1e3 / steps, "per_step": c / steps}
-                                   for (a, b), (us, c) in rows]
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ counted against the formula.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import re
@@ -47,6 +48,7 @@ BAD = [  # (arguments, words of the one line)
     (["--ours", "compile"], "--ours 'compile': choose from full, full_compiled"),
     (["--theirs", "eager,fast"], "--theirs 'eager,fast': choose from eager, compiled"),
     (["--ours", "none", "--theirs", "none"], "nothing to run"),
+    (["--profile", "-3"], "--profile -3: a number of steps, 0 for no profile"),
     (["--", "train.parallel=ddp"], "'train.parallel=ddp' is set by this script"),
     (["--", "recipe.model.config.hidden_size=8"], "'recipe.model.config.hidden_size=8' is set by this script"),
     (["--", "recipe=gpt_tiny"], "'recipe=gpt_tiny' is set by this script"),
@@ -215,6 +217,10 @@ def test_torchtitans_job_config_holds_the_matched_settings(tmp_path):
         ("AdamW", 3e-4, 0.9, 0.95, 1e-8, 0.1, "fused")
     assert (job.lr_scheduler.warmup_steps, job.lr_scheduler.decay_ratio) == (10, 0.0)  # then constant
     assert (job.parallelism.data_parallel_shard_degree, job.parallelism.fsdp_reshard_after_forward) == (-1, "default")
+    # Profiled steps past the timed ones are steps of its schedule too (past training.steps it would fail).
+    profiled = parse(["--size", "1b", "--seq-len", "8192", "--local-batch", "1", "--warmup-steps", "12", "--steps", "20",
+                      "--ac", "none", "--profile-steps", "4", "--output", str(tmp_path / "r.json")])
+    assert job_config(profiled, str(tmp_path), cuda=True).training.steps == 36
 
 
 @pytest.mark.skipif(not HAVE_TORCHTITAN, reason="needs torchtitan: pip install -r scripts/requirements-torchtitan.txt")
@@ -343,13 +349,17 @@ def test_both_sides_rows_come_from_one_formula_and_the_table_says_so(tmp_path):
     assert rows[2]["vs_torchtitan_best"] is None and rows[3]["vs_torchtitan_best"] is None
     text = bench.report(rows, [p], "NVIDIA H200", ("H200 SXM bf16 dense", 989.0))
     table = [line for line in text.splitlines() if line.startswith("| 8b |")]
-    assert table[0].startswith("| 8b | torchtitan eager | full | 4,096 | 24.0% | 1,990.0 | 2,050.0 | 90,000 | 95,000 "
-                               "| 1.000x | 1.00x | 12.250 | 7.500 | ok |")
-    assert table[1].startswith("| 8b | this repo full | full | 5,000 | 29.3% | 1,600.0 | 1,610.0 | 80,000 | 81,000 "
+    assert table[0].startswith("| 8b | torchtitan eager | full | — | 4,096 | 24.0% | 1,990.0 | 2,050.0 | 90,000 | 95,000 "
+                               "| 1.000x | 1.00x | 12.250 | 7.500 | ok |")  # allocator —: torch's default
+    assert table[1].startswith("| 8b | this repo full | full | — | 5,000 | 29.3% | 1,600.0 | 1,610.0 | 80,000 | 81,000 "
                                "| 1.221x | 0.85x |")
-    assert table[2] == ("| 8b | this repo full_compiled | full | — | — | — | — | — | — | — | — | — | — | failed (exit 1): "
+    assert table[2] == ("| 8b | this repo full_compiled | full | — | — | — | — | — | — | — | — | — | — | — | failed (exit 1): "
                         "torch.OutOfMemoryError: CUDA out of memory |")
-    assert table[3].startswith("| 8b | this repo full | none | 5,000 | 29.3% |") and "| — | — |" in table[3]
+    assert table[3].startswith("| 8b | this repo full | none | — | 5,000 | 29.3% |") and "| — | — |" in table[3]
+    # Another allocator is another setting: no yardstick but a torchtitan run with that allocator.
+    expandable = bench.ours_row(dataclasses.replace(p, alloc_conf="expandable_segments:True"), "full", ours, 989.0)
+    assert expandable["alloc_conf"] == "expandable_segments:True" and rows[0]["alloc_conf"] is None
+    assert bench.with_ratios([rows[0], expandable])[1]["vs_torchtitan_best"] is None
     assert "activation_checkpoint.mode = the AC column" in text  # two AC settings in one table
     assert text.count("- `8b`: 32 layers x 4096") == 1 and "; 12 untimed steps, then 20 timed." in text
     small = dict(rows[0], size="1b", seq_len=2048)
@@ -365,6 +375,53 @@ def test_both_sides_rows_come_from_one_formula_and_the_table_says_so(tmp_path):
     merged = bench.merged(rows[1:3], output)
     assert [(r["run"], r["status"]) for r in merged] == [("torchtitan compiled", "ok"), ("this repo full", "ok"),
                                                           ("this repo full_compiled", rows[2]["status"])]
+
+
+@pytest.mark.fast
+def test_profile_adds_a_profiled_run_of_each_side_with_the_same_settings(capsys):
+    assert bench.main(["--dry-run", "--nproc", "2", "--size", "1b", "--profile", "5", "--theirs", "compiled",
+                       "--ours", "full_compiled", "--", "train.fsdp.reshard_after_forward=false"]) == 0
+    out = capsys.readouterr().out
+    theirs = shlex.split(re.search(r"^1b torchtitan compiled: (.*)$", out, re.M).group(1))
+    assert options(theirs)["--profile-steps"] == "5"  # after its 12 + 20 steps, in the same run
+    timed = shlex.split(re.search(r"^1b this repo full_compiled: (.*)$", out, re.M).group(1))
+    profiled = shlex.split(re.search(r"^1b this repo full_compiled, profiled: (.*)$", out, re.M).group(1))
+    assert profiled[profiled.index("scripts/profile_step.py") + 1:][:2] == ["--steps", "5"]
+    ours = dict(arg.split("=", 1) for arg in profiled if "=" in arg and not arg.startswith("-"))
+    # profile_step.py's run takes 11 warm-up steps, the capture, 5 to settle, 5 timed and 5 profiled: 27 steps (of
+    # 2 x 1 windows each); its data and max_steps grow, every other setting is the timed run's.
+    assert (ours["train.max_steps"], ours["recipe.data.train_size"]) == ("27", str(2 * 27))
+    same = {k: v for k, v in overrides(timed).items() if not k.startswith(("output_root", "logger.wandb"))}
+    assert {k: ours.get(k) for k in same if k not in ("train.max_steps", "recipe.data.train_size")} == \
+        {k: v for k, v in same.items() if k not in ("train.max_steps", "recipe.data.train_size")}
+    assert ours["train.fsdp.reshard_after_forward"] == "false"  # the user's override, as in the timed run
+    assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (what torchtitan's run_train.sh sets)" in out
+
+
+def test_where_a_step_goes_is_one_table_per_matched_runs_by_kernel_kind():
+    p = plan("1b", nproc=2, ac="none")
+
+    def profiled(run, step_ms, kinds, busy, idle):
+        return dict(bench.make_row(p, run, "ok", {"step_ms_mean": step_ms}, (None, None), (None, None), 989.0, None,
+                                   {"steps": 5, "gpu_busy_ms": busy, "idle_ms": idle, "gpu_ops_per_step": 900.0,
+                                    "collective_beside_compute_ms": 20.0,
+                                    "kinds": [{"kind": k, "ms_per_step": v, "per_step": 1.0} for k, v in kinds]}))
+
+    rows = [profiled("torchtitan compiled", 180.0, [("matmuls", 100.0), ("attention", 40.0)], 178.0, 2.0),
+            profiled("this repo full_compiled", 170.0, [("matmuls", 99.0), ("fused kernels (Triton)", 20.0)], 169.5,
+                     0.5),
+            bench.make_row(p, "this repo full", "ok", {"step_ms_mean": 200.0}, (None, None), (None, None), 989.0,
+                           None)]  # not profiled: not in the table
+    lines = bench.profile_report(rows)
+    assert lines[1].startswith("Where a step goes, 1b, AC none, 2 GPUs, 8192 x 1 tokens per GPU: ms per step on "
+                               "rank 0's GPU over 5/5 profiled steps")
+    table = lines[3].splitlines()
+    assert table[0] == "| ms per step | torchtitan compiled | this repo full_compiled |"
+    assert table[2:] == ["| step (timed, no profiler) | 180.00 | 170.00 |", "| GPU busy (a kernel running) | 178.00 | 169.50 |",
+                         "| GPU idle | 2.00 | 0.50 |", "| attention | 40.00 | 0.00 |", "| matmuls | 100.00 | 99.00 |",
+                         "| fused kernels (Triton) | 0.00 | 20.00 |", "| collectives beside compute | 20.00 | 20.00 |",
+                         "| kernels per step | 900 | 900 |"]
+    assert bench.profile_report(rows[2:]) == []  # nothing profiled, no section
 
 
 @pytest.mark.fast

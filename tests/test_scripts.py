@@ -463,7 +463,7 @@ def test_the_chunked_linear_cross_entropy_lever_equals_cross_entropy_in_value_an
 def test_profile_steps_idle_gaps_are_the_time_no_stream_runs_an_op():
     from types import SimpleNamespace
 
-    from scripts.profile_step import idle_gaps
+    from scripts.lib.kernel_profile import idle_gaps
 
     def op(start, end, name):
         return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end))
@@ -502,7 +502,7 @@ def test_the_projection_reads_the_committed_sweeps_file_layout(tmp_path, capsys)
 
 @pytest.mark.fast
 def test_profile_step_tells_streams_apart_and_measures_collectives_beside_compute():
-    from scripts.profile_step import collective_overlap, stream_table
+    from scripts.lib.kernel_profile import collective_overlap, stream_table
 
     # (start us, end us, kernel, stream) of two steps: compute on stream 7, FSDP2's collectives on stream 13.
     spans = [(0, 10, "sm90_gemm", 7), (12, 20, "sm90_gemm", 7), (5, 15, "ncclDevKernel_AllGather", 13),
@@ -515,8 +515,41 @@ def test_profile_step_tells_streams_apart_and_measures_collectives_beside_comput
 
 
 @pytest.mark.fast
+def test_kernels_are_sorted_into_kinds_by_their_names_as_profiles_show_them():
+    from types import SimpleNamespace
+
+    from scripts.lib.kernel_profile import OTHER, kernel_kind, kinds_table
+
+    names = {  # names as torch.profiler gave them on H200s (shortened where long), and their kinds
+        "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT": "matmuls",
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64": "matmuls",
+        "triton_tem_fused_mm_0": "matmuls",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x128": "attention",
+        "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits>": "attention",
+        "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedOptimizerTensorListMetadata<4>, "
+        "FusedAdamMathFunctor<float, 4, (ADAM_MODE)1, false>>": "optimizer (fused Adam)",
+        "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<TensorListMetadata<1>, "
+        "LpNormFunctor<float, (NormType)1>>": "foreach (clipping, FSDP2 copy-in)",
+        "void at::native::(anonymous namespace)::chunk_cat_cuda_kernel<float, float>": "FSDP2 copies (chunk_cat, split)",
+        "ncclDevKernel_ReduceScatter_Sum_f32_RING_LL": "collectives (NCCL)",
+        "Memcpy DtoD (Device -> Device)": "memory copies and sets",
+        "triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_0": "fused kernels (Triton)",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>": "other elementwise and "
+                                                                                               "reductions",
+        "void cub::DeviceRadixSortOnesweepKernel": OTHER,
+    }
+    assert {name: kernel_kind(name) for name in names} == names
+    events = [SimpleNamespace(name=name, device_time=t) for name, t in
+              (("nvjet_a", 300.0), ("ncclDevKernel_AllGather", 100.0), ("nvjet_b", 100.0), ("cub::x", 40.0))]
+    assert kinds_table(events, steps=2) == [  # KINDS' order, per step, the empty kinds left out
+        {"kind": "collectives (NCCL)", "ms_per_step": pytest.approx(0.05), "per_step": 0.5},
+        {"kind": "matmuls", "ms_per_step": pytest.approx(0.2), "per_step": 1.0},
+        {"kind": OTHER, "ms_per_step": pytest.approx(0.02), "per_step": 0.5}]
+
+
+@pytest.mark.fast
 def test_profile_steps_busy_time_counts_overlapping_streams_once():
-    from scripts.profile_step import union
+    from scripts.lib.kernel_profile import union
 
     # A gemm on one stream and an all-gather beside it: the GPU was busy 0-15 and 30-40 us, not 10 + 10 + 10.
     spans = [(0, 10, "sm90_gemm", 7), (5, 15, "ncclDevKernel_AllGather", 13), (30, 40, "sm90_gemm", 7)]

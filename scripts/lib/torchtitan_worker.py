@@ -21,8 +21,10 @@ used: the batches are the very windows of the synthetic language that this repo'
 host like torchtitan's batches.
 
 The first ``--warmup-steps`` steps are not timed; the next ``--steps`` are, with the trainer's timer
-(scripts/lib/timing.py: graphing.StepTimer's CUDA events, the interval between step ends). Rank 0 writes one
-JSON to ``--output``: step ms median, p90 and mean, the run's peak allocated and reserved memory on its GPU,
+(scripts/lib/timing.py: graphing.StepTimer's CUDA events, the interval between step ends). With
+``--profile-steps N``, N more steps run under torch.profiler (on the warm-up's batches again) and the JSON gets
+their GPU work per step, read as scripts/profile_step.py reads this repo's (scripts/lib/kernel_profile.py).
+Rank 0 writes one JSON to ``--output``: step ms median, p90 and mean, the run's peak allocated and reserved memory on its GPU,
 every step's loss (the global mean over ranks), the parameter count and torchtitan's FLOPs per token.
 Past ``--deadline-s`` a rank prints so and exits 124, so a hung run frees its GPU without a signal from outside.
 """
@@ -55,6 +57,8 @@ def parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--ac", choices=("none", "full"), required=True)
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="after the timed steps, profile this many more (the warm-up's batches again)")
     parser.add_argument("--deadline-s", type=float, default=None)
     parser.add_argument("--output", type=Path, required=True)
     return parser.parse_args(argv)
@@ -70,7 +74,10 @@ def job_config(args: argparse.Namespace, dump_folder: str, cuda: bool):
     job.model.name = "llama3"
     job.model.flavor = SHAPES[args.size].flavour or args.size
     t = job.training
-    t.seq_len, t.local_batch_size, t.steps = args.seq_len, args.local_batch, args.warmup_steps + args.steps
+    # Every step the run takes, the profiled ones too: past training.steps its schedule's decay phase (of no
+    # steps here) fails an assert.
+    t.seq_len, t.local_batch_size = args.seq_len, args.local_batch
+    t.steps = args.warmup_steps + args.steps + args.profile_steps
     t.max_norm = MAX_NORM
     t.dtype, t.mixed_precision_param, t.mixed_precision_reduce = "float32", "bfloat16", "float32"
     o = job.optimizer
@@ -140,7 +147,7 @@ class Steps:
 
         step = len(self.losses) + 1
         self.gc.run(step)
-        inputs, labels = self.data[step - 1]
+        inputs, labels = self.data[(step - 1) % len(self.data)]  # profiled steps, past the timed ones, reuse them
         self.optimizers.zero_grad()
         local_tokens = (labels != IGNORE_INDEX).sum().to(self.device)
         if self.parallel_dims.dp_enabled:
@@ -159,6 +166,21 @@ class Steps:
         self.optimizers.step()
         self.lr_schedulers.step()
         self.losses.append(loss.detach())
+
+
+def profile_steps(steps: Steps, count: int, device) -> dict:
+    """``count`` more steps under torch.profiler, read as scripts/profile_step.py reads this repo's
+    (scripts/lib/kernel_profile.py): this rank's GPU work per step. After the timed steps, so it times nothing."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from scripts.lib.kernel_profile import device_events, summary
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(count):
+            steps.run_step()
+        torch.cuda.synchronize()
+    return {"steps": count, **summary(device_events(prof, device.index), count)}
 
 
 def watchdog(deadline_s: Optional[float]) -> Optional[threading.Timer]:
@@ -229,8 +251,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for _ in range(args.warmup_steps):
         steps.run_step()
     timed = time_steps(steps, args.steps)  # graphing.StepTimer: CUDA events, read after the last step
+    profiled = profile_steps(steps, args.profile_steps, device) if args.profile_steps and cuda else None
 
-    losses = torch.stack(steps.losses).float()
+    losses = torch.stack(steps.losses[:args.warmup_steps + args.steps]).float()
     if world > 1:
         dist.all_reduce(losses)  # each rank's loss is its token sum over the global count: the sum is the mean
     result: Dict[str, Any] = {
@@ -243,6 +266,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         **timed, "losses": losses.tolist(),
         "peak_allocated_mib": torch.cuda.max_memory_allocated(device) / 2**20 if cuda else None,
         "peak_reserved_mib": torch.cuda.max_memory_reserved(device) / 2**20 if cuda else None,
+        "profile": profiled,
         "settings": {"job_config": {k: dataclasses.asdict(getattr(job, k)) for k in (
             "training", "optimizer", "lr_scheduler", "activation_checkpoint", "compile", "parallelism")},
             "model_args": {k: v for k, v in dataclasses.asdict(model_args).items() if not k.startswith("_")}},
