@@ -548,6 +548,26 @@ def test_kernels_are_sorted_into_kinds_by_their_names_as_profiles_show_them():
 
 
 @pytest.mark.fast
+def test_a_profiles_gpu_events_are_its_kernels_not_the_annotations_spanning_them():
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from scripts.lib.kernel_profile import device_events
+
+    def event(name, device_type=DeviceType.CUDA, index=0, annotation=False):
+        return SimpleNamespace(name=name, device_type=device_type, device_index=index, is_user_annotation=annotation)
+
+    # What an eager FSDP2 step's trace holds: a kernel, the GPU span of the record_function range around it, the
+    # CPU op, and a peer's kernel on GPU 1.
+    trace = [event("ncclDevKernel_AllGather_RING_LL"), event("nccl:_all_gather_base", annotation=True),
+             event("Optimizer.step#AdamW.step", annotation=True), event("aten::mm", device_type=DeviceType.CPU),
+             event("nvjet_tst", index=1), event("Memcpy HtoD (Pinned -> Device)", index=-1)]
+    kept = device_events(SimpleNamespace(events=lambda: trace), device=0)
+    assert [e.name for e in kept] == ["ncclDevKernel_AllGather_RING_LL", "Memcpy HtoD (Pinned -> Device)"]
+
+
+@pytest.mark.fast
 def test_profile_steps_busy_time_counts_overlapping_streams_once():
     from scripts.lib.kernel_profile import union
 

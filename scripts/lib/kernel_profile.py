@@ -143,7 +143,11 @@ def summary(events, steps: int, top: int = 25, gaps: int = 8) -> Dict[str, Any]:
 
 
 def device_events(prof, device: int) -> list:
-    """``prof``'s GPU events on ``device`` (this rank's GPU: the trace may hold another's peer copies)."""
+    """``prof``'s kernels, copies and sets on ``device`` (this rank's GPU: the trace may hold another's peer
+    copies). Not the GPU-side spans of ``record_function`` ranges (user annotations, such as an eager step's
+    ``nccl:_all_gather_base``, ``Optimizer.step#AdamW.step`` or ``FSDP::all_gather``): they cover the kernels they
+    name and would count their time twice, and only an eager step has them (a graph's replay shows none)."""
     from torch.autograd import DeviceType
 
-    return [e for e in prof.events() if e.device_type == DeviceType.CUDA and e.device_index in (device, -1)]
+    return [e for e in prof.events() if e.device_type == DeviceType.CUDA and e.device_index in (device, -1)
+            and not getattr(e, "is_user_annotation", False)]
