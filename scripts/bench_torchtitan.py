@@ -316,7 +316,8 @@ def train_losses(run_dir: Optional[str], last_step: int) -> Tuple[Optional[float
     return by_step.get(1), by_step.get(last_step)
 
 
-COLUMNS = [("size", "size", "{}"), ("run", "run", "{}"), ("ac", "AC", "{}"), ("alloc_conf", "allocator", "{}"),
+COLUMNS = [("size", "size", "{}"), ("run", "run", "{}"), ("tokens", "tokens per GPU per step", "{}"), ("ac", "AC", "{}"),
+           ("alloc_conf", "allocator", "{}"),
            ("tokens_per_s_per_gpu", "tokens/s per GPU", "{:,.0f}"), ("mfu_pct", "MFU", "{:.1f}%"),
            ("step_ms_median", "step ms median", "{:,.1f}"), ("step_ms_p90", "step ms p90", "{:,.1f}"),
            ("peak_allocated_mib", "peak allocated MiB per GPU", "{:,.0f}"),
@@ -325,6 +326,11 @@ COLUMNS = [("size", "size", "{}"), ("run", "run", "{}"), ("ac", "AC", "{}"), ("a
            ("reserved_vs_torchtitan_best", "reserved vs its", "{:.2f}x"),
            ("loss_first", "loss, step 1", "{:.3f}"), ("loss_last", "loss, last step", "{:.3f}"),
            ("status", "status", "{}")]
+
+
+def shown(row: Dict[str, Any], key: str) -> Any:
+    """What ``row`` shows in ``key``'s column: its own value, or the tokens per GPU per step as sequence x sequences."""
+    return f"{row['seq_len']} x {row['local_batch']}" if key == "tokens" else row.get(key)
 
 
 def matched_key(row: Dict[str, Any]) -> Tuple:
@@ -351,6 +357,15 @@ def with_ratios(rows: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
     return out
 
 
+def table_order(row: Dict[str, Any]) -> Tuple:
+    """Where ``row`` goes in the table: by size, then the settings of ``matched_key`` (the most tokens first), then
+    torchtitan's runs before this repo's, each side's in the order of its variants."""
+    sizes, runs = list(SHAPES), [f"torchtitan {v}" for v in THEIRS] + [f"this repo {m}" for m in OURS]
+    return (sizes.index(row["size"]) if row["size"] in sizes else len(sizes), row["nproc"],
+            -row["seq_len"] * row["local_batch"], row["ac"], row.get("alloc_conf") or "",
+            runs.index(row["run"]) if row["run"] in runs else len(runs))
+
+
 def cell(value: Any, form: str) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "—"
@@ -363,7 +378,7 @@ def report(rows: Sequence[Dict[str, Any]], run_plans: Sequence[Plan], device: st
     nprocs = sorted({row["nproc"] for row in rows}) or [p.nproc for p in run_plans[:1]]
     lines = [f"## torchtitan {TORCHTITAN} against this repo: Llama 3 on {'/'.join(map(str, nprocs))} x {device}", "",
              markdown_table([header for _, header, _ in COLUMNS],
-                            [[cell(row.get(key), form) for key, _, form in COLUMNS] for row in rows]), ""]
+                            [[cell(shown(row, key), form) for key, _, form in COLUMNS] for row in rows]), ""]
     described = []
     for row in rows:  # one line per shape and tokens per step in the table (an --append'ed table holds several)
         what = (row["size"], row["seq_len"], row["local_batch"])
@@ -393,10 +408,21 @@ def report(rows: Sequence[Dict[str, Any]], run_plans: Sequence[Plan], device: st
             matched = [m if m[0] not in ("model", "shape") else
                        [m[0], "torchtitan Transformer, TransformerModelArgs of each size above" if m[0] == "model"
                         else "each size's, above", m[2]] for m in matched]
-        if len({row["ac"] for row in rows}) > 1:  # an --append'ed table: each row's AC column says which
-            matched = [m if m[0] != "activation checkpointing" else
-                       [m[0], "activation_checkpoint.mode = the AC column: full (every block) or none",
-                        "train.activation_checkpointing=true (every block) or false, the same"] for m in matched]
+        # An --append'ed table may hold several settings: where rows differ, the setting is each row's, the same on
+        # both sides of a matched pair.
+        per_row = {"activation checkpointing": (lambda r: r["ac"], [
+                       "activation_checkpoint.mode = the AC column: full (every block) or none",
+                       "train.activation_checkpointing=true (every block) or false, the same"]),
+                   "tokens per GPU per step": (lambda r: (r["seq_len"], r["local_batch"]), [
+                       "the tokens column: sequence length x sequences per GPU",
+                       "recipe.model.context x recipe.data.batch_size, the same"]),
+                   "steps": (lambda r: (r.get("warmup_steps"), r.get("steps_timed")), [
+                       "each size's, above", "the same (11 eager + capture of them untimed)"]),
+                   "CUDA allocator": (lambda r: r.get("alloc_conf"), [
+                       "the allocator column: PYTORCH_CUDA_ALLOC_CONF", "the same"])}
+        for setting, (of_row, words) in per_row.items():
+            if len({of_row(row) for row in rows if row.get("steps_timed") or setting != "steps"}) > 1:
+                matched = [m if m[0] != setting else [setting, *words] for m in matched]
         lines += [markdown_table(["matched", "torchtitan", "this repo"], matched)]
     return "\n".join(lines + profile_report(rows)) + "\n"
 
@@ -626,7 +652,7 @@ def run(args: argparse.Namespace, run_plans: List[Plan], version: Optional[str])
             profile = profile_ours(plan, mode, args, runs) if args.profile else None
             rows.append(ours_row(plan, mode, outcome, peak[1] if peak else None, profile))
             say(rows[-1])
-    table_rows = with_ratios(merged(rows, output) if args.append else rows)
+    table_rows = sorted(with_ratios(merged(rows, output) if args.append else rows), key=table_order)
     text = report(table_rows, run_plans, device, peak)
     print("\n" + text)
     output.parent.mkdir(parents=True, exist_ok=True)

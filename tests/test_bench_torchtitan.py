@@ -349,13 +349,13 @@ def test_both_sides_rows_come_from_one_formula_and_the_table_says_so(tmp_path):
     assert rows[2]["vs_torchtitan_best"] is None and rows[3]["vs_torchtitan_best"] is None
     text = bench.report(rows, [p], "NVIDIA H200", ("H200 SXM bf16 dense", 989.0))
     table = [line for line in text.splitlines() if line.startswith("| 8b |")]
-    assert table[0].startswith("| 8b | torchtitan eager | full | — | 4,096 | 24.0% | 1,990.0 | 2,050.0 | 90,000 | 95,000 "
+    assert table[0].startswith("| 8b | torchtitan eager | 8192 x 1 | full | — | 4,096 | 24.0% | 1,990.0 | 2,050.0 | 90,000 | 95,000 "
                                "| 1.000x | 1.00x | 12.250 | 7.500 | ok |")  # allocator —: torch's default
-    assert table[1].startswith("| 8b | this repo full | full | — | 5,000 | 29.3% | 1,600.0 | 1,610.0 | 80,000 | 81,000 "
+    assert table[1].startswith("| 8b | this repo full | 8192 x 1 | full | — | 5,000 | 29.3% | 1,600.0 | 1,610.0 | 80,000 | 81,000 "
                                "| 1.221x | 0.85x |")
-    assert table[2] == ("| 8b | this repo full_compiled | full | — | — | — | — | — | — | — | — | — | — | — | failed (exit 1): "
+    assert table[2] == ("| 8b | this repo full_compiled | 8192 x 1 | full | — | — | — | — | — | — | — | — | — | — | — | failed (exit 1): "
                         "torch.OutOfMemoryError: CUDA out of memory |")
-    assert table[3].startswith("| 8b | this repo full | none | — | 5,000 | 29.3% |") and "| — | — |" in table[3]
+    assert table[3].startswith("| 8b | this repo full | 8192 x 1 | none | — | 5,000 | 29.3% |") and "| — | — |" in table[3]
     # Another allocator is another setting: no yardstick but a torchtitan run with that allocator.
     expandable = bench.ours_row(dataclasses.replace(p, alloc_conf="expandable_segments:True"), "full", ours, 989.0)
     assert expandable["alloc_conf"] == "expandable_segments:True" and rows[0]["alloc_conf"] is None
@@ -366,6 +366,10 @@ def test_both_sides_rows_come_from_one_formula_and_the_table_says_so(tmp_path):
     text = bench.report([*rows, small], [p], "NVIDIA H200", ("H200 SXM bf16 dense", 989.0))
     assert "- `1b`: 16 layers x 2048" in text and "at 2048 tokens; 2048 x 1 tokens per GPU per step" in text
     assert "| shape | each size's, above |" in text  # not 8b's shape for the 1b rows
+    assert "| tokens per GPU per step | the tokens column: sequence length x sequences per GPU |" in text
+    assert "| CUDA allocator | PYTORCH_CUDA_ALLOC_CONF=(unset) | the same |" in text  # one allocator in the table
+    mixed = bench.report([*rows, expandable], [p], "NVIDIA H200", None)
+    assert "| CUDA allocator | the allocator column: PYTORCH_CUDA_ALLOC_CONF | the same |" in mixed
     assert "6 x (parameters - token embedding) + 12 x layers x width x sequence length" in text
     assert "8,030,261,248 parameters" in text
 
@@ -375,6 +379,13 @@ def test_both_sides_rows_come_from_one_formula_and_the_table_says_so(tmp_path):
     merged = bench.merged(rows[1:3], output)
     assert [(r["run"], r["status"]) for r in merged] == [("torchtitan compiled", "ok"), ("this repo full", "ok"),
                                                           ("this repo full_compiled", rows[2]["status"])]
+    # The table's order: size, then settings (the most tokens first), torchtitan's runs before this repo's.
+    short = dict(rows[1], seq_len=2048)
+    order = sorted([rows[1], short, rows[0], small, rows[3], rows[2]], key=bench.table_order)
+    assert [(r["size"], r["seq_len"], r["ac"], r["run"]) for r in order] == [
+        ("8b", 8192, "full", "torchtitan eager"), ("8b", 8192, "full", "this repo full"),
+        ("8b", 8192, "full", "this repo full_compiled"), ("8b", 8192, "none", "this repo full"),
+        ("8b", 2048, "full", "this repo full"), ("1b", 2048, "full", "torchtitan eager")]
 
 
 @pytest.mark.fast
