@@ -448,6 +448,8 @@ def test_a_failed_run_is_reported_by_its_first_error_not_torchruns_report():
         == "torchtitan_worker: rank 0 ran past 60 s: stopping"
     assert bench.failure_line("Error: train.epochs=0 must be at least 1\n") == "Error: train.epochs=0 must be at least 1"
     assert bench.failure_line("something\nlast words\n") == "last words" and bench.failure_line("") == "(no output)"
+    long = "[rank0]: trainer.errors.ConfigError: graph.compile_model=true with " + "x" * 400
+    assert bench.failure_line(long) == long[:299] + "…"  # the error's name stays; the end of its words goes
 
 
 def test_the_worker_trains_on_the_windows_this_repos_side_draws():

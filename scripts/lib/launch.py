@@ -100,11 +100,13 @@ def command(mode: str, nproc: int, train_args: Sequence[str], output_root: Path,
 
 def failure_line(stderr: str) -> str:
     """The line that says why a run failed: the first error its processes printed (the rank that failed first;
-    others then fail on the broken connection), not torchrun's own report; else its last line."""
+    others then fail on the broken connection), not torchrun's own report; else its last line. A line longer
+    than a table cell keeps its first 300 characters."""
     lines = [line.strip() for line in stderr.splitlines() if line.strip() and not set(line.strip()) <= set("=-")]
     own = [line for line in lines if "ChildFailedError" not in line and "torch.distributed.elastic" not in line]
     named = [line for line in own if "ran past" in line or re.search(r"\w*(Error|Exception)\b:|\berror:", line)]
-    return (named[:1] or lines[-1:] or ["(no output)"])[0][-300:]
+    line = (named[:1] or lines[-1:] or ["(no output)"])[0]
+    return line if len(line) <= 300 else line[:299] + "…"  # its start: the error's name, then what it says
 
 
 def run_dirs(root: Path) -> set:
