@@ -216,7 +216,7 @@ def profile_command(plan: Plan, mode: str, args: argparse.Namespace, folder: Pat
     run of its own, not the table's timed run; every other setting is that run's)."""
     n = args.profile
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={plan.nproc}",
-            "scripts/profile_step.py", "--steps", str(n), "--top", "20", "--gaps", "6", "--streams",
+            "scripts/profile_step.py", "--steps", str(n), "--top", "20", "--gaps", "6", "--streams", "--memory",
             "--output", str(folder / "profile.json"), *args.train_options,
             *ours_overrides(dataclasses.replace(plan, steps=3 * n)), *args.overrides, f"graph={mode}",
             f"output_root={quoted(str(folder))}"]
@@ -449,6 +449,10 @@ def profile_report(rows: Sequence[Dict[str, Any]]) -> List[str]:
         table.append(["collectives beside compute", *(ms(run["profile"].get("collective_beside_compute_ms"))
                                                       for run in runs)])
         table.append(["kernels per step", *(cell(run["profile"].get("gpu_ops_per_step"), "{:,.0f}") for run in runs)])
+        pools = [next((p for p in run["profile"].get("memory_pools", []) if p["graph"]), None) for run in runs]
+        if any(pools):  # scripts/profile_step.py --memory: what the graph's pool reserved against what it ever held
+            table.append(["graph pool MiB: reserved / most live at once",
+                          *(f"{p['reserved_mib']:,.0f} / {p['peak_live_mib']:,.0f}" if p else "—" for p in pools)])
         lines += ["", f"Where a step goes, {size}, AC {ac}, {nproc} GPUs, {seq_len} x {batch} tokens per GPU"
                   f"{f', {alloc}' if alloc else ''}: ms per step on rank 0's GPU over "
                   f"{'/'.join(str(run['profile'].get('steps', '?')) for run in runs)} profiled steps (kernel kinds "

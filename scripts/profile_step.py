@@ -18,7 +18,10 @@ named by the ops before and after it (where a graphed step still waits). ``--str
 each CUDA stream the step's kernels ran on (ms and ops per step, its busiest kernels) and how
 much of the collectives' time (NCCL kernels: DDP's all-reduce, FSDP2's all-gathers and
 reduce-scatters) ran beside other kernels: whether communication overlaps compute, inside the
-graph as in eager.
+graph as in eager. ``--memory`` records the allocator's history from the build to the end of the warm-up
+(and capture) and says what each memory pool holds (scripts/lib/memory_pools.py): reserved, the most live at
+once, the most freed but waiting on another stream, per stream; a graph's pool reserved far above its most
+live is memory the capture could not reuse.
 Prints a line and writes JSON to --output.
 
     python scripts/profile_step.py recipe=gpt_tiny train.parallel=fsdp2 graph=full --steps 20 --streams
@@ -33,6 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scripts.lib.kernel_profile import device_events, summary  # noqa: E402
+from scripts.lib.memory_pools import describe as describe_pools, pool_report  # noqa: E402
 from scripts.lib.refuse import refuse  # noqa: E402
 from scripts.lib.timing import time_steps  # noqa: E402
 from trainer.cli import script_config  # noqa: E402
@@ -47,6 +51,9 @@ def main() -> int:
     parser.add_argument("--gaps", type=int, default=0, help="list the N places the GPU sat idle longest per step")
     parser.add_argument("--streams", action="store_true",
                         help="list the CUDA streams the kernels ran on, and the collectives' overlap with compute")
+    parser.add_argument("--memory", action="store_true",
+                        help="record the allocator's history from the build to the first graph and say what each "
+                             "memory pool holds: reserved, most live at once, most waiting to be freed, per stream")
     args, cfg = script_config(parser, defaults=["logger=none", "train.progress=false"])
     import torch  # after the command line: --help and a bad override answer at once
 
@@ -59,12 +66,15 @@ def profile_job(session, args) -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
+    if args.memory:  # from before the model exists: every block of the run's pools is in the history
+        torch.cuda.memory._record_memory_history(max_entries=2_000_000)
     trainer = session.build()
     ex, loader = trainer.executor, trainer.train_loader
     needed = args.steps * 2 + trainer.plan.graph.warmup_iters + 1
     if loader.shapes.full_steps < needed:
         refuse(f"need {needed} steps in one epoch, the data gives {loader.shapes.full_steps}: lower --steps")
     trainer.warm_up()
+    pools = memory_pools(args.memory)
     for _ in range(args.steps):  # settle
         trainer.run_step()
     wall_ms = time_steps(trainer, args.steps)["step_ms_mean"]  # train.py's timer, outside the profiler's overhead
@@ -90,6 +100,8 @@ def profile_job(session, args) -> int:
     mfu = trainer.perf.mfu_pct(units_per_s / trainer.rt.world_size)  # train.py's MFU: per GPU
     if mfu is not None:
         result["mfu_pct"] = mfu
+    if pools is not None:
+        result["memory_pools"] = pools
     if args.top:
         result["top_kernels"] = found["top_kernels"]
     if args.gaps:
@@ -100,7 +112,10 @@ def profile_job(session, args) -> int:
         result["collective_beside_compute_ms"] = found["collective_beside_compute_ms"]
     if not trainer.rt.is_main:  # one report: rank 0's (every rank ran the same steps)
         return 0
-    print(json.dumps({k: v for k, v in result.items() if k not in ("top_kernels", "idle_gaps", "streams", "kinds")}))
+    print(json.dumps({k: v for k, v in result.items()
+                      if k not in ("top_kernels", "idle_gaps", "streams", "kinds", "memory_pools")}))
+    for line in describe_pools(result.get("memory_pools", [])):
+        print(line)
     for row in result["kinds"]:
         print(f"  {row['ms_per_step']:8.4f} ms  {row['per_step']:7.1f} kernels  {row['kind']}")
     for row in result.get("streams", []):
@@ -114,6 +129,18 @@ def profile_job(session, args) -> int:
     if args.output:
         args.output.write_text(json.dumps(result, indent=2) + "\n")
     return 0
+
+
+def memory_pools(recorded: bool):
+    """What each memory pool holds after the warm-up and the capture (scripts/lib/memory_pools.py), from the
+    history recorded since the build; the recording then stops (its cost stays out of the timed steps)."""
+    if not recorded:
+        return None
+    import torch
+
+    snapshot = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    return pool_report(snapshot, torch.cuda.current_device())
 
 
 if __name__ == "__main__":

@@ -397,7 +397,7 @@ def test_profile_adds_a_profiled_run_of_each_side_with_the_same_settings(capsys)
     assert options(theirs)["--profile-steps"] == "5"  # after its 12 + 20 steps, in the same run
     timed = shlex.split(re.search(r"^1b this repo full_compiled: (.*)$", out, re.M).group(1))
     profiled = shlex.split(re.search(r"^1b this repo full_compiled, profiled: (.*)$", out, re.M).group(1))
-    assert profiled[profiled.index("scripts/profile_step.py") + 1:][:2] == ["--steps", "5"]
+    assert profiled[profiled.index("scripts/profile_step.py") + 1:][:2] == ["--steps", "5"] and "--memory" in profiled
     ours = dict(arg.split("=", 1) for arg in profiled if "=" in arg and not arg.startswith("-"))
     # profile_step.py's run takes 11 warm-up steps, the capture, 5 to settle, 5 timed and 5 profiled: 27 steps (of
     # 2 x 1 windows each); its data and max_steps grow, every other setting is the timed run's.
@@ -423,6 +423,8 @@ def test_where_a_step_goes_is_one_table_per_matched_runs_by_kernel_kind():
                      0.5),
             bench.make_row(p, "this repo full", "ok", {"step_ms_mean": 200.0}, (None, None), (None, None), 989.0,
                            None)]  # not profiled: not in the table
+    rows[1]["profile"]["memory_pools"] = [{"graph": False, "reserved_mib": 9000.0, "peak_live_mib": 9000.0},
+                                          {"graph": True, "reserved_mib": 19140.0, "peak_live_mib": 13000.0}]
     lines = bench.profile_report(rows)
     assert lines[1].startswith("Where a step goes, 1b, AC none, 2 GPUs, 8192 x 1 tokens per GPU: ms per step on "
                                "rank 0's GPU over 5/5 profiled steps")
@@ -431,7 +433,7 @@ def test_where_a_step_goes_is_one_table_per_matched_runs_by_kernel_kind():
     assert table[2:] == ["| step (timed, no profiler) | 180.00 | 170.00 |", "| GPU busy (a kernel running) | 178.00 | 169.50 |",
                          "| GPU idle | 2.00 | 0.50 |", "| attention | 40.00 | 0.00 |", "| matmuls | 100.00 | 99.00 |",
                          "| fused kernels (Triton) | 0.00 | 20.00 |", "| collectives beside compute | 20.00 | 20.00 |",
-                         "| kernels per step | 900 | 900 |"]
+                         "| kernels per step | 900 | 900 |", "| graph pool MiB: reserved / most live at once | — | 19,140 / 13,000 |"]
     assert bench.profile_report(rows[2:]) == []  # nothing profiled, no section
 
 

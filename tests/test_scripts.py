@@ -568,6 +568,48 @@ def test_a_profiles_gpu_events_are_its_kernels_not_the_annotations_spanning_them
 
 
 @pytest.mark.fast
+def test_the_pool_report_tells_a_graphs_reserved_memory_from_what_it_ever_held_at_once():
+    from scripts.lib.memory_pools import describe, pool_report
+
+    MiB = 2 ** 20
+    # The allocator's snapshot in its documented form: the default pool's segment (weights), and a graph's pool
+    # of two segments: the compute stream (7) reuses 4 MiB once; a collective's stream (13) frees 6 MiB that waits
+    # (a block another stream used) until after the capture, so the 8 MiB allocated after it takes a new segment.
+    segments = [{"address": 0, "total_size": 10 * MiB, "allocated_size": 10 * MiB, "segment_pool_id": (0, 0)},
+                {"address": 100 * MiB, "total_size": 8 * MiB, "allocated_size": 0, "segment_pool_id": (1, 2)},
+                {"address": 200 * MiB, "total_size": 14 * MiB, "allocated_size": 0, "segment_pool_id": (1, 2)}]
+    trace = [{"action": "segment_alloc", "addr": 0, "size": 10 * MiB, "stream": 0},  # old torch: no pool_id
+             {"action": "alloc", "addr": 0, "size": 10 * MiB, "stream": 0},
+             {"action": "segment_alloc", "addr": 100 * MiB, "size": 8 * MiB, "stream": 7, "pool_id": (1, 2)},
+             {"action": "alloc", "addr": 100 * MiB, "size": 4 * MiB, "stream": 7, "pool_id": (1, 2)},
+             {"action": "free_requested", "addr": 100 * MiB, "size": 4 * MiB, "stream": 7, "pool_id": (1, 2)},
+             {"action": "free_completed", "addr": 100 * MiB, "size": 4 * MiB, "stream": 7, "pool_id": (1, 2)},
+             {"action": "alloc", "addr": 100 * MiB, "size": 4 * MiB, "stream": 7, "pool_id": (1, 2)},
+             {"action": "segment_alloc", "addr": 200 * MiB, "size": 14 * MiB, "stream": 13, "pool_id": (1, 2)},
+             {"action": "alloc", "addr": 200 * MiB, "size": 6 * MiB, "stream": 13, "pool_id": (1, 2)},
+             {"action": "free_requested", "addr": 200 * MiB, "size": 6 * MiB, "stream": 13, "pool_id": (1, 2)},
+             {"action": "alloc", "addr": 206 * MiB, "size": 8 * MiB, "stream": 13, "pool_id": (1, 2)},
+             {"action": "free_requested", "addr": 100 * MiB, "size": 4 * MiB, "stream": 7, "pool_id": (1, 2)},
+             {"action": "free_completed", "addr": 100 * MiB, "size": 4 * MiB, "stream": 7, "pool_id": (1, 2)},
+             {"action": "free_requested", "addr": 206 * MiB, "size": 8 * MiB, "stream": 13, "pool_id": (1, 2)},
+             {"action": "free_completed", "addr": 206 * MiB, "size": 8 * MiB, "stream": 13, "pool_id": (1, 2)},
+             {"action": "free_completed", "addr": 200 * MiB, "size": 6 * MiB, "stream": 13, "pool_id": (1, 2)}]
+    default, graph = pool_report({"segments": segments, "device_traces": [trace]})
+    assert (default["graph"], default["reserved_mib"], default["allocated_mib"], default["peak_live_mib"]) == \
+        (False, 10.0, 10.0, 10.0)  # its entries named no pool: found by address
+    assert (graph["graph"], graph["pool"], graph["segments"], graph["reserved_mib"]) == (True, [1, 2], 2, 22.0)
+    assert graph["peak_live_mib"] == 12.0  # 4 + 8 (the 6 had been freed): 10 of the 22 reserved were never live
+    assert graph["peak_waiting_mib"] == 6.0 and graph["segments_mib"] == 22.0
+    assert graph["streams"]["13"] == {"peak_live_mib": 8.0, "peak_waiting_mib": 6.0, "segments_mib": 14.0}
+    assert graph["streams"]["7"] == {"peak_live_mib": 4.0, "peak_waiting_mib": 0.0, "segments_mib": 8.0}
+    lines = describe([default, graph])
+    assert lines[0].startswith("  default pool: reserved 10 MiB") and lines[1].startswith("    stream 0: segments 10 MiB")
+    assert lines[2].startswith("  graph pool (1, 2): reserved 22 MiB in 2 segments") and "most live at once 12" in lines[2]
+    assert lines[3].startswith("    stream 13: segments 14 MiB")  # the stream holding the most first
+    assert pool_report({"segments": [], "device_traces": []}) == []
+
+
+@pytest.mark.fast
 def test_profile_steps_busy_time_counts_overlapping_streams_once():
     from scripts.lib.kernel_profile import union
 
