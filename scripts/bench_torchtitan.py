@@ -34,7 +34,8 @@ from metrics.jsonl (``train.log_every=1``).
 
 Matched on both sides: the shape; the data (the same windows of the synthetic language of
 ``recipe.data.source=synthetic``, each used once, in each side's own order); ``--seq-len`` x ``--local-batch`` tokens per GPU per step; FSDP2 over every GPU
-with fp32 weights, bf16 compute and fp32 gradient reduction, resharding blocks after forward; activation
+with fp32 weights, bf16 compute and fp32 gradient reduction, resharding blocks after forward (``--reshard never``:
+neither side reshards, its weights stay gathered from forward to backward); activation
 checkpointing, ``--ac``: ``full`` recomputes every transformer block on both sides (torchtitan's ``full``
 mode; ``train.activation_checkpointing=true``), ``none`` neither (default ``auto``: full for 8b, none for
 1b); fused AdamW (lr 3e-4, betas 0.9/0.95, eps 1e-8, weight decay 0.1: torchtitan's 8B preset), linear LR
@@ -108,7 +109,8 @@ OUR_WARMUP = 12  # this repo's untimed steps at least: graph.warmup_iters=11 eag
 SETS = (*RESERVED, "recipe", "logger", "seed")
 SETS_UNDER = ("recipe.model", "recipe.optim", "recipe.schedule", "recipe.data.source", "recipe.data.batch_size",
               "recipe.data.train_size", "recipe.data.test_size", "recipe.data.drop_last", "recipe.accuracy",
-              "train.parallel", "train.precision", "train.fsdp.reduce_dtype", "train.activation_checkpointing",
+              "train.parallel", "train.precision", "train.fsdp.reduce_dtype", "train.fsdp.reshard_after_forward",
+              "train.activation_checkpointing",
               "train.grad_clip", "train.grad_accum", "train.max_steps", "train.epochs", "train.eval",
               "train.log_every", "graph.warmup_iters")
 
@@ -153,6 +155,7 @@ class Plan:
     ac: str  # none | full
     seed: int = 0
     alloc_conf: str = ""  # PYTORCH_CUDA_ALLOC_CONF of both sides' processes ("": torch's default allocator)
+    reshard: str = "after-forward"  # FSDP2's blocks resharded after forward on both sides, or "never"
 
     @property
     def total_steps(self) -> int:
@@ -170,8 +173,8 @@ class Plan:
 def plans(args: argparse.Namespace, nproc: int) -> List[Plan]:
     sizes = list(SHAPES) if args.size == "both" else [args.size]
     return [Plan(SHAPES[size], nproc, args.seq_len, args.local_batch, args.warmup_steps, args.steps,
-                 args.ac if args.ac != "auto" else ("full" if size == "8b" else "none"), args.seed, args.alloc_conf)
-            for size in sizes]
+                 args.ac if args.ac != "auto" else ("full" if size == "8b" else "none"), args.seed, args.alloc_conf,
+                 args.reshard) for size in sizes]
 
 
 # ---- the commands of both sides --------------------------------------------------------
@@ -182,6 +185,7 @@ def theirs_command(plan: Plan, variant: str, output: Path, deadline_s: float, pr
             "-m", "scripts.lib.torchtitan_worker", "--size", plan.shape.name, "--seq-len", str(plan.seq_len),
             "--local-batch", str(plan.local_batch), "--warmup-steps", str(plan.warmup_steps),
             "--steps", str(plan.steps), "--ac", plan.ac, *(["--compile"] if variant == "compiled" else []),
+            "--reshard", "never" if plan.reshard == "never" else "default",
             "--seed", str(plan.seed), "--deadline-s", f"{deadline_s:g}", "--output", str(output),
             *(["--profile-steps", str(profile_steps)] if profile_steps else [])]
 
@@ -199,6 +203,7 @@ def ours_overrides(plan: Plan) -> List[str]:
             "recipe.schedule._target_=trainer.schedules.Constant", f"recipe.schedule.warmup_steps={LR_WARMUP_STEPS}",
             "~recipe.schedule.min_lr_ratio",
             "train.parallel=fsdp2", "train.fsdp.init=meta", "train.precision=bf16", "train.fsdp.reduce_dtype=fp32",
+            f"train.fsdp.reshard_after_forward={'false' if plan.reshard == 'never' else 'true'}",
             f"train.activation_checkpointing={'true' if plan.ac == 'full' else 'false'}",
             f"train.grad_clip={MAX_NORM!r}", "train.grad_accum=1", f"train.max_steps={plan.total_steps}",
             "train.epochs=1", "train.eval=false", "train.log_every=1", "train.progress=false",
@@ -246,8 +251,11 @@ def matched_settings(plan: Plan) -> List[Tuple[str, str, str]]:
          f"recipe.model.context={plan.seq_len}, recipe.data.batch_size={plan.local_batch}"),
         ("data", f"the same windows of the synthetic language (recipes.gpt), seed {plan.seed}",
          f"recipe.data.source=synthetic, seed={plan.seed}"),
-        ("sharding", "parallelize_llama: FSDP2 over every GPU, blocks resharded after forward; built on the "
-         "meta device, each rank drawing its shards", "train.parallel=fsdp2, train.fsdp.reshard_after_forward=true, "
+        ("sharding", "parallelize_llama: FSDP2 over every GPU, " + (
+            "never resharded after forward (fsdp_reshard_after_forward=never)" if plan.reshard == "never" else
+            "blocks resharded after forward (fsdp_reshard_after_forward=default)")
+         + "; built on the meta device, each rank drawing its shards",
+         f"train.parallel=fsdp2, train.fsdp.reshard_after_forward={'false' if plan.reshard == 'never' else 'true'}, "
          "train.fsdp.init=meta"),
         ("precision", "fp32 weights; FSDP2 bf16 parameters, fp32 reduce",
          "train.precision=bf16 (FSDP2 bf16 parameters), train.fsdp.reduce_dtype=fp32"),
@@ -281,7 +289,7 @@ def make_row(plan: Plan, run: str, status: str, timed: Dict[str, Any], peaks: Tu
             "step_ms_mean": mean, "warmup_steps": plan.warmup_steps, "steps_timed": timed.get("steps_timed"),
             "peak_allocated_mib": peaks[0], "peak_reserved_mib": peaks[1],
             "loss_first": losses[0], "loss_last": losses[1], "status": status, "run_dir": run_dir,
-            "alloc_conf": plan.alloc_conf or None,
+            "alloc_conf": plan.alloc_conf or None, "reshard": plan.reshard,
             **({"profile": profile} if profile else {})}
 
 
@@ -317,7 +325,7 @@ def train_losses(run_dir: Optional[str], last_step: int) -> Tuple[Optional[float
 
 
 COLUMNS = [("size", "size", "{}"), ("run", "run", "{}"), ("tokens", "tokens per GPU per step", "{}"), ("ac", "AC", "{}"),
-           ("alloc_conf", "allocator", "{}"),
+           ("alloc_conf", "allocator", "{}"), ("reshard", "FSDP2 reshard", "{}"),
            ("tokens_per_s_per_gpu", "tokens/s per GPU", "{:,.0f}"), ("mfu_pct", "MFU", "{:.1f}%"),
            ("step_ms_median", "step ms median", "{:,.1f}"), ("step_ms_p90", "step ms p90", "{:,.1f}"),
            ("peak_allocated_mib", "peak allocated MiB per GPU", "{:,.0f}"),
@@ -329,14 +337,18 @@ COLUMNS = [("size", "size", "{}"), ("run", "run", "{}"), ("tokens", "tokens per 
 
 
 def shown(row: Dict[str, Any], key: str) -> Any:
-    """What ``row`` shows in ``key``'s column: its own value, or the tokens per GPU per step as sequence x sequences."""
-    return f"{row['seq_len']} x {row['local_batch']}" if key == "tokens" else row.get(key)
+    """What ``row`` shows in ``key``'s column: its own value, the tokens per GPU per step as sequence x sequences,
+    and for a row from before resharding was a setting, the default it ran with."""
+    if key == "tokens":
+        return f"{row['seq_len']} x {row['local_batch']}"
+    return row.get("reshard", "after-forward") if key == "reshard" else row.get(key)
 
 
 def matched_key(row: Dict[str, Any]) -> Tuple:
-    """The rows that ran the same thing: one size, GPU count, tokens per GPU, activation checkpointing and CUDA
-    allocator settings (a row from before the allocator was a setting has none: it ran with torch's default)."""
-    return row["size"], row["nproc"], row["seq_len"], row["local_batch"], row["ac"], row.get("alloc_conf")
+    """The rows that ran the same thing: one size, GPU count, tokens per GPU, activation checkpointing, CUDA
+    allocator and FSDP2 resharding (a row from before a setting existed ran with what is now its default)."""
+    return (row["size"], row["nproc"], row["seq_len"], row["local_batch"], row["ac"], row.get("alloc_conf"),
+            row.get("reshard", "after-forward"))
 
 
 def with_ratios(rows: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
@@ -363,6 +375,7 @@ def table_order(row: Dict[str, Any]) -> Tuple:
     sizes, runs = list(SHAPES), [f"torchtitan {v}" for v in THEIRS] + [f"this repo {m}" for m in OURS]
     return (sizes.index(row["size"]) if row["size"] in sizes else len(sizes), row["nproc"],
             -row["seq_len"] * row["local_batch"], row["ac"], row.get("alloc_conf") or "",
+            row.get("reshard", "after-forward"),
             runs.index(row["run"]) if row["run"] in runs else len(runs))
 
 
@@ -419,7 +432,12 @@ def report(rows: Sequence[Dict[str, Any]], run_plans: Sequence[Plan], device: st
                    "steps": (lambda r: (r.get("warmup_steps"), r.get("steps_timed")), [
                        "each size's, above", "the same (11 eager + capture of them untimed)"]),
                    "CUDA allocator": (lambda r: r.get("alloc_conf"), [
-                       "the allocator column: PYTORCH_CUDA_ALLOC_CONF", "the same"])}
+                       "the allocator column: PYTORCH_CUDA_ALLOC_CONF", "the same"]),
+                   "sharding": (lambda r: r.get("reshard", "after-forward"), [
+                       "parallelize_llama: FSDP2 over every GPU, resharded as the FSDP2 reshard column says; built on "
+                       "the meta device, each rank drawing its shards",
+                       "train.parallel=fsdp2, train.fsdp.reshard_after_forward as that column says, "
+                       "train.fsdp.init=meta"])}
         for setting, (of_row, words) in per_row.items():
             if len({of_row(row) for row in rows if row.get("steps_timed") or setting != "steps"}) > 1:
                 matched = [m if m[0] != setting else [setting, *words] for m in matched]
@@ -437,7 +455,7 @@ def profile_report(rows: Sequence[Dict[str, Any]]) -> List[str]:
         if row.get("profile"):
             groups.setdefault(matched_key(row), []).append(row)
     lines: List[str] = []
-    for (size, nproc, seq_len, batch, ac, alloc), runs in groups.items():
+    for (size, nproc, seq_len, batch, ac, alloc, reshard), runs in groups.items():
         kinds = [{k["kind"]: k["ms_per_step"] for k in run["profile"].get("kinds", [])} for run in runs]
         ms = lambda value: cell(value, "{:,.2f}")  # noqa: E731
         table = [["step (timed, no profiler)", *(ms(run.get("step_ms_mean")) for run in runs)],
@@ -454,7 +472,8 @@ def profile_report(rows: Sequence[Dict[str, Any]]) -> List[str]:
             table.append(["graph pool MiB: reserved / most live at once",
                           *(f"{p['reserved_mib']:,.0f} / {p['peak_live_mib']:,.0f}" if p else "—" for p in pools)])
         lines += ["", f"Where a step goes, {size}, AC {ac}, {nproc} GPUs, {seq_len} x {batch} tokens per GPU"
-                  f"{f', {alloc}' if alloc else ''}: ms per step on rank 0's GPU over "
+                  f"{f', {alloc}' if alloc else ''}{', never resharded' if reshard == 'never' else ''}: ms per step "
+                  "on rank 0's GPU over "
                   f"{'/'.join(str(run['profile'].get('steps', '?')) for run in runs)} profiled steps (kernel kinds "
                   "by name, scripts/lib/kernel_profile.py; kinds overlap in time across streams, so they sum to more "
                   "than the busy time)", "",
@@ -558,6 +577,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="also profile N steps of each run (torchtitan's after its timed steps, this repo's in a "
                              "scripts/profile_step.py run of its own) and add where each step's GPU time goes")
+    parser.add_argument("--reshard", choices=("after-forward", "never"), default="after-forward",
+                        help="FSDP2 on both sides: blocks resharded after forward (default: each side's default) "
+                             "or never (weights stay gathered from forward to backward: less communication, more "
+                             "memory)")
     parser.add_argument("--alloc-conf", default=TORCHTITAN_ALLOC_CONF,
                         help="PYTORCH_CUDA_ALLOC_CONF for both sides (default: torchtitan's launcher's, "
                              f"{TORCHTITAN_ALLOC_CONF!r}; '' for torch's default allocator)")

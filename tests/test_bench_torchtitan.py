@@ -52,6 +52,8 @@ BAD = [  # (arguments, words of the one line)
     (["--", "train.parallel=ddp"], "'train.parallel=ddp' is set by this script"),
     (["--", "recipe.model.config.hidden_size=8"], "'recipe.model.config.hidden_size=8' is set by this script"),
     (["--", "recipe=gpt_tiny"], "'recipe=gpt_tiny' is set by this script"),
+    (["--", "train.fsdp.reshard_after_forward=false"], "'train.fsdp.reshard_after_forward=false' is set by this script"),
+    (["--reshard", "sometimes"], "argument --reshard: invalid choice: 'sometimes'"),
     (["--", "train.epochz=3"], "Key 'epochz' not in 'TrainLoopConfig'"),
 ]
 
@@ -221,6 +223,9 @@ def test_torchtitans_job_config_holds_the_matched_settings(tmp_path):
     profiled = parse(["--size", "1b", "--seq-len", "8192", "--local-batch", "1", "--warmup-steps", "12", "--steps", "20",
                       "--ac", "none", "--profile-steps", "4", "--output", str(tmp_path / "r.json")])
     assert job_config(profiled, str(tmp_path), cuda=True).training.steps == 36
+    never = parse(["--size", "1b", "--seq-len", "8192", "--local-batch", "1", "--warmup-steps", "12", "--steps", "20",
+                   "--ac", "none", "--reshard", "never", "--output", str(tmp_path / "r.json")])
+    assert job_config(never, str(tmp_path), cuda=True).parallelism.fsdp_reshard_after_forward == "never"
 
 
 @pytest.mark.skipif(not HAVE_TORCHTITAN, reason="needs torchtitan: pip install -r scripts/requirements-torchtitan.txt")
@@ -246,7 +251,8 @@ def test_both_sides_rotate_with_the_same_frequencies(size):
 @pytest.fixture(scope="module")
 def dry_run():
     """``--dry-run`` as a user runs it, here without torchtitan or a GPU: {(size, side run): argument list}."""
-    proc = launch(["--dry-run", "--nproc", "4", "--steps", "30", "--", "train.fsdp.reshard_after_forward=false"],
+    proc = launch(["--dry-run", "--nproc", "4", "--steps", "30", "--reshard", "never", "--",
+                   "graph.capture_error_mode=thread_local"],
                   script=SCRIPT, timeout=60)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = re.findall(r"^(8b|1b) (torchtitan \w+|this repo \w+): (.*)$", proc.stdout, flags=re.M)
@@ -313,7 +319,8 @@ def test_dry_run_commands_hold_the_same_settings_on_both_sides(dry_run, size, ac
         assert (ours["train.parallel"], ours["train.precision"], ours["train.fsdp.reduce_dtype"]) == \
             ("fsdp2", "bf16", "fp32")
         assert ours["recipe.data.source"] == "synthetic" and ours["logger"] == "none"
-        assert argv[-4].startswith("output_root=") and ours["train.fsdp.reshard_after_forward"] == "false"  # the user's
+        assert ours["train.fsdp.reshard_after_forward"] == "false" and worker["--reshard"] == "never"  # --reshard never
+        assert argv[-4].startswith("output_root=") and argv[-6] == "graph.capture_error_mode=thread_local"  # the user's
 
 
 # ---- the table -------------------------------------------------------------------------------------
@@ -349,17 +356,20 @@ def test_both_sides_rows_come_from_one_formula_and_the_table_says_so(tmp_path):
     assert rows[2]["vs_torchtitan_best"] is None and rows[3]["vs_torchtitan_best"] is None
     text = bench.report(rows, [p], "NVIDIA H200", ("H200 SXM bf16 dense", 989.0))
     table = [line for line in text.splitlines() if line.startswith("| 8b |")]
-    assert table[0].startswith("| 8b | torchtitan eager | 8192 x 1 | full | — | 4,096 | 24.0% | 1,990.0 | 2,050.0 | 90,000 | 95,000 "
+    assert table[0].startswith("| 8b | torchtitan eager | 8192 x 1 | full | — | after-forward | 4,096 | 24.0% | 1,990.0 | 2,050.0 | 90,000 | 95,000 "
                                "| 1.000x | 1.00x | 12.250 | 7.500 | ok |")  # allocator —: torch's default
-    assert table[1].startswith("| 8b | this repo full | 8192 x 1 | full | — | 5,000 | 29.3% | 1,600.0 | 1,610.0 | 80,000 | 81,000 "
+    assert table[1].startswith("| 8b | this repo full | 8192 x 1 | full | — | after-forward | 5,000 | 29.3% | 1,600.0 | 1,610.0 | 80,000 | 81,000 "
                                "| 1.221x | 0.85x |")
-    assert table[2] == ("| 8b | this repo full_compiled | 8192 x 1 | full | — | — | — | — | — | — | — | — | — | — | — | failed (exit 1): "
+    assert table[2] == ("| 8b | this repo full_compiled | 8192 x 1 | full | — | after-forward | — | — | — | — | — | — | — | — | — | — | failed (exit 1): "
                         "torch.OutOfMemoryError: CUDA out of memory |")
-    assert table[3].startswith("| 8b | this repo full | 8192 x 1 | none | — | 5,000 | 29.3% |") and "| — | — |" in table[3]
+    assert table[3].startswith("| 8b | this repo full | 8192 x 1 | none | — | after-forward | 5,000 | 29.3% |") and "| — | — |" in table[3]
     # Another allocator is another setting: no yardstick but a torchtitan run with that allocator.
     expandable = bench.ours_row(dataclasses.replace(p, alloc_conf="expandable_segments:True"), "full", ours, 989.0)
     assert expandable["alloc_conf"] == "expandable_segments:True" and rows[0]["alloc_conf"] is None
     assert bench.with_ratios([rows[0], expandable])[1]["vs_torchtitan_best"] is None
+    never = bench.ours_row(dataclasses.replace(p, reshard="never"), "full", ours, 989.0)  # and so is resharding
+    assert never["reshard"] == "never" and bench.with_ratios([rows[0], never])[1]["vs_torchtitan_best"] is None
+    assert bench.shown({k: v for k, v in rows[0].items() if k != "reshard"}, "reshard") == "after-forward"  # old rows
     assert "activation_checkpoint.mode = the AC column" in text  # two AC settings in one table
     assert text.count("- `8b`: 32 layers x 4096") == 1 and "; 12 untimed steps, then 20 timed." in text
     small = dict(rows[0], size="1b", seq_len=2048)
@@ -391,7 +401,7 @@ def test_both_sides_rows_come_from_one_formula_and_the_table_says_so(tmp_path):
 @pytest.mark.fast
 def test_profile_adds_a_profiled_run_of_each_side_with_the_same_settings(capsys):
     assert bench.main(["--dry-run", "--nproc", "2", "--size", "1b", "--profile", "5", "--theirs", "compiled",
-                       "--ours", "full_compiled", "--", "train.fsdp.reshard_after_forward=false"]) == 0
+                       "--ours", "full_compiled", "--reshard", "never", "--", "graph.capture_error_mode=thread_local"]) == 0
     out = capsys.readouterr().out
     theirs = shlex.split(re.search(r"^1b torchtitan compiled: (.*)$", out, re.M).group(1))
     assert options(theirs)["--profile-steps"] == "5"  # after its 12 + 20 steps, in the same run
@@ -405,7 +415,8 @@ def test_profile_adds_a_profiled_run_of_each_side_with_the_same_settings(capsys)
     same = {k: v for k, v in overrides(timed).items() if not k.startswith(("output_root", "logger.wandb"))}
     assert {k: ours.get(k) for k in same if k not in ("train.max_steps", "recipe.data.train_size")} == \
         {k: v for k, v in same.items() if k not in ("train.max_steps", "recipe.data.train_size")}
-    assert ours["train.fsdp.reshard_after_forward"] == "false"  # the user's override, as in the timed run
+    assert ours["train.fsdp.reshard_after_forward"] == "false" and options(theirs)["--reshard"] == "never"
+    assert ours["graph.capture_error_mode"] == "thread_local"  # the user's override, as in the timed run
     assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (what torchtitan's run_train.sh sets)" in out
 
 

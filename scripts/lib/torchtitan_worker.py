@@ -9,7 +9,7 @@ as torchtitan's trainer does, checks its parameter count and FLOPs per token aga
 hands it to torchtitan's ``parallelize_llama`` with a JobConfig holding torchtitan's Llama 3 settings:
 activation checkpointing (``full`` or ``none``), per-block ``torch.compile`` with the loss compiled too
 (``--compile``), FSDP2 over every rank with bf16 parameters and fp32 gradient reduction, resharding after
-forward. The weights are drawn by its ``init_weights`` on the GPU under its seeding (``set_determinism``);
+forward (``--reshard default``, its default) or never (``--reshard never``). The weights are drawn by its ``init_weights`` on the GPU under its seeding (``set_determinism``);
 the optimizer (fused AdamW), the LR schedule and the loss come from its own builders.
 
 Each step is what torchtitan's ``Trainer.train_step`` does with one micro-batch and no pipeline: zero the
@@ -56,6 +56,8 @@ def parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--ac", choices=("none", "full"), required=True)
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--reshard", choices=("default", "never"), default="default",
+                        help="parallelism.fsdp_reshard_after_forward: default (blocks resharded after forward) or never")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile-steps", type=int, default=0,
                         help="after the timed steps, profile this many more (the warm-up's batches again)")
@@ -89,7 +91,7 @@ def job_config(args: argparse.Namespace, dump_folder: str, cuda: bool):
     job.compile.enable = args.compile
     job.compile.components = ["model", "loss"]
     job.parallelism.data_parallel_shard_degree = -1  # FSDP over every rank
-    job.parallelism.fsdp_reshard_after_forward = "default"
+    job.parallelism.fsdp_reshard_after_forward = args.reshard
     job.debug.seed = args.seed
     return job
 
@@ -261,6 +263,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "torchtitan": _version("torchtitan"), "torch": torch.__version__,
         "device": torch.cuda.get_device_name(device) if cuda else "cpu", "world_size": world,
         "seq_len": args.seq_len, "local_batch": args.local_batch, "ac": args.ac, "compile": args.compile,
+        "reshard": args.reshard,
         "warmup_steps": args.warmup_steps, "parameters": n_params, "flops_per_token": flops,
         "data": f"the synthetic language of recipes.gpt (seed {args.seed}), not job_config.training.dataset",
         **timed, "losses": losses.tolist(),
