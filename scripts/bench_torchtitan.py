@@ -324,8 +324,8 @@ def train_losses(run_dir: Optional[str], last_step: int) -> Tuple[Optional[float
     return by_step.get(1), by_step.get(last_step)
 
 
-COLUMNS = [("size", "size", "{}"), ("run", "run", "{}"), ("tokens", "tokens per GPU per step", "{}"), ("ac", "AC", "{}"),
-           ("alloc_conf", "allocator", "{}"), ("reshard", "FSDP2 reshard", "{}"),
+COLUMNS = [("size", "size", "{}"), ("run", "run", "{}"), ("tokens", "tokens per GPU per step", "{}"),
+           ("ac", "AC", "{}"), ("alloc_conf", "allocator", "{}"), ("reshard", "FSDP2 reshard", "{}"),
            ("tokens_per_s_per_gpu", "tokens/s per GPU", "{:,.0f}"), ("mfu_pct", "MFU", "{:.1f}%"),
            ("step_ms_median", "step ms median", "{:,.1f}"), ("step_ms_p90", "step ms p90", "{:,.1f}"),
            ("peak_allocated_mib", "peak allocated MiB per GPU", "{:,.0f}"),
@@ -412,9 +412,9 @@ def report(rows: Sequence[Dict[str, Any]], run_plans: Sequence[Plan], device: st
               "tokens per GPU per step / mean step time. Step times: the interval between step ends "
               "(graphing.StepTimer) over the timed steps. Memory: rank 0's GPU, the peak over the whole run. "
               "The two ratios: this row's tokens/s and peak reserved memory over those of torchtitan's fastest run "
-              "with the same size, GPUs, tokens, activation checkpointing and allocator. allocator: "
-              "PYTORCH_CUDA_ALLOC_CONF of both sides' processes (—: torch's default). Losses: the mean over all "
-              "GPUs' tokens.", ""]
+              "with the same size, GPUs, tokens, activation checkpointing, allocator and resharding. allocator: "
+              "PYTORCH_CUDA_ALLOC_CONF of both sides' processes (—: torch's default). FSDP2 reshard: after-forward "
+              "(each side's default) or never. Losses: the mean over all GPUs' tokens.", ""]
     for plan in run_plans[:1]:
         matched = [list(m) for m in matched_settings(plan)]
         if len({row["size"] for row in rows}) > 1:  # an --append'ed table: the sizes' lines above say each shape

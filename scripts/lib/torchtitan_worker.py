@@ -9,8 +9,9 @@ as torchtitan's trainer does, checks its parameter count and FLOPs per token aga
 hands it to torchtitan's ``parallelize_llama`` with a JobConfig holding torchtitan's Llama 3 settings:
 activation checkpointing (``full`` or ``none``), per-block ``torch.compile`` with the loss compiled too
 (``--compile``), FSDP2 over every rank with bf16 parameters and fp32 gradient reduction, resharding after
-forward (``--reshard default``, its default) or never (``--reshard never``). The weights are drawn by its ``init_weights`` on the GPU under its seeding (``set_determinism``);
-the optimizer (fused AdamW), the LR schedule and the loss come from its own builders.
+forward (``--reshard default``, its default) or never (``--reshard never``). The weights are drawn by its
+``init_weights`` on the GPU under its seeding (``set_determinism``); the optimizer (fused AdamW), the LR
+schedule and the loss come from its own builders.
 
 Each step is what torchtitan's ``Trainer.train_step`` does with one micro-batch and no pipeline: zero the
 gradients, count the step's target tokens on every rank (an all-reduce read on the host, as torchtitan does),
@@ -24,8 +25,9 @@ The first ``--warmup-steps`` steps are not timed; the next ``--steps`` are, with
 (scripts/lib/timing.py: graphing.StepTimer's CUDA events, the interval between step ends). With
 ``--profile-steps N``, N more steps run under torch.profiler (on the warm-up's batches again) and the JSON gets
 their GPU work per step, read as scripts/profile_step.py reads this repo's (scripts/lib/kernel_profile.py).
-Rank 0 writes one JSON to ``--output``: step ms median, p90 and mean, the run's peak allocated and reserved memory on its GPU,
-every step's loss (the global mean over ranks), the parameter count and torchtitan's FLOPs per token.
+Rank 0 writes one JSON to ``--output``: step ms median, p90 and mean, the run's peak allocated and reserved
+memory on its GPU, every step's loss (the global mean over ranks), the parameter count and torchtitan's FLOPs
+per token.
 Past ``--deadline-s`` a rank prints so and exits 124, so a hung run frees its GPU without a signal from outside.
 """
 from __future__ import annotations
