@@ -38,6 +38,12 @@ class _Segments:
         return None
 
 
+def _history() -> Dict[str, Any]:
+    """The counters a pool, and each of its streams, keeps over the history: bytes now (``_``) and the peaks."""
+    return {"_live": 0, "_waiting": 0, "_segments": 0, "peak_live_mib": 0.0, "peak_waiting_mib": 0.0,
+            "segments_mib": 0.0}
+
+
 def pool_report(snapshot: Dict[str, Any], device: int = 0) -> List[Dict[str, Any]]:
     """One row per pool, the default pool first: ``pool`` (its id), ``graph`` (a private pool), ``reserved_mib``
     and ``allocated_mib`` now (its segments), ``segments``, and from the history, for the pool and per
@@ -52,8 +58,7 @@ def pool_report(snapshot: Dict[str, Any], device: int = 0) -> List[Dict[str, Any
     def row(pool: Tuple[int, int]) -> Dict[str, Any]:
         if pool not in rows:
             rows[pool] = {"pool": list(pool), "graph": pool != DEFAULT_POOL, "reserved_mib": 0.0, "allocated_mib": 0.0,
-                          "segments": 0, "streams": {}, "_live": 0, "_waiting": 0, "_segments": 0,
-                          "peak_live_mib": 0.0, "peak_waiting_mib": 0.0, "segments_mib": 0.0}
+                          "segments": 0, "streams": {}, **_history()}
         return rows[pool]
 
     for segment in segments:
@@ -68,9 +73,7 @@ def pool_report(snapshot: Dict[str, Any], device: int = 0) -> List[Dict[str, Any
         if pool is None:
             continue  # a block of a segment since freed, in a pool the trace does not name
         r = row(pool)
-        stream = r["streams"].setdefault(str(entry.get("stream", 0)), {
-            "_live": 0, "_waiting": 0, "_segments": 0, "peak_live_mib": 0.0, "peak_waiting_mib": 0.0,
-            "segments_mib": 0.0})
+        stream = r["streams"].setdefault(str(entry.get("stream", 0)), _history())
         size, action = entry.get("size", 0), entry.get("action")
         for acc in (r, stream):
             if action == "alloc":
