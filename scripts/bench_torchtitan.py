@@ -276,7 +276,7 @@ def matched_settings(plan: Plan) -> List[Tuple[str, str, str]]:
 # ---- rows of the table -----------------------------------------------------------------
 
 def make_row(plan: Plan, run: str, status: str, timed: Dict[str, Any], peaks: Tuple[Any, Any],
-             losses: Tuple[Optional[float], Optional[float]], peak_tflops: Optional[float],
+             losses: Sequence[Optional[float]], peak_tflops: Optional[float],
              run_dir: Optional[str], profile: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """One run's row. tokens/s per GPU = tokens per GPU per step / mean step time, MFU from the one FLOP
     formula (scripts/lib/llama3.py), for both sides alike."""
@@ -288,7 +288,8 @@ def make_row(plan: Plan, run: str, status: str, timed: Dict[str, Any], peaks: Tu
             "step_ms_median": timed.get("step_ms_median"), "step_ms_p90": timed.get("step_ms_p90"),
             "step_ms_mean": mean, "warmup_steps": plan.warmup_steps, "steps_timed": timed.get("steps_timed"),
             "peak_allocated_mib": peaks[0], "peak_reserved_mib": peaks[1],
-            "loss_first": losses[0], "loss_last": losses[1], "status": status, "run_dir": run_dir,
+            "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
+            "losses": list(losses), "status": status, "run_dir": run_dir,
             "alloc_conf": plan.alloc_conf or None, "reshard": plan.reshard,
             **({"profile": profile} if profile else {})}
 
@@ -296,9 +297,8 @@ def make_row(plan: Plan, run: str, status: str, timed: Dict[str, Any], peaks: Tu
 def theirs_row(plan: Plan, variant: str, result: Optional[Dict[str, Any]], status: str,
                peak_tflops: Optional[float], run_dir: Optional[str]) -> Dict[str, Any]:
     r = result or {}
-    losses = r.get("losses") or [None]
     return make_row(plan, f"torchtitan {variant}", status, r, (r.get("peak_allocated_mib"), r.get("peak_reserved_mib")),
-                    (losses[0], losses[-1]), peak_tflops, run_dir, r.get("profile"))
+                    r.get("losses") or [], peak_tflops, run_dir, r.get("profile"))
 
 
 def ours_row(plan: Plan, mode: str, outcome: Dict[str, Any], peak_tflops: Optional[float],
@@ -312,16 +312,17 @@ def ours_row(plan: Plan, mode: str, outcome: Dict[str, Any], peak_tflops: Option
                     peak_tflops, outcome.get("run_dir"), profile)
 
 
-def train_losses(run_dir: Optional[str], last_step: int) -> Tuple[Optional[float], Optional[float]]:
-    """The train loss logged at step 1 and at ``last_step`` in the run's metrics.jsonl (train.log_every=1)."""
+def train_losses(run_dir: Optional[str], last_step: int) -> List[Optional[float]]:
+    """The train loss logged at each step from 1 to ``last_step`` in the run's metrics.jsonl (train.log_every=1;
+    None for a step it lacks), as torchtitan's side gives every step's: two runs' curves can be laid side by side."""
     if not run_dir or not (Path(run_dir) / "metrics.jsonl").is_file():
-        return None, None
+        return []
     by_step = {}
     for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
         row = json.loads(line) if line.strip() else {}
         if "train/loss" in row:
             by_step[row["step"]] = row["train/loss"]
-    return by_step.get(1), by_step.get(last_step)
+    return [by_step.get(step) for step in range(1, last_step + 1)]
 
 
 COLUMNS = [("size", "size", "{}"), ("run", "run", "{}"), ("tokens", "tokens per GPU per step", "{}"),

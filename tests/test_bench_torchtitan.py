@@ -347,6 +347,9 @@ def test_both_sides_rows_come_from_one_formula_and_the_table_says_so(tmp_path):
         assert row["mfu_pct"] == pytest.approx(100 * row["tokens_per_s_per_gpu"] * flops / 989e12)
     assert (rows[0]["loss_first"], rows[0]["loss_last"]) == (12.25, 7.5)
     assert (rows[1]["loss_first"], rows[1]["loss_last"]) == pytest.approx((11.9, 8.8))  # steps 1 and 32
+    assert rows[0]["losses"] == theirs["losses"] and rows[1]["losses"] == pytest.approx([12.0 - s / 10 for s in
+                                                                                         range(1, 33)])  # every step's
+    assert rows[2]["losses"] == [] and rows[2]["loss_first"] is None  # a failed run has none
     assert rows[1]["peak_reserved_mib"] == 81_000.0 and rows[2]["tokens_per_s_per_gpu"] is None
     # Each run against torchtitan's fastest at the same settings; a run at other settings has no yardstick.
     other = dict(rows[1], ac="none")
@@ -424,7 +427,7 @@ def test_where_a_step_goes_is_one_table_per_matched_runs_by_kernel_kind():
     p = plan("1b", nproc=2, ac="none")
 
     def profiled(run, step_ms, kinds, busy, idle):
-        return dict(bench.make_row(p, run, "ok", {"step_ms_mean": step_ms}, (None, None), (None, None), 989.0, None,
+        return dict(bench.make_row(p, run, "ok", {"step_ms_mean": step_ms}, (None, None), [], 989.0, None,
                                    {"steps": 5, "gpu_busy_ms": busy, "idle_ms": idle, "gpu_ops_per_step": 900.0,
                                     "collective_beside_compute_ms": 20.0,
                                     "kinds": [{"kind": k, "ms_per_step": v, "per_step": 1.0} for k, v in kinds]}))
@@ -432,7 +435,7 @@ def test_where_a_step_goes_is_one_table_per_matched_runs_by_kernel_kind():
     rows = [profiled("torchtitan compiled", 180.0, [("matmuls", 100.0), ("attention", 40.0)], 178.0, 2.0),
             profiled("this repo full_compiled", 170.0, [("matmuls", 99.0), ("fused kernels (Triton)", 20.0)], 169.5,
                      0.5),
-            bench.make_row(p, "this repo full", "ok", {"step_ms_mean": 200.0}, (None, None), (None, None), 989.0,
+            bench.make_row(p, "this repo full", "ok", {"step_ms_mean": 200.0}, (None, None), [], 989.0,
                            None)]  # not profiled: not in the table
     rows[1]["profile"]["memory_pools"] = [{"graph": False, "reserved_mib": 9000.0, "peak_live_mib": 9000.0},
                                           {"graph": True, "reserved_mib": 19140.0, "peak_live_mib": 13000.0}]
