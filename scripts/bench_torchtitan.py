@@ -98,6 +98,7 @@ from trainer.results import markdown_table, write_json  # noqa: E402
 SCRIPT = "bench_torchtitan.py"
 TORCHTITAN = "0.2.2"  # the release read for the shapes and settings; scripts/requirements-torchtitan.txt pins it
 THEIRS, OURS = ("eager", "compiled"), ("full", "full_compiled")
+RESHARDS = ("after-forward", "never")  # FSDP2 on both sides: each side's default, or weights kept gathered
 TORCHTITAN_ALLOC_CONF = "expandable_segments:True"  # torchtitan's launcher (run_train.sh) runs its trainer with it
 INSTALL = (f"install it: pip install -r scripts/requirements-torchtitan.txt (torchtitan=={TORCHTITAN} and its "
            "requirements). On a machine without a package index, bring them as wheels: on one with pip, "
@@ -155,7 +156,7 @@ class Plan:
     ac: str  # none | full
     seed: int = 0
     alloc_conf: str = ""  # PYTORCH_CUDA_ALLOC_CONF of both sides' processes ("": torch's default allocator)
-    reshard: str = "after-forward"  # FSDP2's blocks resharded after forward on both sides, or "never"
+    reshard: str = RESHARDS[0]  # FSDP2's blocks resharded after forward on both sides, or "never"
 
     @property
     def total_steps(self) -> int:
@@ -342,14 +343,19 @@ def shown(row: Dict[str, Any], key: str) -> Any:
     and for a row from before resharding was a setting, the default it ran with."""
     if key == "tokens":
         return f"{row['seq_len']} x {row['local_batch']}"
-    return row.get("reshard", "after-forward") if key == "reshard" else row.get(key)
+    return reshard_of(row) if key == "reshard" else row.get(key)
+
+
+def reshard_of(row: Dict[str, Any]) -> str:
+    """``row``'s FSDP2 resharding; a row from before it was a setting ran with the default."""
+    return row.get("reshard", RESHARDS[0])
 
 
 def matched_key(row: Dict[str, Any]) -> Tuple:
     """The rows that ran the same thing: one size, GPU count, tokens per GPU, activation checkpointing, CUDA
     allocator and FSDP2 resharding (a row from before a setting existed ran with what is now its default)."""
     return (row["size"], row["nproc"], row["seq_len"], row["local_batch"], row["ac"], row.get("alloc_conf"),
-            row.get("reshard", "after-forward"))
+            reshard_of(row))
 
 
 def with_ratios(rows: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
@@ -376,8 +382,7 @@ def table_order(row: Dict[str, Any]) -> Tuple:
     sizes, runs = list(SHAPES), [f"torchtitan {v}" for v in THEIRS] + [f"this repo {m}" for m in OURS]
     return (sizes.index(row["size"]) if row["size"] in sizes else len(sizes), row["nproc"],
             -row["seq_len"] * row["local_batch"], row["ac"], row.get("alloc_conf") or "",
-            row.get("reshard", "after-forward"),
-            runs.index(row["run"]) if row["run"] in runs else len(runs))
+            reshard_of(row), runs.index(row["run"]) if row["run"] in runs else len(runs))
 
 
 def cell(value: Any, form: str) -> str:
@@ -434,7 +439,7 @@ def report(rows: Sequence[Dict[str, Any]], run_plans: Sequence[Plan], device: st
                        "each size's, above", "the same (11 eager + capture of them untimed)"]),
                    "CUDA allocator": (lambda r: r.get("alloc_conf"), [
                        "the allocator column: PYTORCH_CUDA_ALLOC_CONF", "the same"]),
-                   "sharding": (lambda r: r.get("reshard", "after-forward"), [
+                   "sharding": (reshard_of, [
                        "parallelize_llama: FSDP2 over every GPU, resharded as the FSDP2 reshard column says; built on "
                        "the meta device, each rank drawing its shards",
                        "train.parallel=fsdp2, train.fsdp.reshard_after_forward as that column says, "
@@ -578,7 +583,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="also profile N steps of each run (torchtitan's after its timed steps, this repo's in a "
                              "scripts/profile_step.py run of its own) and add where each step's GPU time goes")
-    parser.add_argument("--reshard", choices=("after-forward", "never"), default="after-forward",
+    parser.add_argument("--reshard", choices=RESHARDS, default=RESHARDS[0],
                         help="FSDP2 on both sides: blocks resharded after forward (default: each side's default) "
                              "or never (weights stay gathered from forward to backward: less communication, more "
                              "memory)")
