@@ -610,6 +610,26 @@ def test_the_pool_report_tells_a_graphs_reserved_memory_from_what_it_ever_held_a
 
 
 @pytest.mark.fast
+def test_the_pool_report_counts_the_pages_an_expandable_segment_maps_and_unmaps():
+    from scripts.lib.memory_pools import pool_report
+
+    MiB = 2 ** 20
+    # expandable_segments:True: one segment per stream that grows by mapping pages and shrinks by unmapping them
+    # (torch.cuda.graph's empty_cache before a capture unmaps the free ones); no segment_alloc is ever traced.
+    segments = [{"address": 0, "total_size": 6 * MiB, "allocated_size": 0, "segment_pool_id": (1, 0)}]
+    trace = [{"action": "segment_map", "addr": 0, "size": 4 * MiB, "stream": 5, "pool_id": (1, 0)},
+             {"action": "alloc", "addr": 0, "size": 4 * MiB, "stream": 5, "pool_id": (1, 0)},
+             {"action": "segment_map", "addr": 4 * MiB, "size": 6 * MiB, "stream": 5, "pool_id": (1, 0)},
+             {"action": "alloc", "addr": 4 * MiB, "size": 6 * MiB, "stream": 5, "pool_id": (1, 0)},
+             {"action": "free_requested", "addr": 4 * MiB, "size": 6 * MiB, "stream": 5, "pool_id": (1, 0)},
+             {"action": "free_completed", "addr": 4 * MiB, "size": 6 * MiB, "stream": 5, "pool_id": (1, 0)},
+             {"action": "segment_unmap", "addr": 6 * MiB, "size": 4 * MiB, "stream": 5, "pool_id": (1, 0)}]
+    (graph,) = pool_report({"segments": segments, "device_traces": [trace]})
+    assert (graph["reserved_mib"], graph["peak_live_mib"], graph["segments_mib"]) == (6.0, 10.0, 10.0)
+    assert graph["streams"]["5"]["segments_mib"] == 10.0  # the most mapped at once, not the 6 left mapped
+
+
+@pytest.mark.fast
 def test_profile_steps_busy_time_counts_overlapping_streams_once():
     from scripts.lib.kernel_profile import union
 

@@ -14,6 +14,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 DEFAULT_POOL = (0, 0)  # the allocator's own pool; a graph's private pool has another id
 MIB = 2 ** 20
+# A segment's memory comes and goes as cudaMalloc/cudaFree, or, with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True,
+# as pages mapped into and unmapped from one growing segment per stream.
+SEGMENT_GROWS = ("segment_alloc", "segment_map")
+SEGMENT_SHRINKS = ("segment_free", "segment_unmap")
 
 
 def _pool(value: Any) -> Tuple[int, int]:
@@ -83,12 +87,12 @@ def pool_report(snapshot: Dict[str, Any], device: int = 0) -> List[Dict[str, Any
                 acc["_waiting"] += size
             elif action == "free_completed":
                 acc["_waiting"] -= size
-            elif action == "segment_alloc":
+            elif action in SEGMENT_GROWS:
                 acc["_segments"] += size
-            elif action == "segment_free":
+            elif action in SEGMENT_SHRINKS:
                 acc["_segments"] -= size
             acc["peak_live_mib"] = max(acc["peak_live_mib"], acc["_live"] / MIB)
-            if action in ("alloc", "segment_alloc"):  # what was stuck when memory was wanted (a free completed
+            if action == "alloc" or action in SEGMENT_GROWS:  # what was stuck when memory was wanted (a free completed
                 acc["peak_waiting_mib"] = max(acc["peak_waiting_mib"], acc["_waiting"] / MIB)  # at once never is)
             acc["segments_mib"] = max(acc["segments_mib"], acc["_segments"] / MIB)
     out = []
