@@ -20,8 +20,9 @@ much of the collectives' time (NCCL kernels: DDP's all-reduce, FSDP2's all-gathe
 reduce-scatters) ran beside other kernels: whether communication overlaps compute, inside the
 graph as in eager. ``--memory`` records the allocator's history from the build to the end of the warm-up
 (and capture) and says what each memory pool holds (scripts/lib/memory_pools.py): reserved, the most live at
-once, the most freed but waiting on another stream, per stream; a graph's pool reserved far above its most
-live is memory the capture could not reuse.
+once, the most freed but waiting on another stream, per stream, each stream named where the run knows it
+(capture, metrics, FSDP2's); a graph's pool reserved far above its most live is memory the capture could not
+reuse.
 Prints a line and writes JSON to --output.
 
     python scripts/profile_step.py recipe=gpt_tiny train.parallel=fsdp2 graph=full --steps 20 --streams
@@ -101,7 +102,7 @@ def profile_job(session, args) -> int:
     if mfu is not None:
         result["mfu_pct"] = mfu
     if pools is not None:
-        result["memory_pools"] = pools
+        result["memory_pools"], result["stream_names"] = pools, stream_names(trainer)
     if args.top:
         result["top_kernels"] = found["top_kernels"]
     if args.gaps:
@@ -114,7 +115,7 @@ def profile_job(session, args) -> int:
         return 0
     print(json.dumps({k: v for k, v in result.items()
                       if k not in ("top_kernels", "idle_gaps", "streams", "kinds", "memory_pools")}))
-    for line in describe_pools(result.get("memory_pools", [])):
+    for line in describe_pools(result.get("memory_pools", []), result.get("stream_names")):
         print(line)
     for row in result["kinds"]:
         print(f"  {row['ms_per_step']:8.4f} ms  {row['per_step']:7.1f} kernels  {row['kind']}")
@@ -141,6 +142,26 @@ def memory_pools(recorded: bool):
     snapshot = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
     return pool_report(snapshot, torch.cuda.current_device())
+
+
+def stream_names(trainer) -> dict:
+    """What each CUDA stream of the run is, keyed as the allocator's history keys them (the ``cudaStream_t`` as an
+    int, in a string): the default stream, the executor's capture stream, the step's metrics stream, and FSDP2's
+    collective streams (from each sharded module's state: torch's private attributes, read where they exist)."""
+    named = {"0": "the default stream"}
+
+    def name(stream, what: str) -> None:
+        if stream is not None:
+            named.setdefault(str(stream.cuda_stream), what)
+
+    name(getattr(trainer.executor, "side", None), "capture (warm-up and graphs)")
+    name(getattr(trainer.train_step, "metrics_stream", None), "the step's metrics")
+    for module in trainer.raw_model.modules():
+        state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
+        comm = getattr(state, "_comm_ctx", None)
+        for attr in ("all_gather_copy_in_stream", "all_gather_stream", "reduce_scatter_stream", "all_reduce_stream"):
+            name(getattr(comm, attr, None), "FSDP2 " + attr[:-len("_stream")].replace("_", "-"))
+    return named
 
 
 if __name__ == "__main__":

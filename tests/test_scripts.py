@@ -606,6 +606,9 @@ def test_the_pool_report_tells_a_graphs_reserved_memory_from_what_it_ever_held_a
     assert lines[0].startswith("  default pool: reserved 10 MiB") and lines[1].startswith("    stream 0: segments 10 MiB")
     assert lines[2].startswith("  graph pool (1, 2): reserved 22 MiB in 2 segments") and "most live at once 12" in lines[2]
     assert lines[3].startswith("    stream 13: segments 14 MiB")  # the stream holding the most first
+    named = describe([graph], {"13": "FSDP2 reduce-scatter", "99": "not in this pool"})
+    assert named[1].startswith("    stream 13 (FSDP2 reduce-scatter): segments 14 MiB")
+    assert named[2].startswith("    stream 7: segments 8 MiB")  # a stream without a name keeps its number
     assert pool_report({"segments": [], "device_traces": []}) == []
 
 

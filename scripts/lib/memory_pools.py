@@ -103,8 +103,10 @@ def pool_report(snapshot: Dict[str, Any], device: int = 0) -> List[Dict[str, Any
     return out
 
 
-def describe(rows: Sequence[Dict[str, Any]]) -> List[str]:
-    """``pool_report``'s rows as lines: each pool, then its streams with the most segment memory first."""
+def describe(rows: Sequence[Dict[str, Any]], names: Optional[Dict[str, str]] = None) -> List[str]:
+    """``pool_report``'s rows as lines: each pool, then its streams with the most segment memory first, each with
+    its name where ``names`` (stream id -> what it is) has one."""
+    names = names or {}
     lines = []
     for r in rows:
         name = f"graph pool {tuple(r['pool'])}" if r["graph"] else "default pool"
@@ -112,6 +114,7 @@ def describe(rows: Sequence[Dict[str, Any]]) -> List[str]:
                      f"{r['allocated_mib']:,.0f}; most live at once {r['peak_live_mib']:,.0f} MiB, most waiting to be "
                      f"freed {r['peak_waiting_mib']:,.0f} MiB")
         for stream, acc in sorted(r["streams"].items(), key=lambda kv: -kv[1]["segments_mib"]):
-            lines.append(f"    stream {stream}: segments {acc['segments_mib']:,.0f} MiB, most live "
+            label = f"stream {stream} ({names[stream]})" if stream in names else f"stream {stream}"
+            lines.append(f"    {label}: segments {acc['segments_mib']:,.0f} MiB, most live "
                          f"{acc['peak_live_mib']:,.0f}, most waiting {acc['peak_waiting_mib']:,.0f}")
     return lines
