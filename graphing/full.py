@@ -95,6 +95,7 @@ class FullGraphExecutor(Executor):
         # be captured on all: meet first, so no rank is still warming up.
         if distributed():
             dist.barrier()
+        reshard_units(self.eval_model)
         torch.cuda.synchronize()
         graph, seconds, failure = capture(fn, self.side, self.pool, self.options.capture_error_mode)
         if failure is not None:  # a rank whose own capture succeeded has nothing to repair
@@ -143,6 +144,21 @@ def _allow_recompiles(max_graphs: int) -> None:
         if hasattr(dynamo, name):
             setattr(dynamo, name, max(getattr(dynamo, name), max_graphs + 1))  # +1: eval's forward
             return
+
+
+def reshard_units(model: Optional[torch.nn.Module]) -> None:
+    """Every FSDP2 unit of ``model`` back to its shards before a capture. A unit that is already unsharded skips
+    its all-gather: a forward without backward (an evaluation under ``torch.no_grad()``) leaves units built with
+    ``reshard_after_forward=False`` unsharded, and a capture right after it would record no all-gather for them
+    and replay, every step, the weights of that moment from memory freed after the capture. Resharded, the
+    capture gathers what it reads. A unit already sharded is left as it is."""
+    if model is None or not is_sharded(model):
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    for unit in model.modules():
+        if isinstance(unit, FSDPModule):
+            unit.reshard()
 
 
 def compile_sharded_units(model: torch.nn.Module, mode: str) -> None:

@@ -100,3 +100,28 @@ def test_compile_under_fsdp2_compiles_each_innermost_unit_and_leaves_its_hooks_e
         assert type(b.grad).__name__ == "DTensor"  # FSDP2's post-backward hooks ran around the compiled forward
         torch.testing.assert_close(b.grad.full_tensor(), a.grad.full_tensor(), rtol=1e-5, atol=1e-6)
     torch._dynamo.reset()
+
+
+@pytest.mark.fast
+def test_a_capture_starts_from_shards_even_after_an_evaluation_left_units_gathered(one_rank_group):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from graphing.full import reshard_units
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    mesh = init_device_mesh("cpu", (1,))
+    fully_shard(model[0], mesh=mesh, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False)
+    with torch.no_grad():  # an evaluation: no backward reshards the units afterwards
+        model(torch.randn(4, 8))
+    # Gathered, FSDP2 registers plain tensors; its next unshard would be a no-op, so a capture now would record
+    # no all-gather for them (graphing/full.py reshard_units).
+    assert not isinstance(model[0].weight, DTensor) and not isinstance(model[2].weight, DTensor)
+    reshard_units(model)
+    assert isinstance(model[0].weight, DTensor) and isinstance(model[2].weight, DTensor)
+    reshard_units(model)  # already sharded: nothing to do
+    reshard_units(torch.nn.Linear(2, 2))  # not sharded at all
+    reshard_units(None)
+    assert isinstance(model[0].weight, DTensor)

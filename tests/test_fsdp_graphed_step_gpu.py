@@ -65,7 +65,7 @@ def sharded(reshard_after_forward: bool) -> torch.nn.Module:
     return model
 
 
-def train(mode: str, reshard_after_forward: bool, micro: int):
+def train(mode: str, reshard_after_forward: bool, micro: int, evaluate_before_call: int = -1):
     model = sharded(reshard_after_forward)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)  # made capturable by GraphedStep
 
@@ -84,6 +84,10 @@ def train(mode: str, reshard_after_forward: bool, micro: int):
         x, y = torch.randn(32, 64, device="cuda", generator=g), torch.randn(32, 1, device="cuda", generator=g)
         for group in optimizer.param_groups:
             group["lr"] = 1e-3 * (1 - it / STEPS)  # a float written between calls, carried into the graph
+        if it == evaluate_before_call:  # a user's evaluation: forward only, no backward to reshard after it
+            assert mode == "eager" or step.phase == "capture"
+            with torch.no_grad():
+                model(x)
         norms.append(step(x, y).clone())
     phase = step.phase
     params = [p.full_tensor().detach().clone() for p in model.parameters()]
@@ -101,3 +105,16 @@ def test_a_users_fully_shard_model_graphs_whole_step_equal_to_eager(one_rank_gro
     for a, b in zip(eager_params, full_params):
         torch.testing.assert_close(b, a, rtol=1e-3, atol=1e-4)
     assert not torch.equal(eager_params[0], sharded(reshard_after_forward).blocks[0].norm.weight.full_tensor())
+
+
+@pytest.mark.parametrize("reshard_after_forward", [True, False])
+def test_an_evaluation_right_before_the_capture_leaves_the_graph_equal_to_eager(one_rank_group, reshard_after_forward):
+    # Call 11 (0-based) is the capture. The evaluation before it leaves units built with reshard_after_forward=False
+    # gathered; captured so, the graph would gather nothing and read those weights, frozen, at every replay.
+    capture_call = 11
+    eager_norms, eager_params, _ = train("eager", reshard_after_forward, 1, evaluate_before_call=capture_call)
+    full_norms, full_params, full_phase = train("full", reshard_after_forward, 1, evaluate_before_call=capture_call)
+    assert full_phase == "graph"
+    torch.testing.assert_close(full_norms, eager_norms, rtol=1e-3, atol=1e-5)
+    for a, b in zip(eager_params, full_params):
+        torch.testing.assert_close(b, a, rtol=1e-3, atol=1e-4)
