@@ -99,14 +99,20 @@ def distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def is_sharded(model: torch.nn.Module) -> bool:
-    """Whether ``model`` holds a module sharded with FSDP2's ``fully_shard`` (itself, or inside a wrapper such
-    as a compiled model and loss): FSDP2 then communicates itself, and no DDP goes around it."""
+def sharded_units(model: torch.nn.Module) -> List[torch.nn.Module]:
+    """The modules of ``model`` sharded with FSDP2's ``fully_shard`` (itself, or inside a wrapper such as a
+    compiled model and loss), outermost first; none where torch has no FSDP2."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:
-        return False
-    return any(isinstance(m, FSDPModule) for m in model.modules())
+        return []
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether ``model`` holds a module sharded with FSDP2 (``sharded_units``): FSDP2 then communicates itself,
+    and no DDP goes around it."""
+    return bool(sharded_units(model))
 
 
 def is_main_rank() -> bool:

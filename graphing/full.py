@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from graphing.capture import capture, pool_mib, reset_rng_capture_state, run_on_stream
-from graphing.executor import Executor, GraphRecord, Shape, StepRole, distributed, is_sharded
+from graphing.executor import Executor, GraphRecord, Shape, StepRole, distributed, is_sharded, sharded_units
 from graphing.shapes import ShapeBook
 
 
@@ -152,13 +152,8 @@ def reshard_units(model: Optional[torch.nn.Module]) -> None:
     ``reshard_after_forward=False`` unsharded, and a capture right after it would record no all-gather for them
     and replay, every step, the weights of that moment from memory freed after the capture. Resharded, the
     capture gathers what it reads. A unit already sharded is left as it is."""
-    if model is None or not is_sharded(model):
-        return
-    from torch.distributed.fsdp import FSDPModule
-
-    for unit in model.modules():
-        if isinstance(unit, FSDPModule):
-            unit.reshard()
+    for unit in sharded_units(model) if model is not None else []:
+        unit.reshard()
 
 
 def compile_sharded_units(model: torch.nn.Module, mode: str) -> None:
@@ -171,10 +166,8 @@ def compile_sharded_units(model: torch.nn.Module, mode: str) -> None:
     one H100). One compiled block with its parameters as inputs is what torchtitan runs under
     FSDP2 too. The root unit (embeddings, head) runs eagerly; the loss is compiled apart
     (``wrap_output_fn``). All blocks share one compiled code object, so this compiles once."""
-    from torch.distributed.fsdp import FSDPModule
-
-    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    innermost = [u for u in units if not any(isinstance(m, FSDPModule) for m in u.modules() if m is not u)]
+    units = sharded_units(model)
+    innermost = [u for u in units if sharded_units(u) == [u]]
     for unit in innermost:  # a model sharded as one unit (no blocks) has its own forward compiled
         unit.forward = torch.compile(unit.forward, mode=mode, dynamic=False)
 
