@@ -18,7 +18,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from conftest import cuda_count, launch
+from helpers.availability import cuda_count
+from helpers.launches import launch
 from test_recipes_gpu import COMMON, COMPILED_TOLERANCE, RECIPES, REL_TOLERANCE
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(cuda_count() < 1, reason="needs a CUDA GPU")]

@@ -16,7 +16,9 @@ import re
 import shlex
 import pytest
 
-from conftest import ROOT, launch, needs_extra
+from helpers.availability import needs_extra
+from helpers.launches import launch
+from helpers.paths import ROOT
 from scripts.lib.llama3 import (
     SHAPES, embedding_parameters, ffn_hidden_size, hf_config, mfu_pct, parameter_count,
     training_flops_per_token,

@@ -12,7 +12,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import torch_loads
+from helpers.checkpoints import torch_loads
 from trainer.checkpoint import (TEMP_PREFIX, UnreadableCheckpoint, check_compatible, check_same_epochs,
                                 latest_checkpoint, list_checkpoints, load_checkpoint, load_model_state,
                                 load_optimizer_state, rng_state, save_checkpoint, set_rng_state)

@@ -11,7 +11,8 @@ from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ValidationError
 
 from conf.schema import compose
-from conftest import ROOT, launch
+from helpers.launches import launch
+from helpers.paths import ROOT
 
 CONF = ROOT / "conf"
 

@@ -19,8 +19,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from conf.schema import compose
-from conftest import TWO_RANKS_ON_CIFAR, Finished, free_port, launch_together
 from graphing import GraphOptions, build_executor
+from helpers.launches import Finished, free_port, launch_together
+from helpers.shared_runs import TWO_RANKS_ON_CIFAR
 from trainer.plan import plan_run
 from trainer.runtime import Runtime
 from trainer.trainer import Trainer

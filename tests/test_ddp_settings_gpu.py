@@ -12,7 +12,8 @@ import math
 
 import pytest
 
-from conftest import cuda_count, launch
+from helpers.availability import cuda_count
+from helpers.launches import launch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(cuda_count() < 1, reason="needs a CUDA GPU")]
 

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from conftest import launch_together
+from helpers.launches import launch_together
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ Nothing is trained here; each command line of a marked block is checked by what 
   ``--help`` appended to its own options (before ``--``), which parses their values and must
   exit 0; every ``--option`` named must be in its help; a script that takes train.py's config
   gets its overrides composed as above.
-- ``pip install -r FILE``: this environment satisfies FILE; an optional extra's FILE (conftest's
+- ``pip install -r FILE``: this environment satisfies FILE; an optional extra's FILE (helpers.availability's
   ``EXTRAS``) that is not installed skips its block, naming the package and the command (marked
   ``extras``). ``pytest -m EXPR``: every marker in EXPR is registered.
 
@@ -41,7 +41,8 @@ from typing import Dict, List, Optional, Tuple
 
 import pytest
 
-from conftest import EXTRAS, ROOT
+from helpers.availability import EXTRAS
+from helpers.paths import ROOT
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 MARKS = ("cpu", "gpu")

@@ -16,10 +16,11 @@ import torch
 import torch.distributed as dist
 
 import graphing
-from conftest import HELPERS, free_port, launch
-from doctor_gallery import CASES, load, marked, source
 from graphing.doctor import SKIPPED_WITHOUT_CUDA
-from wandb_offline import find_runs, read_run
+from helpers.doctor_gallery import CASES, load, marked, source
+from helpers.launches import free_port, launch
+from helpers.paths import TESTS
+from helpers.wandb_offline import find_runs, read_run
 
 CPU_CASES = [name for name in CASES if not load(name, "cpu").needs_cuda]
 CHECKED_STEPS = 5  # enough to compare steps (from the third on) and to see tensors kept from two steps
@@ -120,7 +121,7 @@ def test_the_script_names_a_recipes_line_writes_doctor_json_and_logs_the_table_t
 
     monkeypatch.delenv("WANDB_MODE", raising=False)  # the default: offline
     monkeypatch.setenv("WANDB_SILENT", "true")
-    code = main(["recipe._target_=doctor_gallery.broken_recipe.build", "recipe.name=broken",
+    code = main(["recipe._target_=helpers.doctor_gallery.broken_recipe.build", "recipe.name=broken",
                  "recipe.data.train_size=256", f"output_root={tmp_path}", "device=cpu"])
     done = capsys.readouterr()
     [line] = marked("broken_recipe")["host_sync"]
@@ -178,10 +179,10 @@ def test_torch_internal_calls_are_not_blamed_on_the_user_and_a_graph_safe_cpu_op
 
 def test_under_torchrun_each_rank_checks_and_rank_0_prints_one_merged_report(tmp_path):
     """Two gloo ranks, the user's way: one table, one doctor.json, and torchrun's report names the verdict."""
-    done = launch(["recipe._target_=doctor_gallery.broken_recipe.build", "recipe.name=broken",
+    done = launch(["recipe._target_=helpers.doctor_gallery.broken_recipe.build", "recipe.name=broken",
                    "recipe.data.train_size=256", f"output_root={tmp_path}", "device=cpu", "logger=none"],
                   script="scripts/doctor.py", nproc=2, timeout=180, log_dir=tmp_path / "logs",
-                  env={"PYTHONPATH": os.pathsep.join([str(HELPERS), os.environ.get("PYTHONPATH", "")])})
+                  env={"PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])})
     [line] = marked("broken_recipe")["host_sync"]
     assert done.returncode != 0, done.stdout + done.stderr[-3000:]
     assert done.stdout.count("verdict: blocked (exit 7)") == 1, done.stdout + done.stderr[-3000:]

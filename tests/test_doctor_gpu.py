@@ -20,8 +20,9 @@ import torch
 import torch.distributed as dist
 
 import graphing
-from conftest import cuda_count, free_port, launch
-from doctor_gallery import CASES, load, marked, source
+from helpers.availability import cuda_count
+from helpers.doctor_gallery import CASES, load, marked, source
+from helpers.launches import free_port, launch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 two_gpus = pytest.mark.skipif(cuda_count() < 2, reason="needs 2 GPUs")
@@ -131,7 +132,7 @@ def test_the_built_in_recipes_are_ready_and_capture_on_cuda(recipe, precision, t
 def test_a_recipes_host_sync_is_named_on_cuda(tmp_path, capsys):
     from scripts.doctor import main
 
-    code = main(["recipe._target_=doctor_gallery.broken_recipe.build", "recipe.name=broken",
+    code = main(["recipe._target_=helpers.doctor_gallery.broken_recipe.build", "recipe.name=broken",
                  "recipe.data.train_size=1024", "logger=none", f"output_root={tmp_path}"])
     out = capsys.readouterr().out
     [line] = marked("broken_recipe")["host_sync"]
@@ -158,7 +159,7 @@ def test_two_ranks_check_and_rank_0_prints_one_merged_report(tmp_path):
 def test_a_librarys_host_sync_is_judged_by_the_trial_capture(package, tmp_path):
     """A package that skips its sync while capturing: an eager-only note, ready, and GraphedStep captures it;
     one that syncs in every forward: blocked at the user's line and the package's, and GraphedStep fails."""
-    import library_sync_loop as loop
+    from helpers import library_sync_loop as loop
 
     site = loop.write_package(tmp_path)
     try:

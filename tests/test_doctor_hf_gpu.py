@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 import graphing
-from conftest import needs_extra
+from helpers.availability import needs_extra
 
 pytestmark = [pytest.mark.gpu, pytest.mark.extras,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

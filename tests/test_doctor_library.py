@@ -24,12 +24,12 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
-import library_sync_loop as loop
-from conftest import free_port, launch
 from graphing.doctor import attribution
 from graphing.doctor.capture_attempt import try_captures
 from graphing.doctor.capture_judgement import judge
 from graphing.doctor.step_runner import StepRunner
+from helpers import library_sync_loop as loop
+from helpers.launches import free_port, launch
 
 FSDP2_DIR = str(Path(torch.__file__).parent / "distributed" / "fsdp")
 USER_LINE = next(n for n, text in enumerate(Path(loop.__file__).read_text().splitlines(), 1)

@@ -11,7 +11,8 @@ import textwrap
 
 import pytest
 
-from conftest import cuda_count, launch
+from helpers.availability import cuda_count
+from helpers.launches import launch
 
 RECIPE = '''
 """A user's recipe: a two-layer MLP on 2-D points in concentric rings."""

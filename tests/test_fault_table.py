@@ -43,7 +43,7 @@ and SIGKILL rows, and a copy of its directory is what the re-run, truncation, me
 "asking for more" rows start from; the SIGTERM run is the owner that the second launch meets; the
 NaN run continues a copy of the SIGINT run's directory, taking over from its dead owner. The timed
 rows' launches run first, alone; the others then run two at a time. Every launch has a time limit
-(tests/conftest.py): a hung rank fails its row, with the stacks of its processes.
+(tests/helpers/launches.py): a hung rank fails its row, with the stacks of its processes.
 """
 from __future__ import annotations
 
@@ -62,8 +62,9 @@ from typing import Callable, Dict, List, Optional, Tuple, Union
 import pytest
 import torch
 
-from conftest import LAUNCH_TIMEOUT_S, Launch, torch_loads
-from fault_injection import KILL_AT_STEP_ENV, QUOTA_AT_STEP_ENV, STOP_CHECK_S_ENV
+from helpers.checkpoints import torch_loads
+from helpers.fault_injection import KILL_AT_STEP_ENV, QUOTA_AT_STEP_ENV, STOP_CHECK_S_ENV
+from helpers.launches import LAUNCH_TIMEOUT_S, Launch
 from trainer.checkpoint import latest_checkpoint, list_checkpoints
 
 OURS = ('train.py", line', "trainer/", "recipes/", "graphing/")

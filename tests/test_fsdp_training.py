@@ -16,8 +16,8 @@ import pytest
 import torch
 import yaml
 
-from conftest import launch_together
-from fault_injection import GATHER_REPORT, REPORT_GATHERS_ENV
+from helpers.fault_injection import GATHER_REPORT, REPORT_GATHERS_ENV
+from helpers.launches import launch_together
 from trainer.checkpoint import list_checkpoints
 from trainer.checkpoint.layout import SHARDS_SUFFIX, temp_dir
 

@@ -15,8 +15,10 @@ import torch
 import torch.nn.functional as F
 
 import graphing
-from conftest import HELPERS, cuda_count, launch
-from doctor_gallery import marked
+from helpers.availability import cuda_count
+from helpers.doctor_gallery import marked
+from helpers.launches import launch
+from helpers.paths import TESTS
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 two_gpus = pytest.mark.skipif(cuda_count() < 2, reason="needs 2 GPUs")
@@ -82,9 +84,9 @@ def test_a_failed_capture_in_graphed_step_names_the_users_line():
 def test_a_failed_capture_in_train_py_names_the_recipes_line_once(out):
     [line] = marked("broken_recipe")["host_sync"]
     where = f"tests/helpers/doctor_gallery/broken_recipe.py:{line}"
-    common = ["recipe._target_=doctor_gallery.broken_recipe.build", "recipe.name=broken", "recipe.data.train_size=1024",
-              "train.epochs=1", "graph=full", "logger=none"]
-    env = {"PYTHONPATH": os.pathsep.join([str(HELPERS), os.environ.get("PYTHONPATH", "")])}
+    common = ["recipe._target_=helpers.doctor_gallery.broken_recipe.build", "recipe.name=broken",
+              "recipe.data.train_size=1024", "train.epochs=1", "graph=full", "logger=none"]
+    env = {"PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
     stopped = launch([*common, "graph.on_failure=fail"], out / "fail", env=env, timeout=240)
     assert stopped.returncode == 3, stopped.stderr[-4000:]
     assert stopped.stderr.count(where) == 1, stopped.stderr[-4000:]  # named, once

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import graphing
-from conftest import ROOT
 from graphing import GraphConfigError, GraphedStep, GraphOptions, graph_safe_optimizer_kwargs, optimizer_capture_problem
+from helpers.paths import ROOT
 
 
 def test_importing_graphing_loads_no_trainer_recipe_or_config_code():
@@ -294,9 +294,9 @@ def test_a_users_ddp_is_rewrapped_with_torchs_small_first_bucket_and_its_buffer_
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from conftest import free_port
     from graphing.compat import ddp_buffer_sync_argument
     from graphing.ddp import unwrap_ddp
+    from helpers.launches import free_port
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
@@ -322,7 +322,7 @@ def test_a_model_the_user_wrapped_in_ddp_is_rewrapped_once_with_its_settings():
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from conftest import free_port
+    from helpers.launches import free_port
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:

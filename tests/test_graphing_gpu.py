@@ -15,9 +15,10 @@ import torch
 import torch.nn.functional as F
 
 from conf.schema import compose
-from conftest import cuda_count, launch
 from graphing import CaptureError, GraphOptions, StepRole
-from wandb_offline import find_runs, read_run
+from helpers.availability import cuda_count
+from helpers.launches import launch
+from helpers.wandb_offline import find_runs, read_run
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 two_gpus = pytest.mark.skipif(cuda_count() < 2, reason="needs 2 GPUs")

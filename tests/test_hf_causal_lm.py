@@ -13,7 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import launch, needs_extra
+from helpers.availability import needs_extra
+from helpers.launches import launch
 
 pytestmark = pytest.mark.extras
 transformers = needs_extra("transformers")

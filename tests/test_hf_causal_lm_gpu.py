@@ -10,7 +10,8 @@ import math
 
 import pytest
 
-from conftest import cuda_count, launch, needs_extra
+from helpers.availability import cuda_count, needs_extra
+from helpers.launches import launch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.extras, pytest.mark.skipif(cuda_count() < 1, reason="needs a CUDA GPU")]
 needs_extra("transformers")

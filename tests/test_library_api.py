@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import graphing
-from conftest import ROOT
+from helpers.paths import ROOT
 from test_graphing import _linear_step as linear_step
 
 pytestmark = pytest.mark.fast

@@ -9,7 +9,7 @@ import ast
 import json
 import uuid
 
-from conftest import Launch, free_port
+from helpers.launches import Launch, free_port
 
 AGENT_TIMEOUT_S = 180  # usually 30-60 s: 4 ranks and 2 agents share a small CI machine
 

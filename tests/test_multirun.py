@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from conftest import launch
+from helpers.launches import launch
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="uses graph=full failing without CUDA")

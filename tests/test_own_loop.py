@@ -18,7 +18,8 @@ from typing import Dict, List, Optional
 import pytest
 import torch
 
-from conftest import ROOT, Finished, launch, launch_together
+from helpers.launches import Finished, launch, launch_together
+from helpers.paths import ROOT
 
 SCRIPT = "scripts/own_loop.py"
 NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 import graphing
-from conftest import cuda_count, launch
-from doctor_gallery import fp16_scaled_step
+from helpers.availability import cuda_count
+from helpers.doctor_gallery import fp16_scaled_step
+from helpers.launches import launch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(cuda_count() < 1, reason="needs a CUDA GPU")]
 

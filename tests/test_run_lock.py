@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from conftest import ROOT
+from helpers.paths import ROOT
 from trainer.errors import RunDirInUse
 from trainer.run_lock import LOCK_NAME, acquire, read_owner
 

@@ -13,16 +13,19 @@ import json
 import os
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, Finished, cuda_count, launch, launch_together
+from helpers.availability import cuda_count
+from helpers.launches import Finished, launch, launch_together
+from helpers.paths import ROOT
+from helpers.wandb_offline import find_runs, read_run
 from scripts.lib.comparison import comparison_rows, markdown_table, plot_comparison
 from scripts.lib.launch import NOT_AVAILABLE
 from scripts.sweep import plot_sweep, sweep_table
 from test_external_recipe import RECIPE
-from wandb_offline import find_runs, read_run
 
 GRAPH_MODES = ["full", "partial", "compile", "full_compiled"]
 
@@ -30,7 +33,7 @@ cpu_only = pytest.mark.skipif(cuda_count() > 0, reason="checks the CPU behaviour
 
 
 def script(name: str, *args: str, timeout: float = 120, cwd: Path = ROOT, env: dict = None) -> Finished:
-    """Runs scripts/<name> (or train.py) from ``cwd``, the way a user does (tests/conftest.py's launcher: past
+    """Runs scripts/<name> (or train.py) from ``cwd``, the way a user does (tests/helpers/launches.py: past
     ``timeout`` the test fails and everything the script started is stopped)."""
     path = ROOT / name if name == "train.py" else ROOT / "scripts" / name
     return launch(list(args), script=str(path), cwd=cwd, env=env, timeout=timeout)
@@ -688,13 +691,22 @@ def test_a_benchmark_without_cuda_refuses_with_the_config_error_code(tmp_path, n
     assert not any(tmp_path.iterdir()), "nothing written"
 
 
-def test_a_benchmark_run_that_fails_or_hangs_stops_its_script_naming_it():
-    """Every script's child process goes through scripts/lib/launch.py: a failed run ends the script with its
-    name and stderr (exit 1: a failure, not a refusal); one past its time limit hands back what it printed
+def test_a_benchmark_run_that_fails_or_hangs_stops_its_script_naming_it(tmp_path, capsys):
+    """Every script's child process goes through scripts/lib/launch.py: a run that succeeds is announced, runs
+    in the repo with the env given and hands back its wall time; a failed run ends the script with its name and
+    stderr (exit 1: a failure, not a refusal); one past its time limit hands back what it printed
     (bench_checkpointing's trials read it)."""
     from scripts.lib.launch import run_captured, run_or_exit
 
-    assert run_or_exit("bench_x", "ok", [sys.executable, "-c", "pass"], timeout=60) >= 0
+    seen = tmp_path / "seen.json"
+    ok = [sys.executable, "-c", "import json, os, sys, time; time.sleep(0.3); "
+          "open(sys.argv[1], 'w').write(json.dumps([os.getcwd(), os.environ['BENCH_X']]))", str(seen)]
+    began = time.time()
+    wall = run_or_exit("bench_x", "ok", ok, timeout=60, env={"BENCH_X": "given"})
+    around = time.time() - began
+    assert capsys.readouterr().out == f"bench_x: ok: {' '.join(ok[1:])}\n"  # the command, said before it runs
+    assert json.loads(seen.read_text()) == [str(ROOT), "given"]  # it ran to its end, in the repo, with the env
+    assert 0.3 <= wall <= around  # seconds: the run's own wall time (it sleeps 0.3 s), within the call's
     with pytest.raises(SystemExit, match=r"bench_x: 'broken' failed \(3\):\nboom"):
         run_or_exit("bench_x", "broken", [sys.executable, "-c", "import sys; sys.stderr.write('boom'); sys.exit(3)"],
                     timeout=60)

@@ -22,7 +22,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from conf.schema import TrainConfig, compose
-from conftest import ROOT
+from helpers.paths import ROOT
 from trainer.errors import ConfigError
 from trainer.recipe import Datasets, Recipe, Split, top1_correct
 from trainer.runtime import Runtime

@@ -14,7 +14,8 @@ import textwrap
 import pytest
 import torch
 
-from conftest import cuda_count, launch
+from helpers.availability import cuda_count
+from helpers.launches import launch
 
 RECIPE = '''
 """A user's recipe with two model inputs: the sign of the sum of the values the mask keeps."""

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from conftest import launch
+from helpers.launches import launch
 
 OPTIONS = {"default": {}, "fused": {"fused": True}, "float_lr_foreach": {"foreach": True, "float_lr": True}}
 

@@ -28,7 +28,7 @@ def test_a_rank_stuck_holding_the_gil_after_sigterm_still_exits_and_says_where()
     import textwrap
     import time
 
-    from conftest import ROOT
+    from helpers.paths import ROOT
 
     script = textwrap.dedent("""
         import os, re, signal, sys, time

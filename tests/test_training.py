@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import launch
-from wandb_offline import find_runs, read_run
+from helpers.launches import launch
+from helpers.wandb_offline import find_runs, read_run
 
 # 4000 samples on 2 ranks at 64: 31 full steps and the tail, 32 samples (16 per rank), per epoch.
 # train.max_steps is above the 2 epochs' 64 steps: the epochs end the run.

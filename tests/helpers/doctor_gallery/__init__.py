@@ -48,7 +48,7 @@ class Case:
 
 
 def load(name: str, device: torch.device) -> Case:
-    return importlib.import_module(f"doctor_gallery.{name}").build(torch.device(device))
+    return importlib.import_module(f"{__name__}.{name}").build(torch.device(device))
 
 
 def marked(name: str) -> Dict[str, List[int]]:

@@ -1,6 +1,6 @@
 """A user's recipe whose loss reads a value on the host: scripts/doctor.py must name the line.
 
-    python scripts/doctor.py recipe._target_=doctor_gallery.broken_recipe.build recipe.name=broken
+    python scripts/doctor.py recipe._target_=helpers.doctor_gallery.broken_recipe.build recipe.name=broken
     (with tests/ on PYTHONPATH)
 """
 from __future__ import annotations

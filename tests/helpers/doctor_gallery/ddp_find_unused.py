@@ -6,7 +6,7 @@ import torch.nn as nn
 import torch
 import torch.nn.functional as F
 
-from doctor_gallery import Case, batches, sgd
+from . import Case, batches, sgd
 
 
 class TwoHeads(nn.Module):

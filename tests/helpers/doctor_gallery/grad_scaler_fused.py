@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from doctor_gallery import Case, batches, fp16_scaled_step, small_model
+from . import Case, batches, fp16_scaled_step, small_model
 
 
 def build(device):

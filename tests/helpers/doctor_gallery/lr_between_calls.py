@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from doctor_gallery import Case, batches, mse_step, small_model
+from . import Case, batches, mse_step, small_model
 
 
 def build(device):

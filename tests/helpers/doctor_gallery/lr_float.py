@@ -7,7 +7,7 @@ import graphing
 import torch
 import torch.nn.functional as F
 
-from doctor_gallery import Case, batches, small_model
+from . import Case, batches, small_model
 
 
 def build(device):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from doctor_gallery import Case, batches, small_model
+from . import Case, batches, small_model
 
 
 def build(device):

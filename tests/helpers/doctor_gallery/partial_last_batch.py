@@ -1,7 +1,7 @@
 """The last batch of each round is partial: two shapes, each captured as a graph of its own."""
 from __future__ import annotations
 
-from doctor_gallery import Case, batches, mse_step, sgd, small_model
+from . import Case, batches, mse_step, sgd, small_model
 
 
 def build(device):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 
-from doctor_gallery import Case, batches, sgd, small_model
+from . import Case, batches, sgd, small_model
 
 MAX_GRAPHS = 2
 

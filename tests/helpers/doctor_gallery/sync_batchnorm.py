@@ -10,7 +10,7 @@ import torch.nn as nn
 
 import torch
 
-from doctor_gallery import Case, batches, mse_step, sgd
+from . import Case, batches, mse_step, sgd
 
 
 def build(device):

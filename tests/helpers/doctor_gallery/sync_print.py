@@ -5,7 +5,7 @@ import io
 
 import torch.nn.functional as F
 
-from doctor_gallery import Case, batches, sgd, small_model
+from . import Case, batches, sgd, small_model
 
 LOG = io.StringIO()
 
