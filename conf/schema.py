@@ -44,6 +44,13 @@ class LoaderKind(Enum):
     host = "host"  # DataLoader workers, pinned memory, non_blocking copies
 
 
+class WorkerStart(Enum):  # how DataLoader workers start (trainer/data/workers.py)
+    forkserver = "forkserver"  # forked from a server of one thread that has torch imported (spawn where none)
+    spawn = "spawn"  # a fresh interpreter each: the dataset is pickled, torch imported per worker
+    fork = "fork"  # forked from the rank: for datasets that cannot be pickled; may deadlock on a lock that
+    # another of the rank's threads held at that instant
+
+
 class Precision(Enum):
     fp32 = "fp32"
     bf16 = "bf16"  # autocast to bfloat16 (weights, grads and optimizer state stay fp32)
@@ -110,6 +117,8 @@ class DataConfig:
     # the steps (trainer/seq_len.py); empty: the whole window always
     seq_len_buckets: List[int] = field(default_factory=list)
     num_workers: int = 0  # DataLoader worker processes (host loader; device loader: for reading the data once)
+    worker_start: WorkerStart = WorkerStart.forkserver
+    worker_timeout_s: float = 300.0  # a loader whose workers send no batch for this long stops the run, naming them
     # samples (language models: windows): synthetic data draws this many; real data, folders and files
     # give a seeded random subset; None: the recipe's synthetic size, all of real data
     train_size: Optional[int] = None

@@ -7,9 +7,9 @@
 without decoding is checked once, at build time, with one message naming the path: the
 layout, empty class folders, test classes unknown to train/, too many classes, and every
 used image's size (PNG: its IHDR chunk; JPEG: its SOF segment). Images are decoded when
-read, in the DataLoader workers (torchvision.io, no PIL), to uint8 ``[C, H, W]``: gray
-images in a color recipe become three equal channels, and color images in a gray recipe
-are converted to gray. Augmentation is not done here: it stays in the recipe's device-side
+read, in the DataLoader workers (Pillow: torchvision 0.29 deprecated its own decoders), to
+uint8 ``[C, H, W]``: gray images in a color recipe become three equal channels, and color
+images in a gray recipe are converted to gray (Pillow's ITU-R 601-2 luma). Augmentation is not done here: it stays in the recipe's device-side
 preprocess, inside the step. ``scripts/export_images.py`` writes such a folder.
 """
 from __future__ import annotations
@@ -51,10 +51,8 @@ class ImageFolderDataset(torch.utils.data.Dataset):
         return os.path.join(self.root, self.files[i].decode())
 
     def __getitem__(self, i: int) -> Tuple[torch.Tensor, int]:
-        from torchvision.io import ImageReadMode, decode_image, read_file  # imported by folder_datasets already
-
         path = self.path(i)
-        x = decode_image(read_file(path), mode=ImageReadMode.GRAY if self.shape[0] == 1 else ImageReadMode.RGB)
+        x = decode(path, gray=self.shape[0] == 1)
         if tuple(x.shape) != self.shape:  # headers were checked at build time: a file replaced since then
             raise ConfigError(f"{path} decodes to {_describe(x.shape)} but the recipe needs {_describe(self.shape)} "
                               f"images: {EXPORT_HINT}")
@@ -63,6 +61,15 @@ class ImageFolderDataset(torch.utils.data.Dataset):
     def to_split(self, workers: Optional[int] = None) -> Split:
         """Every image decoded, in parallel worker processes: x uint8 [N, C, H, W], y int64 [N]."""
         return read_every_item(self, default_workers() if workers is None else workers)
+
+
+def decode(path: str, *, gray: bool) -> torch.Tensor:
+    """The image at ``path`` as uint8 ``[1, H, W]`` (``gray``) or ``[3, H, W]``, whatever its own mode."""
+    from PIL import Image
+
+    with Image.open(path) as image:
+        pixels = np.array(image.convert("L" if gray else "RGB"))  # a copy torch may own
+    return torch.from_numpy(pixels).unsqueeze(0) if gray else torch.from_numpy(pixels).permute(2, 0, 1).contiguous()
 
 
 def default_workers() -> int:
@@ -76,8 +83,6 @@ def folder_datasets(root: str, *, recipe: str, shape: Tuple[int, int, int], num_
                     data_key: str = "recipe.data") -> Datasets:
     """The train and test splits under ``root``, checked; ``train_size``/``test_size`` pick a
     seeded random subset (a prefix of the sorted files would hold only the first classes)."""
-    import torchvision.io  # noqa: F401  here, once: DataLoader workers forked from this process then have it
-
     base = Path(root)
     if not base.is_dir():
         raise ConfigError(f"{data_key}.source=folder but {data_key}.root={root} is not a folder: set "

@@ -89,6 +89,8 @@ CASES = [
                  id="max-graphs-zero"),
     pytest.param(["train.ddp.bucket_cap_mb=0"], ["train.ddp.bucket_cap_mb=0.0 must be a positive number of MiB",
                                                  "or null for torch's default"], id="ddp-bucket-zero"),
+    pytest.param(["recipe.data.worker_timeout_s=0"], ["recipe.data.worker_timeout_s=0.0 must be a positive number of "
+                                                      "seconds"], id="worker-timeout-zero"),
 ]
 
 
@@ -111,6 +113,7 @@ def test_bad_input_is_named_with_exit_code_2(train_here, args, needles):
     (["train.epochz=3"], "Key 'epochz' not in 'TrainLoopConfig'"),
     (["train.epochs=many"], "could not be converted to Integer"),
     (["graph.capture_error_mode=sometimes"], "expected one of [global, thread_local, relaxed]"),
+    (["recipe.data.worker_start=thread"], "expected one of [forkserver, spawn, fork]"),
 ])
 def test_compose_time_errors_name_the_key(args, needle):
     with pytest.raises(ConfigCompositionException) as err:

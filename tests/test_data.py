@@ -10,12 +10,15 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import List
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import ROOT, is_live, launch_together
+from helpers.launches import launch_together
+from helpers.paths import ROOT
+from helpers.processes import MARK, SESSION, cmdline, is_live, marked_pids, stacks
 from trainer.data import DeviceLoader, HostLoader, choose_loader, make_loader
 from trainer.errors import ConfigError
 from trainer.recipe import Split
@@ -324,39 +327,82 @@ import os, sys, time
 import torch
 sys.path.insert(0, os.getcwd())
 from trainer.data import HostLoader
+from trainer.data.workers import WorkerSettings, use_worker_settings
 from trainer.recipe import Split
 from trainer.runtime import Runtime
 
+
+class StuckAfter(torch.utils.data.Dataset):
+    """Items 0..63; a worker that has read ``items`` of them never ends reading the next (stuck on a lock, say)."""
+
+    def __init__(self, items):
+        self.items, self.read = items, 0
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        if torch.utils.data.get_worker_info() is not None:  # a worker (the rank reads item 0 for its shape)
+            self.read += 1  # in this worker's own copy
+        while self.read > self.items:
+            time.sleep(1)
+        return torch.tensor([float(i)]), 0
+
+
 if __name__ == "__main__":
-    if len(sys.argv) > 1:
-        torch.multiprocessing.set_start_method(sys.argv[1])
+    start, then = sys.argv[1], sys.argv[2]  # then: wait (to be killed) or exit (its loader still referenced)
+    use_worker_settings(WorkerSettings(start))
     rt = Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), distributed=False, run_dir=None)
-    x = torch.arange(64.0).unsqueeze(1)
-    loader = HostLoader(Split(x, torch.zeros(64).long()), 8, rt, train=True, seed=0, num_workers=2)
+    loader = HostLoader(StuckAfter(64 if then == "wait" else 16), 8, rt, train=True, seed=0, num_workers=2)
     seen = []
-    for _ in range(3):  # the workers run, then wait for more work, their parent's watchdog 5 s away
+    for _ in range(3):
         loader.stage()
         seen += loader.next_batch()["x"].view(-1).tolist()
-    assert len(set(seen)) == 24 and set(seen) <= set(x.view(-1).tolist()), seen
+    assert len(set(seen)) == 24 and set(seen) <= set(range(64)), seen
     print(" ".join(str(w.pid) for w in loader.loader._iterator._workers), flush=True)
-    time.sleep(60)
+    if then == "wait":
+        time.sleep(60)
+    sys.exit(0)  # each worker has read its 16 items and is stuck on the next; the loader is never closed
 '''
 
 
-def start_a_rank_with_workers(tmp_path, *start_method):
-    """A process that reads 3 batches through a HostLoader with 2 workers, prints their pids and waits."""
+def start_method(name: str):
+    return pytest.param(name, marks=pytest.mark.skipif(
+        name not in __import__("multiprocessing").get_all_start_methods(), reason=f"no {name} here"))
+
+
+def start_a_rank_with_workers(tmp_path, start: str, then: str):
+    """A process marked for the test (``marked_pids`` finds it and whatever it starts: workers, a forkserver,
+    a resource tracker) that reads 3 batches through a HostLoader with 2 workers started by ``start``, prints
+    their pids, then waits or exits."""
     script = tmp_path / "rank.py"
     script.write_text(A_RANK_WITH_WORKERS)
-    return subprocess.Popen([sys.executable, str(script), *start_method], cwd=ROOT, stdout=subprocess.PIPE,
-                            text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    mark = f"{SESSION}-workers-{tmp_path.name}"
+    rank = subprocess.Popen([sys.executable, str(script), start, then], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", MARK: mark})
+    return rank, mark
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
-def test_host_loader_workers_die_with_their_rank(tmp_path):
-    """A worker holds copies of its rank's sockets (gloo's, inherited by fork): alive after its rank is killed,
-    it keeps the other ranks' connections to the dead one open, and they learn of the death only when it goes.
-    DataLoader's own watchdog ends it up to 5 s later; it must go with its rank instead."""
-    rank = start_a_rank_with_workers(tmp_path)
+def left_alive(mark: str, seconds: float) -> List[str]:
+    """The processes carrying ``mark`` still alive ``seconds`` from now (sooner when none is), killed then."""
+    deadline = time.monotonic() + seconds
+    while marked_pids(mark) and time.monotonic() < deadline:  # a zombie counts as gone
+        time.sleep(0.05)
+    left = marked_pids(mark)
+    named = [cmdline(pid) for pid in left]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    return named
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("start", [start_method(m) for m in ("fork", "spawn", "forkserver")])
+def test_host_loader_workers_die_with_their_rank_however_they_were_started(tmp_path, start):
+    """A worker forked from its rank holds copies of its sockets (gloo's): alive after its rank is killed, it keeps
+    the other ranks' connections to the dead one open. A forkserver's or spawn's worker is not the rank's child:
+    neither the parent-death signal nor DataLoader's watchdog (which watches the worker's parent) sees the rank
+    die, and workers block SIGTERM. Each must go with its rank, and the forkserver too."""
+    rank, mark = start_a_rank_with_workers(tmp_path, start, "wait")
     try:
         workers = [int(pid) for pid in rank.stdout.readline().split()]
         assert len(workers) == 2, workers
@@ -364,22 +410,69 @@ def test_host_loader_workers_die_with_their_rank(tmp_path):
         rank.kill()
         rank.wait()
     deadline = time.monotonic() + 2.0
-    while any(is_live(pid) for pid in workers) and time.monotonic() < deadline:  # a zombie counts as gone
+    while any(is_live(pid) for pid in workers) and time.monotonic() < deadline:
         time.sleep(0.02)
     left = [pid for pid in workers if is_live(pid)]
     for pid in left:
         os.kill(pid, signal.SIGKILL)
-    assert not left, f"workers {left} outlived their rank by 2 s"
+    assert not left, f"{start} workers {left} outlived their rank by 2 s"
+    assert not (left := left_alive(mark, 5.0)), f"processes the rank started outlived it by 5 s: {left}"
 
 
-@pytest.mark.skipif("forkserver" not in __import__("multiprocessing").get_all_start_methods(), reason="no forkserver")
-def test_host_loader_workers_started_by_a_forkserver_serve_batches(tmp_path):
-    """Python 3.14 starts workers by forkserver on Linux: they are not the rank's children and inherit none of
-    its sockets, so the tie to the rank is not made (it would end them at once)."""
-    rank = start_a_rank_with_workers(tmp_path, "forkserver")
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("start", [start_method(m) for m in ("fork", "forkserver")])
+def test_a_rank_that_exits_with_stuck_workers_and_its_loader_referenced_still_ends(tmp_path, start):
+    """multiprocessing's exit handler terminates the workers still alive and joins them: with SIGTERM blocked in
+    workers it once waited forever. A SIGTERM from the rank itself ends a worker, so the process ends."""
+    rank, mark = start_a_rank_with_workers(tmp_path, start, "exit")
     try:
-        line = rank.stdout.readline()
+        assert len(rank.stdout.readline().split()) == 2
+        rank.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the rank did not end within 10 s of its exit:\n{stacks([rank.pid])}")
     finally:
         rank.kill()
         rank.wait()
-    assert len(line.split()) == 2, f"no batches read: {line!r}"
+    assert not (left := left_alive(mark, 5.0)), f"processes the rank started outlived it by 5 s: {left}"
+
+
+class StuckAt(torch.utils.data.Dataset):
+    """Items (x, 0); reading item ``stuck`` takes ``seconds``."""
+
+    def __init__(self, n: int, stuck: int, seconds: float):
+        self.n, self.stuck, self.seconds = n, stuck, seconds
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if i == self.stuck:
+            time.sleep(self.seconds)
+        return torch.tensor([float(i)]), 0
+
+
+@pytest.fixture
+def worker_timeout_of_2_s():
+    from trainer.data.workers import WorkerSettings, use_worker_settings
+
+    use_worker_settings(WorkerSettings(timeout_s=2.0))
+    yield
+    use_worker_settings(WorkerSettings())
+
+
+def test_a_stuck_reading_worker_ends_the_wait_with_a_message_naming_it(worker_timeout_of_2_s):
+    from trainer.data import read_every_item
+    from trainer.data.workers import LoaderStuck
+
+    with pytest.raises(LoaderStuck) as stuck:
+        read_every_item(StuckAt(64, stuck=40, seconds=600), num_workers=2, batch=8)
+    message = str(stuck.value)
+    assert "reading StuckAt (64 items, read once)" in message and "sent no batch for 2 s" in message, message
+    assert "recipe.data.worker_timeout_s" in message and "recipe.data.num_workers=0" in message, message
+    pids = [int(p) for p in message.split("(pids ")[1].split(")")[0].split(", ")]
+    assert len(pids) == 2, message
+    del stuck  # the loader's iterator goes with the traceback: it shuts its workers down, the stuck one included
+    deadline = time.monotonic() + 10
+    while any(is_live(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [pid for pid in pids if is_live(pid)], "a worker outlived the error by 10 s"

@@ -6,9 +6,15 @@ clear message for each way a folder can be wrong.
 """
 from __future__ import annotations
 
+import io
+import os
 import pickle
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -17,6 +23,9 @@ from conf.schema import compose
 from recipes.mnist import synthetic_mnist
 from trainer.errors import ConfigError
 from trainer.runtime import Runtime
+
+from helpers.paths import ROOT
+from helpers.processes import MARK, SESSION, marked_pids, stacks
 
 # The exported folder: the first 128 of 300 synthetic training images and all 100 test images.
 SOURCE = ["recipe=mnist", "recipe.data.source=synthetic", "recipe.data.train_size=300", "recipe.data.test_size=100"]
@@ -41,22 +50,31 @@ def build_mnist(*overrides: str):
     return build(compose(["recipe=mnist", *overrides]), Runtime(0, 0, 1, torch.device("cpu"), False, Path(".")))
 
 
-def png(image: torch.Tensor) -> bytes:
-    from torchvision.io import encode_png
+def encoded(image: torch.Tensor, **options) -> bytes:
+    """``image`` (uint8 [C, H, W]) encoded by Pillow (torchvision's own encoders are deprecated)."""
+    from PIL import Image
 
-    return encode_png(image).numpy().tobytes()
+    out = io.BytesIO()
+    array = image.numpy()
+    Image.fromarray(array[0] if array.shape[0] == 1 else array.transpose(1, 2, 0)).save(out, **options)
+    return out.getvalue()
+
+
+def png(image: torch.Tensor) -> bytes:
+    return encoded(image, format="PNG")
 
 
 def jpeg(image: torch.Tensor) -> bytes:
-    from torchvision.io import encode_jpeg
-
-    return encode_jpeg(image, quality=95).numpy().tobytes()
+    return encoded(image, format="JPEG", quality=95)
 
 
 def decode(path: Path) -> torch.Tensor:
-    from torchvision.io import decode_image, read_file
+    """The file's pixels as they are stored: [1, H, W] for a gray image, [3, H, W] for a color one."""
+    from PIL import Image
 
-    return decode_image(read_file(str(path)))
+    with Image.open(path) as image:
+        pixels = torch.from_numpy(np.array(image))
+    return pixels.unsqueeze(0) if pixels.dim() == 2 else pixels.permute(2, 0, 1)
 
 
 def write_folder(root: Path, layout: dict) -> Path:
@@ -280,3 +298,66 @@ def test_to_split_decodes_a_larger_folder_in_worker_processes(tmp_path):
     assert split.x.shape == (700, 1, 28, 28) and torch.bincount(split.y).tolist() == [70] * 10
     for i in (0, 511, 512, 699):
         assert torch.equal(split.x[i], data.train[i][0]) and split.y[i] == data.train[i][1]
+
+
+A_RANK_WITH_BUSY_THREADS = '''
+import os, sys, threading, time, warnings
+from concurrent.futures import ThreadPoolExecutor
+import torch
+sys.path.insert(0, os.getcwd())
+from recipes.image_folder import folder_datasets
+from trainer.data import HostLoader
+from trainer.runtime import Runtime
+
+
+def write_and_warn():  # what tqdm's monitor and a logging thread do: take stderr's and the warnings' locks
+    while True:
+        sys.stderr.write("")
+        sys.stderr.flush()
+        warnings.warn("a thread warns", UserWarning)
+
+
+if __name__ == "__main__":
+    warnings.simplefilter("always")
+    sys.stderr = open(os.devnull, "w")
+    for _ in range(2):
+        threading.Thread(target=write_and_warn, daemon=True).start()
+    pool = ThreadPoolExecutor(2)
+    pool.map(lambda _: time.sleep(0.001), range(10**6))  # a pool's threads and its queue, busy all along
+    data = folder_datasets(sys.argv[1], recipe="mnist", shape=(1, 28, 28), num_classes=10, seed=0)
+    for _ in range(20):
+        assert len(data.train.to_split(workers=2).y) == 600
+    rt = Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), distributed=False, run_dir=None)
+    loader = HostLoader(data.train, 100, rt, train=True, seed=0, num_workers=2)
+    for epoch in range(20):
+        loader.start_epoch(epoch)
+        for _ in range(loader.steps):
+            loader.stage()
+    loader.close()
+    print("read", flush=True)
+    os._exit(0)  # the busy threads never end
+'''
+
+
+def test_workers_never_inherit_a_lock_that_a_thread_of_their_rank_held(tmp_path):
+    """A worker forked while another thread of its rank held a lock (stderr's, the warnings module's, a queue's)
+    waits on it forever, and the rank on the worker: the suite once hung so in this folder's reader. Workers start
+    from a forkserver of one thread instead; 20 whole reads and 20 host-loader epochs, threads busy throughout."""
+    images = [png(gray(i)) for i in range(30)]
+    folder = write_folder(tmp_path / "folder", {split: {str(c): [images[(c * 7 + i) % 30] for i in range(60)]
+                                                        for c in range(10)} for split in ("train", "test")})
+    script = tmp_path / "rank.py"
+    script.write_text(A_RANK_WITH_BUSY_THREADS)
+    mark = f"{SESSION}-busy-threads"
+    rank = subprocess.Popen([sys.executable, str(script), str(folder)], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, MARK: mark})
+    try:
+        out, _ = rank.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"reading hung with busy threads in the rank:\n{stacks(marked_pids(mark))}")
+    finally:
+        rank.kill()
+        rank.wait()
+        for pid in marked_pids(mark):
+            os.kill(pid, signal.SIGKILL)
+    assert rank.returncode == 0 and out.strip() == "read", out

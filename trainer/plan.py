@@ -111,6 +111,9 @@ def _check_values(cfg) -> None:
                        ("recipe.data.num_workers", d.num_workers)):
         if value < 0:
             raise ConfigError(f"{key}={value} must be >= 0 (0 turns it off)")
+    if not 0 < d.worker_timeout_s < math.inf:
+        raise ConfigError(f"recipe.data.worker_timeout_s={d.worker_timeout_s} must be a positive number of seconds: "
+                          "set recipe.data.worker_timeout_s=300, say")
     smoothing = cfg.recipe.label_smoothing
     if not 0 <= smoothing < 1:  # at 1 the target is uniform: the labels would be ignored
         raise ConfigError(f"recipe.label_smoothing={smoothing} must be at least 0 and below 1 (0 turns it off): "

@@ -6,7 +6,8 @@
     trainer.close()                                  # graphs and loaders, before the process group goes
 
 train.py's run (trainer/training.py) and every script build it the same way, through the
-session (trainer/session.py ``Session.build``); scripts time ``run_step``, the step ``fit`` takes.
+session (trainer/session.py ``Session.build``). Scripts time ``run_step``, fit's step at the full batch
+shape; fit's own steps (``_run_step``) also take the epoch's tail and recipe.data.seq_len_buckets' lengths.
 
 Per step the host only stages inputs, runs the step (eagerly or by graph replay, as the executor
 decides: trainer/step.py ``TrainStep`` is what runs) and records a timing event. It reads device
@@ -32,6 +33,7 @@ from trainer import hooks
 from trainer.assembly import build_recipe, config_used, positional_model_inputs
 from trainer.checkpoint import TrainingState
 from trainer.data import make_loader
+from trainer.data.workers import WorkerSettings, use_worker_settings
 from trainer.errors import NonFiniteLossError, Preempted
 from trainer.metrics_logger import MetricsLogger
 from trainer.optim import build_optimizer, build_schedule
@@ -59,6 +61,8 @@ class Trainer:
     def __init__(self, plan: RunPlan, rt: Runtime):
         cfg = plan.cfg
         train_cfg, data_cfg = cfg.train, cfg.recipe.data
+        use_worker_settings(WorkerSettings(data_cfg.worker_start.value, data_cfg.worker_timeout_s),
+                            start_now_for=cfg.recipe._target_.rpartition(".")[0] if data_cfg.num_workers else None)
         recipe = build_recipe(plan, rt)
         plan = plan.for_recipe(recipe)
         device = plan.device
@@ -144,8 +148,8 @@ class Trainer:
 
     # ---- one step, as scripts take it -----------------------------------------------
     def run_step(self) -> None:
-        """Stages and runs one full training step (warm-up, capture or replay, as the executor decides):
-        the step ``fit`` takes, for scripts that time it."""
+        """Stages and runs one training step at the full batch shape (warm-up, capture or replay, as the
+        executor decides), for scripts that time it; fit's steps also take the tail and bucket shapes."""
         shape = self.train_loader.shapes.full
         self.executor.run(StepRole.train, self.train_loader.stage, partial(self.train_step, shape), shape)
 

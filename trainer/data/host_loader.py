@@ -18,7 +18,7 @@ from trainer.data.epochs import (
     StepShape, epoch_index, micro_slice, eval_epoch_size, train_epoch_shapes, train_epoch_index,
 )
 from trainer.data.items import BatchReader, keep_batch, sample_item
-from trainer.data.workers import worker_init_fn
+from trainer.data.workers import batches, worker_options
 from trainer.recipe import PADDING_MASK, Batch, SplitLike
 from trainer.runtime import Runtime
 
@@ -65,9 +65,8 @@ class HostLoader:
         self.sampler = _EpochBatches()
         self.masks: List[torch.Tensor] = []  # per row of the sampler: its real samples
         self.loader = torch.utils.data.DataLoader(
-            BatchReader(dataset), batch_sampler=self.sampler, collate_fn=keep_batch, num_workers=num_workers,
+            BatchReader(dataset), batch_sampler=self.sampler, collate_fn=keep_batch, **worker_options(num_workers, dataset),
             persistent_workers=num_workers > 0, prefetch_factor=prefetch_factor if num_workers > 0 else None,
-            worker_init_fn=worker_init_fn() if num_workers > 0 else None,
             pin_memory=False,  # pinned here, in the loop's thread (see the module docstring)
             generator=torch.Generator().manual_seed(seed))  # its worker seeds must not draw from the global RNG
         self._micro = 0
@@ -103,7 +102,8 @@ class HostLoader:
 
     def stage(self) -> None:
         if self._it is None:
-            self._it = iter(self.loader)
+            self._it = batches(self.loader, iter(self.loader), what=f"{type(self.dataset).__name__} "
+                               f"({'training' if self.train else 'evaluation'})")
         began = time.perf_counter()
         batch = dict(next(self._it))
         self.waited_s += time.perf_counter() - began  # the loop waiting for its workers

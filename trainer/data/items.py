@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import torch
 
-from trainer.data.workers import worker_init_fn
+from trainer.data.workers import batches, worker_options
 from trainer.errors import ConfigError
 from trainer.recipe import PADDING_MASK, Batch, Split, SplitLike
 
@@ -137,11 +137,11 @@ def read_every_item(dataset: SplitLike, num_workers: int, batch: int = 512) -> S
     """Every item of ``dataset`` read once, ``batch`` at a time by ``num_workers`` processes
     (none for a dataset of one batch), stacked into one ``Split`` in item order."""
     loader = torch.utils.data.DataLoader(
-        BatchReader(dataset), collate_fn=keep_batch, num_workers=num_workers if len(dataset) > batch else 0,
-        worker_init_fn=worker_init_fn(), generator=torch.Generator(),  # leaves the global RNG (dropout) alone
+        BatchReader(dataset), collate_fn=keep_batch, **worker_options(num_workers if len(dataset) > batch else 0, dataset),
+        generator=torch.Generator(),  # leaves the global RNG (dropout) alone
         batch_sampler=[list(range(i, min(i + batch, len(dataset)))) for i in range(0, len(dataset), batch)])
-    batches = list(loader)
-    fields = {name: torch.cat([b[name] for b in batches]) for name in batches[0]}
+    read = list(batches(loader, what=f"{type(dataset).__name__} ({len(dataset)} items, read once)"))
+    fields = {name: torch.cat([b[name] for b in read]) for name in read[0]}
     return Split(fields.pop("x"), fields.pop("y"), fields)
 
 

@@ -1,53 +1,173 @@
-"""How a rank's DataLoader workers behave: the host loader's, and those that read a dataset whole
-for the device loader (trainer/data/items.py).
+"""How a rank's DataLoader workers start, wait and end: the host loader's, and those that read a
+dataset whole for the device loader (trainer/data/items.py). Every loader here takes its worker
+arguments from ``worker_options``.
 
-A worker ends when its rank says so, or when its rank is gone; never on a signal of its own.
+Start (``recipe.data.worker_start``): by a forkserver by default (spawn where there is none). A
+worker forked from the rank itself inherits every lock the rank's other threads held at that
+instant (tqdm's monitor writing to stderr, a thread pool, a queue feeder, the warnings module):
+one it needs later never opens, and the rank waits on it forever. The forkserver is a process of
+one thread that imports torch once and forks every worker from that clean state: its import
+costs the rank's first loader about 2.3 s on a 2-core machine (spawn costs that for every
+loader), each later loader about 0.1 s. It is started as soon as a loader is made, so the import
+overlaps the rest of the build. ``fork`` stays available for datasets that cannot be pickled.
+
+Wait (``recipe.data.worker_timeout_s``): a loader whose workers send nothing for that long ends
+the rank's wait with ``LoaderStuck``, naming the workers, instead of waiting forever.
+
+End: a worker ends when its rank says so (DataLoader's shutdown; multiprocessing's exit handler,
+which terminates the workers still alive when the rank exits), or when its rank is gone, however
+it was started; never on a signal of its own. SIGINT and SIGTERM reach a whole process group
+(Ctrl-C, torchrun stopping its ranks, SLURM preemption), and a worker ended by one makes DataLoader
+raise in its rank ("worker killed by signal") wherever the rank is, in the middle of an orderly
+SIGTERM stop too: so the worker blocks both, and a thread of its own takes each SIGTERM, ending the
+worker only when the rank sent it. A worker forked from the rank also holds copies of the rank's
+sockets (gloo's connections to the other ranks); it gets the parent-death signal, so that the other
+ranks learn at once that a killed rank is gone. Any other worker (a forkserver's or spawn's child,
+whose parent is not the rank) watches the rank's pid itself.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
 import os
+import select
 import signal
 import sys
-from typing import Callable, Optional
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, Optional
 
 import torch
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
-def _worker_init(forked_from: Optional[int], _worker_id: int) -> None:
-    """SIGINT and SIGTERM stay blocked here, as in the rank's threads (trainer/stop.py): they reach a
-    whole process group (Ctrl-C, torchrun stopping its ranks, SLURM preemption), and a worker ended
-    by one makes DataLoader raise in its rank ("worker killed by signal") wherever the rank is, in the
-    middle of an orderly SIGTERM stop too. The rank stops in its own time and then shuts its workers down.
+@dataclass(frozen=True)
+class WorkerSettings:
+    start: str = "forkserver"  # forkserver | spawn | fork (recipe.data.worker_start)
+    timeout_s: float = 300.0  # recipe.data.worker_timeout_s
 
-    A worker forked from its rank (``forked_from``: the rank's pid) also holds copies of the rank's
-    sockets (gloo's connections to the other ranks among them). Left running after its rank dies, it
-    would keep those connections open until DataLoader's watchdog noticed the parent was gone (every
-    5 s), and the other ranks would wait that long to learn that this one is gone. On Linux it is
-    killed with its rank instead: strictly, when the thread that started it ends, so the loaders are
-    iterated from one long-lived thread (the training loop's). (A worker started by spawn or
-    forkserver inherits no sockets.)
-    """
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-    if forked_from is not None and sys.platform.startswith("linux"):
+
+_settings = WorkerSettings()
+
+
+def use_worker_settings(settings: WorkerSettings, *, start_now_for: Optional[str] = None) -> None:
+    """The run's worker settings, set once at build, before any loader is made. ``start_now_for``: the module
+    of the datasets that workers will read; the forkserver then starts now, importing while the rank builds."""
+    global _settings
+    _settings = settings
+    if start_now_for is not None:
+        _context(start_now_for)
+
+
+class LoaderStuck(RuntimeError):
+    """A loader's workers sent no batch for ``recipe.data.worker_timeout_s``."""
+
+
+def worker_options(num_workers: int, dataset: object) -> Dict[str, Any]:
+    """DataLoader's worker arguments for workers started from this process (the rank) to read ``dataset``."""
+    if num_workers == 0:
+        return {"num_workers": 0}
+    return {"num_workers": num_workers, "multiprocessing_context": _context(type(dataset).__module__),
+            "worker_init_fn": functools.partial(_worker_init, os.getpid()), "timeout": _settings.timeout_s}
+
+
+def _context(dataset_module: str):
+    start = _settings.start
+    if start not in torch.multiprocessing.get_all_start_methods():  # no forkserver (Windows): spawn it is
+        start = "spawn"
+    context = torch.multiprocessing.get_context(start)
+    if start != "fork":
+        # __main__ carries sys.path to the server; the rest is what every worker imports to unpickle what it reads.
+        context.set_forkserver_preload(["__main__", "torch", __name__, "trainer.data.items", dataset_module])
+        _start_helpers(start)
+    return context
+
+
+def _start_helpers(start: str) -> None:
+    """Starts multiprocessing's resource tracker (which a forkserver's or spawn's queues register with) and the
+    forkserver now, from here. The tracker's start unblocks SIGINT and SIGTERM in the thread that starts it, where
+    the rank keeps them blocked for its stop thread (trainer/stop.py): a SIGTERM would then kill the rank outright,
+    without its checkpoint; the mask is put back. It would also warn of "leaked semaphore objects" after every rank
+    that ends by ``os._exit`` (they are freed all the same): that warning is left out of its options."""
+    import signal as signals
+    from multiprocessing import forkserver, resource_tracker
+
+    mask = signals.pthread_sigmask(signals.SIG_BLOCK, []) if hasattr(signals, "pthread_sigmask") else None
+    options = list(sys.warnoptions)
+    sys.warnoptions.append("ignore:resource_tracker:UserWarning")
+    try:
+        resource_tracker.ensure_running()
+        if start == "forkserver":
+            forkserver.ensure_running()  # returns at once; the server imports while the rank goes on
+    finally:
+        sys.warnoptions[:] = options
+        if mask is not None:
+            signals.pthread_sigmask(signals.SIG_SETMASK, mask)
+
+
+def batches(loader: torch.utils.data.DataLoader, iterator: Optional[Iterator] = None, *, what: str) -> Iterator:
+    """The batches of ``loader`` (or of its ``iterator``), a timed-out wait raised as ``LoaderStuck``
+    naming ``what`` the workers read and their pids."""
+    iterator = iter(loader) if iterator is None else iterator
+    while True:
+        try:
+            yield next(iterator)
+        except StopIteration:
+            return
+        except RuntimeError as e:
+            if "timed out" not in str(e):
+                raise
+            pids = ", ".join(str(w.pid) for w in getattr(iterator, "_workers", []))
+            raise LoaderStuck(
+                f"the DataLoader workers reading {what} (pids {pids}) sent no batch for {loader.timeout:g} s: one is "
+                "stuck or far too slow. Set recipe.data.num_workers=0 to read in the rank itself and see where it "
+                "stops, or raise recipe.data.worker_timeout_s for items that take that long") from e
+
+
+def _worker_init(rank_pid: int, _worker_id: int) -> None:
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})  # before any thread: they inherit it
+    if os.getppid() == rank_pid and sys.platform.startswith("linux"):  # forked from the rank: die with it
         try:
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        except (OSError, AttributeError):  # no prctl here: the watchdog's 5 s it is
-            return
-        if os.getppid() != forked_from:  # the rank died before the line above
+        except (OSError, AttributeError):  # no prctl here: the watcher below it is
+            pass
+        if os.getppid() != rank_pid:  # the rank died before the line above
             os._exit(1)
+    threading.Thread(target=_end_with_rank, args=(rank_pid,), name="end-with-rank", daemon=True).start()
+    if hasattr(signal, "sigwaitinfo"):
+        threading.Thread(target=_end_when_rank_terminates, args=(rank_pid,), name="rank-sigterm", daemon=True).start()
 
 
-def _forking_pid() -> Optional[int]:
-    """This process's pid where DataLoader workers fork from it (torch's default start method is fork
-    on Linux up to Python 3.13), else None."""
-    mp = torch.multiprocessing  # the start method as set, else the default (listed first), without fixing it
-    return os.getpid() if (mp.get_start_method(allow_none=True) or mp.get_all_start_methods()[0]) == "fork" else None
+def _end_with_rank(rank_pid: int) -> None:
+    """Ends this worker as soon as the rank's process is gone (a pidfd becomes readable when it exits)."""
+    try:
+        pidfd = os.pidfd_open(rank_pid)
+    except ProcessLookupError:
+        os._exit(1)
+    except (AttributeError, OSError):  # no pidfd (not Linux 5.3+): ask once a second
+        while _alive(rank_pid):
+            time.sleep(1.0)
+        os._exit(1)
+    select.select([pidfd], [], [])
+    os._exit(1)
 
 
-def worker_init_fn() -> Callable[[int], None]:
-    """DataLoader's ``worker_init_fn`` for workers started from this process (the rank)."""
-    return functools.partial(_worker_init, _forking_pid())
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _end_when_rank_terminates(rank_pid: int) -> None:
+    """Takes every SIGTERM sent to this worker (blocked in all its threads): the rank's own (its DataLoader
+    shutting workers down, multiprocessing's exit handler) ends it; any other is the process group's, ignored."""
+    while True:
+        info = signal.sigwaitinfo({signal.SIGTERM})
+        if info.si_pid == rank_pid:
+            os._exit(0)
