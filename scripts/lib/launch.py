@@ -5,23 +5,28 @@ any command line so that every script launches runs the same way.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
+from scripts.lib import process_tree
 from scripts.lib.comparison import comparison_rows
 from scripts.lib.refuse import refuse
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: train.py, conf/
 CPU_MODES = ("eager", "auto")  # every other mode needs a CUDA GPU
 NOT_AVAILABLE = "not available (no CUDA)"
+STOP_GRACE_S = 10.0  # a stopped run's processes have this long after a SIGTERM, then are killed
 # Overrides run_modes sets for each run (``command``); a user value would silently break the comparison.
 RESERVED = ("graph", "graph.mode", "graph.compile_model", "output_root", "run_dir",
             "logger.wandb.group", "logger.wandb.job_type", "logger.wandb.name")
@@ -58,16 +63,65 @@ def train_launcher(nproc: int, torchrun: bool = False) -> List[str]:
     return [sys.executable, "train.py"]
 
 
-def run_captured(command: Sequence[str], timeout: float, env: Optional[Dict[str, str]] = None
-                 ) -> Tuple[str, str, Optional[int]]:
+def run_captured(command: Sequence[str], timeout: float, env: Optional[Dict[str, str]] = None, *,
+                 name: Optional[str] = None) -> Tuple[str, str, Optional[int]]:
     """Runs ``command`` in the repo: (stdout, stderr, exit code), the code None when it ran past ``timeout``
-    s (what it printed until then is kept: a report may be out before a teardown that hung)."""
+    s (what it printed until it was stopped is kept: a report may be out before a teardown that hung).
+    ``name``: what the line that says it was stopped calls it (default: its command)."""
+    stdout, stderr, code = _run(command, timeout, env, name, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    return _text(stdout), _text(stderr), code
+
+
+def _run(command: Sequence[str], timeout: float, env: Optional[Dict[str, str]], name: Optional[str],
+         **streams) -> Tuple[Any, Any, Optional[int]]:
+    """Every launcher's one way to run a command in the repo: ``Popen.communicate``'s (stdout, stderr) (None
+    for a stream not piped) and the exit code, None past ``timeout`` s. The command runs in a session of its
+    own, its processes marked (scripts/lib/process_tree.py); whatever ends the wait early (the timeout,
+    Ctrl-C, a SIGTERM of this script: ``_sigterm_raises``) first ends every one of them, ranks included, and
+    says so on stderr. ``streams``: Popen's stdout, stderr, text."""
+    full_env, mark = process_tree.marked({**os.environ, **(env or {})})
+    with _sigterm_raises():
+        proc = subprocess.Popen(list(command), cwd=ROOT, env=full_env, start_new_session=True, **streams)
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+            return stdout, stderr, proc.returncode
+        except subprocess.TimeoutExpired as e:
+            _stop(proc, mark, command, name, f"timeout after {timeout:g} s")
+            try:
+                stdout, stderr = proc.communicate(timeout=5)  # all it printed, to its end
+            except subprocess.TimeoutExpired:  # a pipe held open by a process that is not the run's
+                stdout, stderr = e.output, e.stderr
+            return stdout, stderr, None
+        except BaseException as e:
+            terminated = isinstance(e, SystemExit) and e.code == 128 + signal.SIGTERM
+            _stop(proc, mark, command, name, "interrupted" if isinstance(e, KeyboardInterrupt)
+                 else "terminated" if terminated else f"stopped by {type(e).__name__}")
+            raise
+
+
+def _stop(proc: subprocess.Popen, mark: str, command: Sequence[str], name: Optional[str], why: str) -> None:
+    """Ends the run's processes (``process_tree.end``), then says which run, why and how many."""
+    count = process_tree.end(proc, mark, STOP_GRACE_S)
+    what = repr(name) if name else shlex.join(command)[:200]
+    print(f"{Path(sys.argv[0]).stem}: stopped {what} ({why}): ended {count} process{'' if count == 1 else 'es'}",
+          file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """While a run is in flight, SIGTERM raises SystemExit (as after ``exit_on_sigterm``) where it would kill
+    this script at once and orphan the run. A handler the script set itself stays; outside the main thread,
+    where none can be set, nothing changes."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL):
+        yield
+        return
+    signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
-        done = subprocess.run(list(command), cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                              env={**os.environ, **(env or {})})
-    except subprocess.TimeoutExpired as e:
-        return _text(e.stdout), _text(e.stderr), None
-    return done.stdout, done.stderr, done.returncode
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _text(output) -> str:
@@ -80,7 +134,7 @@ def run_or_exit(script: str, name: str, command: Sequence[str], timeout: float,
     end of its stderr if it fails or runs past ``timeout`` s; returns its wall time in seconds."""
     print(f"{script}: {name}: {' '.join(command[1:])}", flush=True)
     started = time.time()
-    _, stderr, code = run_captured(command, timeout, env)
+    _, stderr, code = run_captured(command, timeout, env, name=name)
     if code != 0:
         why = f"ran past {timeout:.0f} s" if code is None else f"failed ({code})"
         sys.exit(f"{script}: '{name}' {why}:\n{stderr[-3000:]}")  # 1: a failed run, not a refusal
@@ -126,19 +180,9 @@ def launch_mode(mode: str, nproc: int, train_args: Sequence[str], output: Path, 
     before = run_dirs(root)
     cmd = command(mode, nproc, train_args, root, group, run_name)
     (root / "command.txt").write_text(" ".join(cmd) + "\n")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     start = time.perf_counter()
     with open(root / "stdout.log", "w") as out, open(root / "stderr.log", "w") as err:
-        # A session of its own, so that a timeout stops the whole torchrun tree; an
-        # interrupt (Ctrl-C, SIGTERM) of this script stops it too rather than orphaning it.
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err, start_new_session=True)
-        try:
-            outcome["exit_code"] = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            stop(proc)
-        except BaseException:
-            stop(proc)
-            raise
+        outcome["exit_code"] = _run(cmd, timeout, {"PYTHONUNBUFFERED": "1"}, mode, stdout=out, stderr=err)[2]
     outcome["seconds"] = time.perf_counter() - start
 
     new = run_dirs(root) - before
@@ -156,22 +200,6 @@ def launch_mode(mode: str, nproc: int, train_args: Sequence[str], output: Path, 
         outcome["results"] = json.loads(results_file.read_text())
         outcome["status"] = "ok"
     return outcome
-
-
-def stop(proc: subprocess.Popen) -> None:
-    """SIGTERM to the run's process group, SIGKILL if it is still there 10 s later."""
-    if proc.poll() is not None:
-        return
-    for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, None)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=grace)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 def failed(status: str) -> bool:
@@ -214,8 +242,12 @@ def graph_names() -> List[str]:
 
 
 def exit_on_sigterm() -> None:
-    """SIGTERM raises SystemExit, so that the run in flight is stopped on the way out."""
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    """SIGTERM raises SystemExit for the whole script, between runs too (``_sigterm_raises`` covers a run)."""
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+
+
+def _exit_on_signal(signum: int, frame) -> None:
+    sys.exit(128 + signum)
 
 
 def timestamp() -> str:
