@@ -5,6 +5,7 @@ NaN loss are rows of tests/test_fault_table.py (real launches under torchrun).""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -67,3 +68,20 @@ def test_checkpoint_save_false_trains_without_writing_any_checkpoint(train_here,
     refused = train_here([*ARGS, "checkpoint.save=false", "checkpoint.best_metric=eval/loss"], out / "best")
     assert refused.returncode == 2
     assert "checkpoint.best_metric=eval/loss writes best.pt, but checkpoint.save=false" in refused.stderr
+
+
+@pytest.mark.fast
+def test_a_torchrun_job_dir_starts_with_its_date_and_time_and_its_restart_finds_it_by_the_rdzv_id(
+        train_here, out, monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-7")  # what torchrun sets from --rdzv-id, the same on a restart
+    first = train_here([*ARGS, "train.max_steps=10"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    name = first.run_dir.relative_to(out).as_posix()
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}/\d{2}-\d{2}-\d{2}_mnist_eager_job-7", name), name
+    # The restart cannot know when the job first started (here: days before): it finds the directory by the id.
+    earlier = out / "2020-01-31" / "23-59-58_mnist_eager_job-7"
+    earlier.parent.mkdir()
+    first.run_dir.rename(earlier)
+    restarted = train_here([*ARGS, "train.max_steps=20"])
+    assert restarted.returncode == 0, restarted.stderr[-3000:]
+    assert restarted.run_dir == earlier and "resumed from" in restarted.stdout and restarted.results()["steps"] == 20

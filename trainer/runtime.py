@@ -7,12 +7,14 @@ path by ``Runtime.close`` (graphs must be released before that: see graphing/).
 from __future__ import annotations
 
 import datetime
+import glob
 import os
 import random
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import numpy as np
 import torch
@@ -166,15 +168,27 @@ def _attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> d
 
 
 def _choose_run_dir(output_root: str, run_dir: Optional[str], run_name: str) -> str:
+    """``run_dir`` if set; else ``<output_root>/<date>/<time>_<run_name>``, and under torchrun
+    ``<output_root>/<date>/<time>_<run_name>_<rendezvous id>``. torchrun keeps the id across restarts
+    of one job (``--max-restarts``, the same command with the same ``--rdzv-id``); a restart cannot
+    know the first start's time, so it finds the job's directory by its id and resumes there."""
     if run_dir:
         return run_dir
-    # torchrun keeps TORCHELASTIC_RUN_ID across restarts of one job: a restarted job
-    # finds its own directory again and resumes from its checkpoints.
     job_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
     if job_id not in ("", "none"):
-        return str(Path(output_root) / "jobs" / f"{run_name}_{job_id}")
+        run_name = f"{run_name}_{job_id}"
+        earlier = _dated_dirs(Path(output_root), run_name)
+        if earlier:
+            return str(earlier[-1])
     now = datetime.datetime.now()
     return str(Path(output_root) / now.strftime("%Y-%m-%d") / f"{now.strftime('%H-%M-%S')}_{run_name}")
+
+
+def _dated_dirs(output_root: Path, name: str) -> List[Path]:
+    """The directories ``<output_root>/<date>/<time>_<name>``, oldest first."""
+    shape = re.compile(r"\d{4}-\d{2}-\d{2}/\d{2}-\d{2}-\d{2}_" + re.escape(name))
+    return sorted(p for p in output_root.glob(f"*/*_{glob.escape(name)}")
+                  if p.is_dir() and shape.fullmatch(p.relative_to(output_root).as_posix()))
 
 
 def _why_not_writable(path: Path) -> Optional[str]:
