@@ -23,8 +23,13 @@ from graphing import closure_problem, graph_safe_optimizer_kwargs, optimizer_cap
 from trainer.errors import ConfigError
 from trainer.schedules import LRSchedule
 from trainer.shard_optimizer import on_local_shards
-from trainer.sharding import FUSED_ON_SHARDS
 from trainer.targets import import_target
+
+# The optimizer classes with a fused step on FSDP2's DTensor shards (torch 2.11 to 2.15). DTensor has
+# rules for the foreach and fused kernels of Adam and AdamW (a tensor lr included), and for the foreach
+# kernels of SGD, but none for fused SGD, the only SGD step a graph can take (the others read a tensor
+# lr on the host): trainer/sharding.py check_optimizer refuses SGD under a whole-step graph.
+FUSED_ON_SHARDS = ("torch.optim.adam.Adam", "torch.optim.adamw.AdamW")
 
 
 @dataclass(frozen=True)
@@ -135,7 +140,7 @@ def build_optimizer(spec: OptimizerSpec, params: Iterable[torch.nn.Parameter], d
     ``captured``: the optimizer's step runs inside a CUDA graph (graph mode full).
     ``loss_scaled``: a GradScaler drives its step (train.precision=fp16).
     ``sharded``: the parameters are FSDP2's DTensor shards, on which only Adam and AdamW have a fused
-    kernel (trainer/sharding.py): another class steps with its foreach kernels there, uncaptured. Adam
+    kernel (``FUSED_ON_SHARDS``): another class steps with its foreach kernels there, uncaptured. Adam
     and AdamW step on each rank's local shards (trainer/shard_optimizer.py: bitwise the DTensor step,
     without its dispatch).
     """

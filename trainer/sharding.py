@@ -28,7 +28,7 @@ trainer/checkpoint/dcp_shards.py's.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, List, Optional
+from typing import Iterable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -36,15 +36,7 @@ import torch.distributed as dist
 from conf.schema import DDPConfig, FSDPConfig, changed_settings
 from graphing import GraphMode, GraphOptions
 from trainer.errors import ConfigError
-
-if TYPE_CHECKING:
-    from trainer.optim import OptimizerSpec
-
-# The optimizer classes whose step runs on DTensor shards, and how (torch 2.11 to 2.15). DTensor
-# has rules for the foreach and fused kernels of Adam and AdamW (a tensor lr included), and for the
-# foreach kernels of SGD, but none for fused SGD, whose step is the only one a graph can take (the
-# others read a tensor lr on the host).
-FUSED_ON_SHARDS = ("torch.optim.adam.Adam", "torch.optim.adamw.AdamW")
+from trainer.optim import OptimizerSpec
 
 
 @dataclass(frozen=True)
@@ -55,7 +47,7 @@ class FSDPSpec:
     init: str  # host | meta
 
 
-def fsdp_spec(cfg, precision: str, graph: GraphOptions, optimizer: "OptimizerSpec") -> Optional[FSDPSpec]:
+def fsdp_spec(cfg, precision: str, graph: GraphOptions, optimizer: OptimizerSpec) -> Optional[FSDPSpec]:
     """``train.parallel`` and its settings, checked: each parallel's settings are refused under the other,
     and what FSDP2 cannot carry (fp16's loss scale, partial and compile graphs, fused SGD) is refused by name."""
     t = cfg.train
