@@ -6,8 +6,8 @@ tools such a loop needs inside a graph: ``RunningMeans`` (metrics on the device,
 per log interval) and ``micro_batches`` (gradient accumulation with DDP's ``no_sync``).
 
 The contract is typed: modes are ``GraphMode`` members, steps are chosen by ``StepRole``
-(train, eval: one graph each, sharing one memory pool), an executor's ``report`` is an
-``ExecutionReport``. Errors name graphing's own settings (``mode``, ``on_failure``, ...);
+(train, eval: each its own graphs, one per input shape, all in one memory pool), an executor's
+``report`` is an ``ExecutionReport``. Errors name graphing's own settings (``mode``, ``on_failure``, ...);
 a caller with its own names for them words the message with ``.render(name)``.
 
 Graph-safety rules, stated once (PyTorch's CUDA graph notes, torch/cuda/graphs.py):

@@ -5,12 +5,12 @@ graph notes), and wrapping a DDP model again would all-reduce twice. So a step t
 is handed a DDP model is given its ``module`` and the wrapper's settings, and builds
 its own DDP with them where it should.
 
-The user's wrapper hands over (``hand_over``): its reducer is released before the new DDP is
-built, because it keeps the parameters' gradient accumulators alive, and those remember the
-stream they were made on (the default stream): a backward captured on the side stream would
-then wait on the default stream, which a capture refuses. Its ``forward`` then goes through
-the new wrapper, so the user's references keep working: ``module`` is the same object
-(parameters, ``state_dict``), and calling the old wrapper runs the new one.
+The user's wrapper hands over: its reducer is released (``release_reducer``) before the new
+DDP is built, because it keeps the parameters' gradient accumulators alive, and those remember
+the stream they were made on (the default stream): a backward captured on the side stream would
+then wait on the default stream, which a capture refuses. Its ``forward`` then goes through the
+new wrapper (``forward_through``), so the user's references keep working: ``module`` is the same
+object (parameters, ``state_dict``), and calling the old wrapper runs the new one.
 """
 from __future__ import annotations
 

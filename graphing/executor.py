@@ -7,8 +7,9 @@ one step; ``shape`` (any hashable whose ``str`` names it; None: the one shape) s
 input shapes the step has, and each shape gets its own graph. ``phase(role, shape)``
 names what the next step will be (warmup, eager, capture, graph) so that timings are
 filed honestly; ``report`` says what ran (``ExecutionReport``).
-Everything that differs between modes lives in the executors; their caller never asks
-which mode it has.
+How a step runs in each mode lives in the executors. Their caller asks only what it builds
+around them: whether the optimizer's step is captured (``captures_optimizer``), and, from the
+options, whether steps are graphed (each new shape a graph) and the model compiled.
 """
 from __future__ import annotations
 

@@ -16,11 +16,11 @@ merged report. The step is checked as ``graph.mode=full`` would capture it, with
 
 Exit codes:
     0  ready: nothing blocks a capture or makes the captured step wrong
-    5  blocked: a capture would fail (the table says where and why)
+    7  blocked: a capture would fail (the table says where and why)
     6  captures-but-wrong: it captures, then replays a frozen or wrong step (a Python-number lr,
        a branch or shape that changes between steps, ...)
-    2  config error (as train.py)
-    1  the config does not compose (Hydra's message, as train.py), or a crash
+    2  a setting that cannot work, or a config that does not compose (as train.py)
+    1  a crash
 """
 from __future__ import annotations
 

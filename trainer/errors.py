@@ -1,4 +1,5 @@
-"""The errors a run ends with on purpose; train.py maps each to one message and an exit code."""
+"""The errors a run ends with on purpose; the session (trainer/session.py) maps each to one message and an
+exit code, for train.py and every script."""
 
 
 class ConfigError(Exception):

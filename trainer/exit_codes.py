@@ -9,7 +9,7 @@ from __future__ import annotations
 EXIT_DONE = 0
 EXIT_CRASH = 1  # an unexpected error (its traceback in rank<N>.log), or a peer rank died
 EXIT_CONFIG = 2  # a setting that cannot work, or a config that does not compose: the message names it
-EXIT_CAPTURE = 3  # a CUDA graph capture failed (graph.on_failure=raise)
+EXIT_CAPTURE = 3  # a CUDA graph capture failed under graph.on_failure=fail (the default; =eager goes on eagerly)
 EXIT_NONFINITE = 4  # the training loss became NaN/Inf
 EXIT_STORAGE = 5  # a checkpoint, results or metrics write failed (no space, quota, read-only)
 EXIT_INTERRUPTED = 130  # SIGINT (128 + 2)

@@ -2,7 +2,8 @@
 
 What a run writes follows from its model alone: a sharded model (train.parallel=fsdp2) cannot be
 gathered whole on one rank, so each rank writes its shards (DCP); any other model is one file. This
-is the only place that asks whether the model is sharded; TrainingState asks once and keeps the answer.
+is the only place in trainer/checkpoint/ that asks whether the model is sharded; TrainingState asks once
+and keeps the answer.
 
 What a run reads is whatever the path holds, since a run resumes from, or starts at, a checkpoint of
 either kind: a ``.dcp`` directory is DCP's, anything else is read as one file (best.pt, or a file
