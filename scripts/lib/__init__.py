@@ -1,4 +1,4 @@
-"""What several scripts share: launching runs (launch), their comparison (comparison), timing a built
+"""What several scripts share: launching runs (launch) and ending every process of one (process_tree), their comparison (comparison), timing a built
 trainer's steps with train.py's timer (timing), reading a profiled step's kernels (kernel_profile) and
 memory pools (memory_pools), refusing bad input with the config-error exit code (refuse), the all-reduce
 model (allreduce_model); and what a script runs apart from its command line: the
