@@ -28,6 +28,8 @@ from typing import Iterable, Iterator, Tuple, TypeVar
 
 import torch
 
+from graphing.sharded import sharded_units
+
 T = TypeVar("T")
 
 
@@ -40,8 +42,8 @@ def no_sync_except_last(model: torch.nn.Module, items: Iterable[T]) -> Iterator[
     no_sync = getattr(model, "no_sync", None)
     if no_sync is None and len(items) > 1:  # FSDP2: the model, or its sharded root inside a wrapper (a compiled
         # model and loss); looked for only where there is a micro-batch to keep from syncing
-        root = next((m for m in model.modules() if callable(getattr(m, "set_requires_gradient_sync", None))), None)
-        no_sync = _fsdp_no_sync(root) if root is not None else None
+        units = sharded_units(model)
+        no_sync = _fsdp_no_sync(units[0]) if units else None
     for i, item in enumerate(items):
         last = i == len(items) - 1
         with contextlib.nullcontext() if last or no_sync is None else no_sync():

@@ -20,6 +20,8 @@ from typing import Iterable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from graphing.sharded import is_dtensor
+
 CHUNK = 1 << 24  # elements hashed at a time: a few 64-bit temporaries of this size, whatever the model's size
 _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed int64 (torch has no uint64 arithmetic)
 _MIX1 = -4658895280553007687  # 0xBF58476D1CE4E5B9
@@ -76,7 +78,7 @@ def _local_part(p: torch.Tensor) -> Tuple[torch.Tensor, int, bool, bool]:
     each element once."""
     from graphing.compat import dtensor_local_offset
 
-    if not hasattr(p, "to_local"):
+    if not is_dtensor(p):
         return p, 0, True, False
     local = p.to_local()
     offset, counts = dtensor_local_offset(p)

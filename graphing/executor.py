@@ -27,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from graphing.capture import CaptureError
 from graphing.deprecation import warn_renamed_once
 from graphing.options import GraphOptions, literal, own_name
+from graphing.sharded import is_sharded
 
 log = logging.getLogger(__name__)
 
@@ -98,22 +99,6 @@ class ExecutionReport:
 
 def distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
-
-
-def sharded_units(model: torch.nn.Module) -> List[torch.nn.Module]:
-    """The modules of ``model`` sharded with FSDP2's ``fully_shard`` (itself, or inside a wrapper such as a
-    compiled model and loss), outermost first; none where torch has no FSDP2."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:
-        return []
-    return [m for m in model.modules() if isinstance(m, FSDPModule)]
-
-
-def is_sharded(model: torch.nn.Module) -> bool:
-    """Whether ``model`` holds a module sharded with FSDP2 (``sharded_units``): FSDP2 then communicates itself,
-    and no DDP goes around it."""
-    return bool(sharded_units(model))
 
 
 def is_main_rank() -> bool:

@@ -28,8 +28,9 @@ import torch
 import torch.distributed as dist
 
 from graphing.capture import capture, pool_mib, reset_rng_capture_state, run_on_stream
-from graphing.executor import Executor, GraphRecord, Shape, StepRole, distributed, is_sharded, sharded_units
+from graphing.executor import Executor, GraphRecord, Shape, StepRole, distributed
 from graphing.shapes import ShapeBook
+from graphing.sharded import is_sharded, sharded_units
 
 
 class FullGraphExecutor(Executor):

@@ -145,8 +145,10 @@ def test_ddp_static_graph_with_gradient_accumulation_is_refused_where_ddp_is_use
     cfg = compose(["train.ddp.static_graph=true", "train.grad_accum=2"])
     with pytest.raises(ConfigError, match=r"train.ddp.static_graph=true with train.grad_accum=2: .* under no_sync"):
         plan_run(cfg, cpu, world_size=2)
-    assert plan_run(cfg, cpu, world_size=1).ddp.kwargs["static_graph"]  # one process: no DDP, nothing to refuse
-    assert plan_run(compose(["train.ddp.static_graph=true"]), cpu, world_size=2).ddp.kwargs["static_graph"]
+    one_process = plan_run(cfg, cpu, world_size=1).parallelism.data_parallel
+    assert one_process.kwargs["static_graph"]  # one process: no DDP, nothing to refuse
+    no_accumulation = plan_run(compose(["train.ddp.static_graph=true"]), cpu, world_size=2).parallelism.data_parallel
+    assert no_accumulation.kwargs["static_graph"]
 
 
 @pytest.mark.fast

@@ -13,9 +13,10 @@ import torch
 from omegaconf import OmegaConf
 
 from helpers.checkpoints import torch_loads
-from trainer.checkpoint import (TEMP_PREFIX, UnreadableCheckpoint, check_compatible, check_same_epochs,
-                                latest_checkpoint, list_checkpoints, load_checkpoint, load_model_state,
-                                load_optimizer_state, rng_state, save_checkpoint, set_rng_state)
+from trainer.checkpoint import (ONE_FILE, TEMP_PREFIX, UnreadableCheckpoint, check_compatible, check_same_epochs,
+                                checkpoint_exists, format_of, latest_checkpoint, list_checkpoints, load_checkpoint,
+                                load_model_state, load_optimizer_state, rng_state, set_rng_state)
+from trainer.checkpoint.retention import add_checkpoint
 from trainer.errors import ConfigError
 from trainer.optim import build_optimizer
 from trainer.optim import optimizer_spec
@@ -42,11 +43,32 @@ def _train(model, optimizer, steps: int) -> None:
         optimizer.step()
 
 
-def _state(model, optimizer, step: int, recipe: str = "mnist"):
-    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "epoch": 0,
-            "position_in_epoch": step, "rng": rng_state(), "wandb_run_id": "abc123",
+def _state(step: int, recipe: str = "mnist"):
+    return {"step": step, "epoch": 0, "position_in_epoch": step, "rng": rng_state(), "wandb_run_id": "abc123",
             "config": {"recipe": {"name": recipe}, "train": {"max_steps": None, "betas": [0.9, 0.999]}},
             "recipe": recipe}
+
+
+class _OneProcess:
+    """What ``CheckpointFormat.stage`` asks of the ranks, for one process (TrainingState in a run)."""
+    is_main = True
+
+    def on_every_rank(self, check):
+        check()
+
+    def storage_advice(self, said):
+        return said
+
+
+_TINY_MODEL = torch.nn.Linear(2, 1)  # made once: a model made per save would draw from the RNG a test seeded
+_TINY_OPTIMIZER = torch.optim.SGD(_TINY_MODEL.parameters(), lr=0.1)
+
+
+def _save_checkpoint(run_dir, step, extra, keep, model=_TINY_MODEL, optimizer=_TINY_OPTIMIZER):
+    """``extra`` with a model's and optimizer's state as the one-file checkpoint of ``step``, written through the
+    format's protocol as TrainingState.save writes it; the newest ``keep`` kept."""
+    staged = ONE_FILE.stage(_OneProcess(), run_dir, step, model, optimizer)
+    return add_checkpoint(run_dir, keep, lambda: ONE_FILE.write(run_dir, step, staged, extra))
 
 
 def _files(run_dir):
@@ -54,35 +76,43 @@ def _files(run_dir):
 
 
 def test_save_is_atomic_and_leaves_no_temp_files(tmp_path):
-    path = save_checkpoint(tmp_path, 7, {"step": 7, "recipe": "mnist"}, keep=2)
+    path = _save_checkpoint(tmp_path, 7, {"step": 7, "recipe": "mnist"}, keep=2)
     assert path == tmp_path / "checkpoints" / "step_00000007.pt"
     assert _files(tmp_path) == ["step_00000007.pt"]
 
 
 def test_failed_save_leaves_no_file_behind(tmp_path):
     with pytest.raises((pickle.PicklingError, AttributeError), match="pickle"):
-        save_checkpoint(tmp_path, 3, {"step": 3, "bad": lambda: None}, keep=2)  # a lambda cannot be pickled
+        _save_checkpoint(tmp_path, 3, {"step": 3, "bad": lambda: None}, keep=2)  # a lambda cannot be pickled
     assert _files(tmp_path) == []
 
 
 def test_a_stale_temp_file_from_a_killed_save_is_removed(tmp_path):
-    save_checkpoint(tmp_path, 1, {"step": 1}, keep=2)
+    _save_checkpoint(tmp_path, 1, {"step": 1}, keep=2)
     (tmp_path / "checkpoints" / f"{TEMP_PREFIX}00000002_x.pt").write_bytes(b"half a checkpoint")
-    save_checkpoint(tmp_path, 2, {"step": 2}, keep=2)
+    _save_checkpoint(tmp_path, 2, {"step": 2}, keep=2)
     assert _files(tmp_path) == ["step_00000001.pt", "step_00000002.pt"]
 
 
 def test_only_the_newest_keep_checkpoints_remain(tmp_path):
     for step in (5, 10, 15, 20):
-        save_checkpoint(tmp_path, step, {"step": step}, keep=2)
+        _save_checkpoint(tmp_path, step, {"step": step}, keep=2)
     assert _files(tmp_path) == ["step_00000015.pt", "step_00000020.pt"]
-    save_checkpoint(tmp_path, 25, {"step": 25}, keep=1)
+    _save_checkpoint(tmp_path, 25, {"step": 25}, keep=1)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000025.pt"]
 
 
 def test_keep_below_one_names_the_setting(tmp_path):
     with pytest.raises(ConfigError, match=r"checkpoint\.keep=0"):
-        save_checkpoint(tmp_path, 1, {"step": 1}, keep=0)
+        _save_checkpoint(tmp_path, 1, {"step": 1}, keep=0)
+
+
+def test_a_checkpoint_named_by_path_is_any_file_or_a_sharded_directory(tmp_path):
+    (tmp_path / "weights.bin").write_bytes(b"x")  # read as one file whatever its name; whether it loads comes later
+    (tmp_path / "step_00000001.dcp").mkdir()
+    (tmp_path / "folder").mkdir()
+    assert checkpoint_exists(tmp_path / "weights.bin") and checkpoint_exists(str(tmp_path / "step_00000001.dcp"))
+    assert not checkpoint_exists(tmp_path / "folder") and not checkpoint_exists(tmp_path / "missing.pt")
 
 
 def test_no_checkpoint_means_none(tmp_path):
@@ -90,15 +120,15 @@ def test_no_checkpoint_means_none(tmp_path):
 
 
 def test_latest_is_by_step_not_by_name_length(tmp_path):
-    save_checkpoint(tmp_path, 99_999_999, {"step": 99_999_999}, keep=3)
-    save_checkpoint(tmp_path, 100_000_000, {"step": 100_000_000}, keep=3)  # nine digits
+    _save_checkpoint(tmp_path, 99_999_999, {"step": 99_999_999}, keep=3)
+    _save_checkpoint(tmp_path, 100_000_000, {"step": 100_000_000}, keep=3)  # nine digits
     path, state = latest_checkpoint(tmp_path)
     assert state["step"] == 100_000_000 and path.name == "step_100000000.pt"
 
 
 def test_truncated_newest_checkpoint_is_skipped_with_a_warning(tmp_path, caplog):
-    save_checkpoint(tmp_path, 10, {"step": 10, "w": torch.arange(1000.0)}, keep=3)
-    newest = save_checkpoint(tmp_path, 20, {"step": 20, "w": torch.arange(1000.0)}, keep=3)
+    _save_checkpoint(tmp_path, 10, {"step": 10, "w": torch.arange(1000.0)}, keep=3)
+    newest = _save_checkpoint(tmp_path, 20, {"step": 20, "w": torch.arange(1000.0)}, keep=3)
     newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
     with caplog.at_level(logging.WARNING, logger="trainer.checkpoint"):
         path, state = latest_checkpoint(tmp_path)
@@ -107,7 +137,7 @@ def test_truncated_newest_checkpoint_is_skipped_with_a_warning(tmp_path, caplog)
 
 
 def test_all_checkpoints_corrupt_means_none(tmp_path, caplog):
-    save_checkpoint(tmp_path, 1, {"step": 1}, keep=2).write_bytes(b"not a checkpoint")
+    _save_checkpoint(tmp_path, 1, {"step": 1}, keep=2).write_bytes(b"not a checkpoint")
     with caplog.at_level(logging.WARNING, logger="trainer.checkpoint"):
         assert latest_checkpoint(tmp_path) is None
     assert "step_00000001.pt" in caplog.text
@@ -118,7 +148,7 @@ def _truncate(path):
 
 
 def _save(run_dir, step, keep):
-    return save_checkpoint(run_dir, step, {"step": step, "w": torch.full((256,), float(step))}, keep=keep)
+    return _save_checkpoint(run_dir, step, {"step": step, "w": torch.full((256,), float(step))}, keep=keep)
 
 
 
@@ -229,7 +259,7 @@ def test_full_state_loads_with_weights_only(tmp_path, optimizer_name):
     model = torch.nn.Linear(4, 3)
     optimizer = _optimizer(optimizer_name, model)
     _train(model, optimizer, 3)
-    save_checkpoint(tmp_path, 3, _state(model, optimizer, 3), keep=2)
+    _save_checkpoint(tmp_path, 3, _state(3), keep=2, model=model, optimizer=optimizer)
 
     path = tmp_path / "checkpoints" / "step_00000003.pt"
     loaded = torch.load(path, weights_only=True)  # what latest_checkpoint does; spelled out here
@@ -251,7 +281,7 @@ def test_resuming_continues_exactly_as_if_never_stopped(tmp_path, optimizer_name
     model = torch.nn.Linear(4, 3)
     optimizer = _optimizer(optimizer_name, model)
     _train(model, optimizer, 3)
-    save_checkpoint(tmp_path, 3, _state(model, optimizer, 3), keep=2)
+    _save_checkpoint(tmp_path, 3, _state(3), keep=2, model=model, optimizer=optimizer)
     _train(model, optimizer, 3)
     uninterrupted = {k: v.clone() for k, v in model.state_dict().items()}
 
@@ -259,9 +289,10 @@ def test_resuming_continues_exactly_as_if_never_stopped(tmp_path, optimizer_name
     resumed = torch.nn.Linear(4, 3)
     resumed_opt = _optimizer(optimizer_name, resumed)
     live_lr = resumed_opt.param_groups[0]["lr"]
-    _, state = latest_checkpoint(tmp_path)
-    resumed.load_state_dict(state["model"])
-    load_optimizer_state(resumed_opt, state["optimizer"])
+    path, state = latest_checkpoint(tmp_path)
+    read_in = format_of(path)  # as TrainingState.restore reads it: through the format, in place
+    read_in.load_model(resumed, state["model"], live=ONE_FILE)
+    load_optimizer_state(resumed_opt, state["optimizer"], model=resumed, read_in=read_in, live=ONE_FILE)
     set_rng_state(state["rng"])
     assert resumed_opt.param_groups[0]["lr"] is live_lr  # a captured graph still sees the same lr tensor
     _train(resumed, resumed_opt, 3)
@@ -286,7 +317,7 @@ def test_set_rng_state_replays_the_same_numbers():
 
 def test_rng_state_survives_a_weights_only_round_trip(tmp_path):
     torch.manual_seed(5)
-    save_checkpoint(tmp_path, 1, {"step": 1, "rng": rng_state()}, keep=1)
+    _save_checkpoint(tmp_path, 1, {"step": 1, "rng": rng_state()}, keep=1)
     expected = torch.rand(4)
     _, state = latest_checkpoint(tmp_path)
     set_rng_state(state["rng"])
@@ -423,9 +454,10 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_model_settings_that
     state = {"model": saved.state_dict(), "config": {"recipe": {"model": dict(tiny)}}}
     here = GPT(GPTConfig(**tiny, layer_norm_bias=False))
     with pytest.raises(ConfigError) as err:
-        load_model_state(here, state, {"recipe": {"model": {**tiny, "layer_norm_bias": False}}}, resume="auto")
+        load_model_state(here, state, {"recipe": {"model": {**tiny, "layer_norm_bias": False}}}, read_in=ONE_FILE,
+                         live=ONE_FILE, resume="auto")
     assert "recipe.model.layer_norm_bias=unset (the default) there, false here" in str(err.value)
     assert "checkpoint.resume=never" in str(err.value)
     same = GPT(GPTConfig(**tiny))  # the same model loads, every tensor equal
-    load_model_state(same, state, {"recipe": {"model": dict(tiny)}})
+    load_model_state(same, state, {"recipe": {"model": dict(tiny)}}, read_in=ONE_FILE, live=ONE_FILE)
     assert all(torch.equal(a, b) for a, b in zip(same.state_dict().values(), saved.state_dict().values()))

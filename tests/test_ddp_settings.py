@@ -106,7 +106,7 @@ def test_torchs_default_buckets_stay_unless_a_bucket_size_is_set(process_group, 
     """Any bucket_cap_mb passed to DDP also replaces its 1 MiB first bucket, so none is passed by default."""
     def built(overrides):
         plan = plan_run(compose([*QUICK, *overrides]), torch.device("cpu"), world_size=1)
-        executor = build_executor(plan.graph, plan.device, ddp_kwargs=plan.ddp.kwargs, comm_hook=plan.ddp.comm_hook)
+        executor = build_executor(plan.graph, plan.device, **plan.parallelism.executor_arguments)
         torch.manual_seed(0)
         ddp = executor.wrap_model(torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(4)]))
         for _ in range(3):  # DDP rebuilds its buckets after the first step, and reports them after that

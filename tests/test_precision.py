@@ -58,12 +58,14 @@ def test_under_a_graph_fp16_needs_an_optimizer_that_takes_the_scale_on_the_devic
 def test_the_loss_scale_and_its_growth_tracker_are_saved_and_restored(tmp_path):
     from trainer.runtime import Runtime
     from trainer.checkpoint import TrainingState
+    from trainer.parallelism import DDPSpec, Parallelism
 
     def state_with(scaler):
         rt = Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), distributed=False,
                      run_dir=Path(tmp_path))
         model = torch.nn.Linear(2, 1)
-        return TrainingState(rt, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        return TrainingState(rt, model=model, parallelism=Parallelism(DDPSpec(kwargs={}, comm_hook=None)),
+                             optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                              step_counter=torch.zeros((), dtype=torch.int64), recipe_name="r", config={}, seed=0,
                              keep=2, scaler=scaler)
 

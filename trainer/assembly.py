@@ -87,7 +87,7 @@ def config_used(plan: RunPlan, recipe: Recipe, executor: Executor, rt: Runtime) 
     config["train"]["activation_checkpointing_used"] = recipe.activation_checkpointing
     config["graph"]["capture_error_mode_used"] = executor.report.capture_error_mode
     config["world_size"] = rt.world_size
-    if plan.fsdp is not None:
+    if plan.parallelism.sharded:
         config["train"]["fsdp"]["blocks_used"] = len(recipe.blocks)  # 0: the model sharded as one unit
     return config
 

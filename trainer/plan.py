@@ -13,11 +13,15 @@ Every setting is read or refused: one that this run cannot carry (a setting of a
 mode, an option the recipe does not apply) stops the run here with a ConfigError naming it.
 A concern with settings of its own checks them in its own module, and the plan calls it:
 the optimizer and the schedule (trainer/optim.py ``optimizer_spec``, ``schedule_spec``),
-sharding (trainer/sharding.py ``fsdp_spec``), the graph (graphing's ``GraphOptions.resolved``,
-worded here as ``graph.*``).
+the parallelism (trainer/parallelism.py ``plan_parallelism``: DDP's settings there, FSDP2's in
+trainer/sharding.py ``fsdp_spec``), the graph (graphing's ``GraphOptions.resolved``, worded here as
+``graph.*``).
 
 The plan is what the rest of the run reads its choices from (the Trainer, trainer/trainer.py,
-builds the run from it); plain values (epochs, intervals, paths) stay in ``plan.cfg``. A new
+builds the run from it); plain values (epochs, intervals, paths) stay in ``plan.cfg``. How the
+model is parallel is one of them, ``plan.parallelism``: whatever differs between DDP and FSDP2 (the
+model's placement, the executor's DDP, the optimizer, the checkpoint format, the process group)
+asks it, never the model. A new
 choice (fp16 with a loss scaler, a set of input shapes to graph) is resolved here, once,
 and read by the parts it concerns.
 """
@@ -27,20 +31,18 @@ import inspect
 import math
 from dataclasses import dataclass, replace
 from functools import partial
-from pathlib import Path
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable
 
 import torch
 
 from conf.schema import GraphConfig, LossScaleConfig, changed_settings
 from graphing import GraphConfigError, GraphMode, GraphOptions
-from graphing.compat import ddp_buffer_sync_argument
-from trainer.checkpoint import is_sharded_checkpoint
+from trainer.checkpoint import checkpoint_exists
 from trainer.data import choose_loader
 from trainer.errors import ConfigError
 from trainer.recipe import Recipe
-from trainer.sharding import FSDPSpec, fsdp_spec
 from trainer.optim import OptimizerSpec, ScheduleSpec, check_captured_optimizer, optimizer_spec, schedule_spec
+from trainer.parallelism import Parallelism, plan_parallelism
 from trainer.targets import import_target
 
 
@@ -48,14 +50,6 @@ def graph_setting(name: str) -> str:
     """How this trainer's config names one of graphing's settings (messages name what to change)."""
     return {"eager_steps_before_capture": "graph.compare_steps",
             "doctor": "python scripts/doctor.py with this run's overrides"}.get(name, f"graph.{name}")
-
-
-@dataclass(frozen=True)
-class DDPSpec:
-    """``train.ddp``: DDP's keyword arguments, and the communication hook its all-reduce goes
-    through (None: DDP's own, in the gradients' dtype)."""
-    kwargs: Dict[str, Any]
-    comm_hook: Optional[Callable]
 
 
 @dataclass(frozen=True)
@@ -68,8 +62,7 @@ class RunPlan:
     build_recipe: Callable  # build(cfg, runtime) -> trainer.recipe.Recipe, checked (recipe_builder)
     optimizer: OptimizerSpec
     schedule: ScheduleSpec
-    ddp: DDPSpec  # used only when a process group is up, under train.parallel=ddp
-    fsdp: Optional[FSDPSpec]  # train.parallel=fsdp2; None: ddp
+    parallelism: Parallelism  # train.parallel: replicated by DDP or sharded by FSDP2, asked by every part it concerns
     loader: str  # as asked (auto | device | host) until for_recipe resolves it
     memory_format: Any  # as asked ("auto", ...) until for_recipe resolves it to a torch.memory_format
 
@@ -91,11 +84,11 @@ def plan_run(cfg, device: torch.device, world_size: int) -> RunPlan:
     _check_loss_scale(cfg.train, precision)
     graph = graph_options(cfg, device, world_size)
     check_captured_optimizer(optimizer, captured=graph.mode is GraphMode.full)
-    fsdp = fsdp_spec(cfg, precision, graph, optimizer)
+    parallelism = plan_parallelism(cfg, world_size, precision, graph, optimizer)
     return RunPlan(cfg=cfg, device=device, world_size=world_size, graph=graph,
-                   precision=precision, build_recipe=build_recipe,
-                   optimizer=optimizer, schedule=schedule_spec(cfg.recipe.schedule), ddp=ddp_spec(cfg, world_size),
-                   fsdp=fsdp, loader=cfg.recipe.data.loader.value, memory_format=cfg.train.memory_format.value)
+                   precision=precision, build_recipe=build_recipe, optimizer=optimizer,
+                   schedule=schedule_spec(cfg.recipe.schedule), parallelism=parallelism,
+                   loader=cfg.recipe.data.loader.value, memory_format=cfg.train.memory_format.value)
 
 
 def _check_values(cfg) -> None:
@@ -127,10 +120,10 @@ def _check_values(cfg) -> None:
                           "train.ddp.bucket_cap_mb=25 (say), or null for torch's default")
     if t.max_steps is not None and t.max_steps < 1:
         raise ConfigError(f"train.max_steps={t.max_steps} must be at least 1 (or null for whole epochs)")
-    if c.resume not in ("auto", "never") and not (Path(c.resume).is_file() or is_sharded_checkpoint(c.resume)):
+    if c.resume not in ("auto", "never") and not checkpoint_exists(c.resume):
         raise ConfigError(f"checkpoint.resume={c.resume!r} is neither auto, never nor an existing checkpoint (a file, "
                           "or a sharded checkpoint's step_N.dcp directory): set checkpoint.resume=auto")
-    if c.init_from is not None and not (Path(c.init_from).is_file() or is_sharded_checkpoint(c.init_from)):
+    if c.init_from is not None and not checkpoint_exists(c.init_from):
         raise ConfigError(f"checkpoint.init_from={c.init_from!r} is not a checkpoint: point it at one "
                           "(checkpoints/step_*.pt, step_*.dcp or best.pt of a run), or drop it")
     if not c.save and c.best_metric is not None:
@@ -171,29 +164,6 @@ def resolve_memory_format(setting: str, model: torch.nn.Module, device: torch.de
         has_conv = any(isinstance(m, torch.nn.Conv2d) for m in model.modules())
         setting = "channels_last" if has_conv and device.type == "cuda" else "contiguous"
     return torch.channels_last if setting == "channels_last" else torch.contiguous_format
-
-
-def ddp_spec(cfg, world_size: int) -> DDPSpec:
-    """``train.ddp`` as DDP's keyword arguments and communication hook (checked where DDP is used)."""
-    cfg_ddp = cfg.train.ddp
-    if cfg_ddp.static_graph and cfg.train.grad_accum > 1 and world_size > 1:
-        # Measured on torch 2.14: DDP's reducer fails an internal assert (expect_autograd_hooks_)
-        # when a static graph's first backward runs under no_sync, as every step's first micro-batch does.
-        raise ConfigError(f"train.ddp.static_graph=true with train.grad_accum={cfg.train.grad_accum}: DDP built with "
-                          "static_graph fails when its first backward runs under no_sync, as the first micro-batch "
-                          "of a step does. Set train.ddp.static_graph=false, or train.grad_accum=1")
-    # Gradients as views into DDP's all-reduce buckets: after the all-reduce nothing is
-    # copied back into them (one copy kernel per parameter less in every step).
-    kwargs: Dict[str, Any] = {"gradient_as_bucket_view": True, "static_graph": cfg_ddp.static_graph}
-    if cfg_ddp.bucket_cap_mb is not None:  # passed at all, it also replaces torch's 1 MiB first bucket
-        kwargs["bucket_cap_mb"] = cfg_ddp.bucket_cap_mb
-    if not cfg_ddp.broadcast_buffers:
-        kwargs[ddp_buffer_sync_argument()] = False
-    comm_hook = None
-    if cfg_ddp.grad_reduce.value == "bf16":
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
-        comm_hook = bf16_compress_hook
-    return DDPSpec(kwargs=kwargs, comm_hook=comm_hook)
 
 
 def recipe_builder(cfg) -> Callable:

@@ -137,10 +137,10 @@ class Session:
 
         cfg = self.cfg
         name = f"{cfg.recipe.name}_{self.purpose or self.run_plan.mode}"
-        fsdp = self.run_plan.fsdp
+        parallelism = self.run_plan.parallelism
         self.rt = start(self.run_plan.device, cfg.output_root, cfg.run_dir or multirun_job_dir(), name,
-                        take_over_run_dir=cfg.take_over_run_dir, needs_group=fsdp is not None,
-                        init_meta=fsdp is not None and fsdp.init == "meta")
+                        take_over_run_dir=cfg.take_over_run_dir, needs_group=parallelism.sharded,
+                        init_meta=parallelism.init_on_meta)
         self._handlers = start_logging(self.rt.is_main)
         seed_everything(cfg.seed, cfg.deterministic)
         return self.rt

@@ -23,6 +23,8 @@ from typing import Dict, Type
 
 import torch
 
+from graphing.sharded import is_dtensor
+
 # Elementwise optimizers whose update on a shard is the update of the whole parameter, restricted
 # to it. Any other class (one that mixes elements, as a norm-based update does) keeps the DTensor path.
 ELEMENTWISE = (torch.optim.Adam, torch.optim.AdamW)
@@ -30,7 +32,7 @@ ELEMENTWISE = (torch.optim.Adam, torch.optim.AdamW)
 
 def local_tensor(tensor):
     """A DTensor's local tensor (the tensor itself: under no_grad ``to_local`` returns it, no view), else as is."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
 class LocalShardStep:

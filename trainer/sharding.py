@@ -22,8 +22,9 @@ The whole step (forward, backward with FSDP2's collectives, clipping, optimizer)
 by graph.mode=full like a DDP step: FSDP2's streams fork from the capture stream and join it
 within each step, and nothing outside a step leaves an event that the captured step waits on
 (checked on one GPU, tests/test_fsdp_gpu.py). What FSDP2 cannot carry is refused by the plan
-(``fsdp_spec``, called by trainer/plan.py); its checkpoints, and its whole tensors for best.pt, are
-trainer/checkpoint/dcp_shards.py's.
+(``fsdp_spec``, called through trainer/parallelism.py, whose ``Parallelism`` the rest of the trainer
+asks: its ``place_model`` calls ``sharded_model`` here); its checkpoints, and its whole tensors for
+best.pt, are trainer/checkpoint/dcp_shards.py's.
 """
 from __future__ import annotations
 
@@ -33,8 +34,8 @@ from typing import Iterable, List, Optional
 import torch
 import torch.distributed as dist
 
-from conf.schema import DDPConfig, FSDPConfig, changed_settings
 from graphing import GraphMode, GraphOptions
+from graphing.sharded import is_dtensor
 from trainer.errors import ConfigError
 from trainer.optim import OptimizerSpec
 
@@ -47,23 +48,10 @@ class FSDPSpec:
     init: str  # host | meta
 
 
-def fsdp_spec(cfg, precision: str, graph: GraphOptions, optimizer: OptimizerSpec) -> Optional[FSDPSpec]:
-    """``train.parallel`` and its settings, checked: each parallel's settings are refused under the other,
-    and what FSDP2 cannot carry (fp16's loss scale, partial and compile graphs, fused SGD) is refused by name."""
+def fsdp_spec(cfg, precision: str, graph: GraphOptions, optimizer: OptimizerSpec) -> FSDPSpec:
+    """``train.fsdp`` of a run under ``train.parallel=fsdp2``, checked (trainer/parallelism.py ``plan_parallelism``
+    calls it): what FSDP2 cannot carry (fp16's loss scale, partial and compile graphs, fused SGD) is refused by name."""
     t = cfg.train
-    parallel = t.parallel.value
-    # The other parallel's settings group: (its key, the train.parallel it belongs to, what this run changed there)
-    group, owner, changed = (("fsdp", "fsdp2", changed_settings(t.fsdp, FSDPConfig)) if parallel == "ddp" else
-                             ("ddp", "ddp", changed_settings(t.ddp, DDPConfig)))
-    # FSDP2 never broadcasts buffers while training, as broadcast_buffers=false (a recipe's own choice, e.g.
-    # cifar10_resnet18's) asks; evaluation takes rank 0's under both (trainer/trainer.py take_rank0_buffers)
-    changed.pop("broadcast_buffers", None)
-    for key, value in changed.items():
-        shown = str(value).lower() if isinstance(value, bool) else value
-        raise ConfigError(f"train.{group}.{key}={shown} is a setting of train.parallel={owner}, but this run uses "
-                          f"train.parallel={parallel}: drop train.{group}.{key}, or set train.parallel={owner}")
-    if parallel == "ddp":
-        return None
     if precision == "fp16":
         raise ConfigError("train.precision=fp16 with train.parallel=fsdp2: the loss scale's inf/NaN check would have "
                           "to agree across ranks on the device, inside the graph, which torch's sharded scaler does "
@@ -157,8 +145,7 @@ def check_optimizer(optimizer_target: str, cls: type, captured: bool) -> None:
 def full_norm(norm: torch.Tensor) -> torch.Tensor:
     """``clip_grad_norm_``'s result as a plain tensor: over DTensor gradients it is a replicated DTensor,
     whose local value is the global norm."""
-    to_local = getattr(norm, "to_local", None)
-    return to_local() if to_local is not None else norm
+    return norm.to_local() if is_dtensor(norm) else norm
 
 
 def sharded_model(recipe, device: torch.device, spec, precision: str) -> torch.nn.Module:

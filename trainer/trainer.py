@@ -6,8 +6,9 @@
     trainer.close()                                  # graphs and loaders, before the process group goes
 
 train.py's run (trainer/training.py) and every script build it the same way, through the
-session (trainer/session.py ``Session.build``). Scripts time ``run_step``, fit's step at the full batch
-shape; fit's own steps (``_run_step``) also take the epoch's tail and recipe.data.seq_len_buckets' lengths.
+session (trainer/session.py ``Session.build``). One step driver, ``run_step``: fit runs it, and scripts
+time it through ``next_step``, each step in the shape fit gives it (full, the epoch's tail, a
+recipe.data.seq_len_buckets length).
 
 Per step the host only stages inputs, runs the step (eagerly or by graph replay, as the executor
 decides: trainer/step.py ``TrainStep`` is what runs) and records a timing event. It reads device
@@ -32,7 +33,7 @@ from graphing.executor import log_fallback
 from trainer import hooks
 from trainer.assembly import build_recipe, config_used, positional_model_inputs
 from trainer.checkpoint import TrainingState
-from trainer.data import make_loader
+from trainer.data import StepShape, make_loader
 from trainer.data.workers import WorkerSettings, use_worker_settings
 from trainer.errors import NonFiniteLossError, Preempted
 from trainer.metrics_logger import MetricsLogger
@@ -44,7 +45,6 @@ from trainer.process_clock import process_started_at
 from trainer.progress import close_bar, progress_bar, show_on_bar
 from trainer.runtime import Runtime, print_once, seed_rank_streams
 from trainer.seq_len import seq_len_schedule
-from trainer.sharding import sharded_model
 from trainer.step import EvalStep, StepSettings, TrainStep, autocast_factory, build_step_model
 from trainer.stop import StopAgreement
 
@@ -65,11 +65,9 @@ class Trainer:
                             start_now_for=cfg.recipe._target_.rpartition(".")[0] if data_cfg.num_workers else None)
         recipe = build_recipe(plan, rt)
         plan = plan.for_recipe(recipe)
-        device = plan.device
-        if plan.fsdp is None:
-            model = recipe.model.to(device, memory_format=plan.memory_format)
-        else:  # each block and the root sharded over all ranks (before seed_rank_streams: a meta init draws alike)
-            model = sharded_model(recipe, device, plan.fsdp, plan.precision)
+        device, parallelism = plan.device, plan.parallelism
+        # Before seed_rank_streams: a sharded model's meta init draws alike on every rank.
+        model = parallelism.place_model(recipe, device, plan.precision, plan.memory_format)
         seed_rank_streams(cfg.seed, rt.rank)  # the model is built alike on every rank; the step's draws differ
         train_loader = make_loader(recipe.data.train, data_cfg.batch_size, rt, kind=plan.loader, train=True,
                                    seed=cfg.seed, batches_per_step=train_cfg.grad_accum, num_workers=data_cfg.num_workers,
@@ -84,10 +82,10 @@ class Trainer:
                                     total_steps=total_steps, recipe=recipe.name, max_graphs=plan.graph.max_graphs,
                                     shapes_per_bucket=1 + (train_loader.shapes.tail is not None),
                                     graphed=plan.graph.mode is GraphMode.full)
-        executor = build_executor(plan.graph, device, ddp_kwargs=plan.ddp.kwargs, comm_hook=plan.ddp.comm_hook,
+        executor = build_executor(plan.graph, device, **parallelism.executor_arguments,
                                   on_fallback=partial(log_fallback, name=graph_setting))  # in this trainer's words
         optimizer = build_optimizer(plan.optimizer, model.parameters(), device, captured=executor.captures_optimizer,
-                                    loss_scaled=plan.precision == "fp16", sharded=plan.fsdp is not None)
+                                    loss_scaled=plan.precision == "fp16", sharded=parallelism.sharded)
         scaler = None
         if plan.precision == "fp16":
             scaler = torch.amp.GradScaler(device.type, init_scale=train_cfg.loss_scale.init,
@@ -104,9 +102,9 @@ class Trainer:
         settings = StepSettings(device=device, grad_accum=train_cfg.grad_accum, grad_clip=train_cfg.grad_clip, autocast=autocast,
                                 world_size=rt.world_size)
         # What the step computes, chosen once: under graph.compile_model the model is compiled with its loss,
-        # or, sharded, block by block with the loss apart (graphing/full.py compile_sharded_units).
+        # or, sharded, block by block with the loss apart (Parallelism.compile_with_loss).
         step_model = build_step_model(recipe, model, executor, settings,
-                                      with_loss=plan.graph.compile_model and plan.fsdp is None,
+                                      with_loss=parallelism.compile_with_loss(plan.graph),
                                       memory_format=plan.memory_format, sample_inputs=sample_inputs,
                                       accuracy=cfg.recipe.accuracy)
         train_step = TrainStep(recipe, step_model, optimizer, schedule, train_loader, settings, scaler)
@@ -116,9 +114,9 @@ class Trainer:
                     world_size=rt.world_size, flops_per_unit=recipe.flops_per_unit, precision=plan.precision,
                     units_per_sample=recipe.units_per_sample)
         config = config_used(plan, recipe, executor, rt)
-        state = TrainingState(rt, model=model, optimizer=optimizer, step_counter=train_step.step, scaler=scaler,
-                              recipe_name=recipe.name, config=config, seed=cfg.seed, keep=cfg.checkpoint.keep,
-                              steps_per_epoch=steps_per_epoch)
+        state = TrainingState(rt, model=model, parallelism=parallelism, optimizer=optimizer,
+                              step_counter=train_step.step, scaler=scaler, recipe_name=recipe.name, config=config,
+                              seed=cfg.seed, keep=cfg.checkpoint.keep, steps_per_epoch=steps_per_epoch)
         self.plan, self.rt, self.cfg, self.device = plan, rt, cfg, device  # plan: resolved for the recipe
         self.recipe, self.raw_model, self.model, self.executor = recipe, model, step_model.module, executor
         self.optimizer, self.schedule, self.train_step, self.eval_step = optimizer, schedule, train_step, eval_step
@@ -138,6 +136,7 @@ class Trainer:
         self.comparison: Optional[Dict[str, Any]] = None
         self.clock: Dict[str, float] = {"eval_s": 0.0}  # where the loop's wall time went
         self._last_train: Dict[str, float] = {}
+        self._script_steps = 0  # steps next_step has run
         self._last_eval: Dict[str, float] = {}
         self.last_step_done = 0.0  # perf_counter when the last step's work was done (fit)
 
@@ -146,22 +145,51 @@ class Trainer:
         W&B run id to continue), (0, None) for a fresh run."""
         return self.state.resume(checkpoint_cfg)
 
-    # ---- one step, as scripts take it -----------------------------------------------
-    def run_step(self) -> None:
-        """Stages and runs one training step at the full batch shape (warm-up, capture or replay, as the
-        executor decides), for scripts that time it; fit's steps also take the tail and bucket shapes."""
-        shape = self.train_loader.shapes.full
+    # ---- one step: fit's, and the scripts' ------------------------------------------------
+    def step_shape(self, step: int) -> StepShape:
+        """The shape of the step after ``step`` steps done: the epoch's full, tail or bucket shape."""
+        shape = self.train_loader.shapes.at(step % self.steps_per_epoch)
+        return shape if self.seq_lens is None else replace(shape, seq_len=self.seq_lens.at(step))
+
+    def run_step(self, step: int) -> str:
+        """Stages, runs and times the step after ``step`` steps done, in the shape fit gives it (warm-up,
+        capture or replay, as the executor decides); returns its phase (warmup, eager, capture, graph). The
+        one step driver: fit runs it, and scripts time it (``next_step``).
+
+        Each step shape (full, the epoch's tail, a sequence-length bucket) is its own graph,
+        and is timed under its own name ("graph@tail48", "graph@full@T256"), so the headline
+        numbers are those of full steps over whole windows."""
+        first = "startup_s" not in self.clock
+        if first:  # process start to the first step (imports, data, build)
+            self.clock["startup_s"] = time.time() - process_started_at()
+            began = time.perf_counter()
+        shape = self.step_shape(step)
+        phase = self.executor.phase(StepRole.train, shape)
         self.executor.run(StepRole.train, self.train_loader.stage, partial(self.train_step, shape), shape)
+        if first:  # the first step's own cost (first-use initialization: kernels, optimizer state), to its end
+            _synchronize(self.device)
+            self.clock["first_step_s"] = time.perf_counter() - began
+        plain = not shape.tail and shape.seq_len is None
+        self.perf.step(phase if plain else f"{phase}@{shape}", shape)
+        return phase
+
+    def next_step(self) -> str:
+        """For scripts: the step after the last one this ran (from step 0), as fit runs it, each epoch
+        started where fit starts it; returns its phase."""
+        step = self._script_steps
+        if step % self.steps_per_epoch == 0:
+            self.train_loader.start_epoch(step // self.steps_per_epoch)
+        self._script_steps += 1
+        return self.run_step(step)
 
     def phase(self) -> str:
-        """What the next full training step will be: warmup, eager, capture or graph."""
-        return self.executor.phase(StepRole.train, self.train_loader.shapes.full)
+        """What ``next_step`` will be: warmup, eager, capture or graph."""
+        return self.executor.phase(StepRole.train, self.step_shape(self._script_steps))
 
     def warm_up(self) -> None:
-        """Starts epoch 0 and takes steps until the warm-up and the capture (graph modes) are done."""
-        self.train_loader.start_epoch(0)
+        """For scripts: takes steps until the warm-up and the capture (graph modes) are done."""
         while self.phase() in ("warmup", "capture"):
-            self.run_step()
+            self.next_step()
 
     def close(self) -> None:
         """Releases graphs (before the process group goes) and the loaders' workers."""
@@ -202,7 +230,7 @@ class Trainer:
             begin = position if epoch == first_epoch else 0  # resumed mid-epoch: continue where the checkpoint was
             bar = self._start_epoch(epoch, begin)
             for i in range(begin, self.steps_per_epoch):
-                if self._run_step(step, i) == "capture" and "until_first_graph_step_s" not in self.clock:
+                if self.run_step(step) == "capture" and "until_first_graph_step_s" not in self.clock:
                     # From launch (capture synchronizes: the host clock is exact here).
                     self.clock["until_first_graph_step_s"] = time.time() - process_started_at()
                 step += 1
@@ -237,29 +265,6 @@ class Trainer:
         self.perf.timer.restart()
         return progress_bar(self.rt.is_main and self.cfg.train.progress, self.steps_per_epoch,
                          f"epoch {epoch + 1}/{self.cfg.train.epochs}")
-
-    def _run_step(self, step: int, i: int) -> str:
-        """Stages, runs and times the epoch's step ``i`` (``step`` steps done); returns its phase
-        (warmup, eager, capture, graph).
-
-        Each step shape (full, the epoch's tail, a sequence-length bucket) is its own graph,
-        and is timed under its own name ("graph@tail48", "graph@full@T256"), so the headline
-        numbers are those of full steps over whole windows."""
-        first = "startup_s" not in self.clock
-        if first:  # process start to the first step (imports, data, build)
-            self.clock["startup_s"] = time.time() - process_started_at()
-            began = time.perf_counter()
-        shape = self.train_loader.shapes.at(i)
-        if self.seq_lens is not None:
-            shape = replace(shape, seq_len=self.seq_lens.at(step))
-        phase = self.executor.phase(StepRole.train, shape)
-        self.executor.run(StepRole.train, self.train_loader.stage, partial(self.train_step, shape), shape)
-        if first:  # the first step's own cost (first-use initialization: kernels, optimizer state), to its end
-            _synchronize(self.device)
-            self.clock["first_step_s"] = time.perf_counter() - began
-        plain = not shape.tail and shape.seq_len is None
-        self.perf.step(phase if plain else f"{phase}@{shape}", shape)
-        return phase
 
     # ---- reading the device at log intervals -----------------------------------------
     def _global(self, local: torch.Tensor) -> List[float]:

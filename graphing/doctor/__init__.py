@@ -44,8 +44,9 @@ from graphing.doctor.ranks import laxest, merge_ranks
 from graphing.doctor.report import COLUMNS, SKIPPED_WITHOUT_CUDA, DoctorReport, verdict_of
 from graphing.doctor.step_runner import Inputs, StepRunner, on_side_stream
 from graphing.doctor.step_timing import gpu_busy_ms, median_step_ms
-from graphing.executor import distributed, is_sharded
+from graphing.executor import distributed
 from graphing.options import DDP_MIN_WARMUP, GraphOptions
+from graphing.sharded import is_sharded
 
 __all__ = ["COLUMNS", "SKIPPED_WITHOUT_CUDA", "DoctorReport", "diagnose"]
 

@@ -1,9 +1,9 @@
 """Which checkpoint format: chosen once for what a run writes, told by the path for what it reads.
 
-What a run writes follows from its model alone: a sharded model (train.parallel=fsdp2) cannot be
-gathered whole on one rank, so each rank writes its shards (DCP); any other model is one file. This
-is the only place in trainer/checkpoint/ that asks whether the model is sharded; TrainingState asks once
-and keeps the answer.
+What a run writes follows from its parallelism (trainer/parallelism.py) alone: a sharded model
+(train.parallel=fsdp2) cannot be gathered whole on one rank, so each rank writes its shards (DCP); a
+replicated one is one file. This is the only place in trainer/checkpoint/ that asks whether the run
+is sharded; TrainingState asks once and keeps the answer.
 
 What a run reads is whatever the path holds, since a run resumes from, or starts at, a checkpoint of
 either kind: a ``.dcp`` directory is DCP's, anything else is read as one file (best.pt, or a file
@@ -14,19 +14,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Tuple
 
-import torch
-
-from graphing.executor import is_sharded
 from trainer.checkpoint.dcp_shards import DCP_SHARDS
 from trainer.checkpoint.format import CheckpointFormat
 from trainer.checkpoint.one_file import ONE_FILE
+from trainer.parallelism import Parallelism
 
 FORMATS: Tuple[CheckpointFormat, ...] = (ONE_FILE, DCP_SHARDS)
 
 
-def format_for(model: torch.nn.Module) -> CheckpointFormat:
-    """The format ``model``'s checkpoints are written in."""
-    return DCP_SHARDS if is_sharded(model) else ONE_FILE
+def format_for(parallelism: Parallelism) -> CheckpointFormat:
+    """The format a run of this ``parallelism`` writes its checkpoints in."""
+    return DCP_SHARDS if parallelism.sharded else ONE_FILE
 
 
 def format_of(path: Path) -> CheckpointFormat:

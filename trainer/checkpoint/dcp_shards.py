@@ -11,10 +11,12 @@ only once DCP's own finish (its metadata, written last by rank 0 after every ran
 ``trainer_state.pt`` are on disk and synced does rank 0 rename the directory to its final name. A
 directory without both files is not a checkpoint: resume skips it, retention removes it.
 
-Reading takes any world size and either parallel: DCP re-slices the saved shards into what each rank now
-holds (2 ranks → 1, 1 → 2), and a plain model reads whole tensors from the same directory
-(``ShardedState``: ``checkpoint.init_from``, or a resume after switching ``train.parallel``). The other
-way round, a one-file checkpoint's whole tensors go into the shards here (``load_whole_model``).
+Reading takes any world size and either parallel: ``read`` returns the training state with a
+``ShardedState`` (where the shards are) for its model and optimizer, and ``load_model`` /
+``load_optimizer`` have DCP re-slice the saved shards into what each rank now holds (2 ranks → 1,
+1 → 2), or whole tensors into a plain model (``checkpoint.init_from``, or a resume after switching
+``train.parallel``). The other way round, a one-file checkpoint's whole tensors go into the shards
+here (``load_whole_model``, ``load_whole_optimizer``).
 """
 from __future__ import annotations
 
@@ -39,27 +41,9 @@ METADATA = ".metadata"  # DCP's, written last
 
 @dataclass(frozen=True)
 class ShardedState:
-    """The ``model`` and ``optimizer`` entries of a sharded checkpoint's state: read from its shards into the
-    live model or optimizer, never all at once into memory."""
+    """The ``model`` and ``optimizer`` entries of a sharded checkpoint's state: the directory their shards are
+    read from, into the live model or optimizer (``DcpShards.load_model``), never all at once into memory."""
     path: Path
-
-    def load_model(self, model: torch.nn.Module) -> None:
-        """The saved model into ``model`` in place: its shards (any world size), or whole tensors for a plain model."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-
-        state = {"model": get_model_state_dict(model)}
-        dcp.load(state, checkpoint_id=str(self.path))
-        set_model_state_dict(model, state["model"])
-
-    def load_optimizer(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        """The saved optimizer state into ``optimizer`` (its tensors re-sliced for this world size)."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-
-        state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
-        dcp.load(state, checkpoint_id=str(self.path))
-        set_optimizer_state_dict(model, optimizer, state["optimizer"])
 
 
 class DcpShards(CheckpointFormat):
@@ -104,6 +88,18 @@ class DcpShards(CheckpointFormat):
             state["model"] = state["optimizer"] = ShardedState(Path(path))
         return state
 
+    def load_model(self, model: torch.nn.Module, saved: ShardedState, live: CheckpointFormat) -> None:
+        """Its shards into ``model`` (any world size), or whole tensors into a plain one: DCP reads what each
+        rank's ``model`` holds, so ``live`` is not needed."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+        set_model_state_dict(model, _read_shards(saved.path, "model", get_model_state_dict(model)))
+
+    def load_optimizer(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, saved: ShardedState,
+                       live: CheckpointFormat) -> None:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+        set_optimizer_state_dict(model, optimizer,
+                                 _read_shards(saved.path, "optimizer", get_optimizer_state_dict(model, optimizer)))
+
     def damage(self, path: Path) -> Optional[str]:
         missing = [name for name in (METADATA, TRAINER_STATE) if not (Path(path) / name).is_file()]
         return f"a sharded checkpoint without {' and '.join(missing)}" if missing else None
@@ -133,11 +129,6 @@ class DcpShards(CheckpointFormat):
 DCP_SHARDS = DcpShards()
 
 
-def is_sharded_checkpoint(path) -> bool:
-    """Whether ``path`` is a sharded checkpoint's directory (``step_<N>.dcp``)."""
-    return DCP_SHARDS.holds(path)
-
-
 def local_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """The bytes this rank's shards of the model and optimizer state take: what it writes."""
     def size(t: torch.Tensor) -> int:
@@ -162,6 +153,15 @@ def _write_shards(temp: Path, model: torch.nn.Module, optimizer: torch.optim.Opt
     model_state, optimizer_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(temp))
     return temp
+
+
+def _read_shards(path: Path, key: str, mine: Dict[str, Any]) -> Dict[str, Any]:
+    """``mine`` (this rank's state dict of the checkpoint's ``key`` entry) filled from the shards at ``path``,
+    re-sliced for what this rank holds (every rank calls it)."""
+    import torch.distributed.checkpoint as dcp
+    state = {key: mine}
+    dcp.load(state, checkpoint_id=str(path))
+    return state[key]
 
 
 def _failures(e: BaseException) -> List[BaseException]:

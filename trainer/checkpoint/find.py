@@ -1,4 +1,4 @@
-"""Finding a run's checkpoints: all of them, oldest step first, and the newest one that loads.
+"""Finding checkpoints: whether a path names one; a run's, oldest step first; the newest one that loads.
 
 Both formats make one series, ordered by step: a run that switched ``train.parallel`` resumes from
 the newest checkpoint whichever kind it is. A checkpoint can be damaged after it was written (a disk
@@ -12,9 +12,17 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from trainer.checkpoint.choice import FORMATS, format_of
+from trainer.checkpoint.dcp_shards import DCP_SHARDS
 from trainer.checkpoint.unreadable import UnreadableCheckpoint, short_cause
 
 log = logging.getLogger(__name__)
+
+
+def checkpoint_exists(path) -> bool:
+    """Whether ``path`` (``checkpoint.resume``, ``checkpoint.init_from``) is there to be read: a sharded checkpoint's
+    directory, or any file, read as one file whatever its name (``choice.format_of``). Whether it loads is
+    found by reading it."""
+    return DCP_SHARDS.holds(path) or Path(path).is_file()
 
 
 def list_checkpoints(run_dir: Path) -> List[Path]:
@@ -24,7 +32,8 @@ def list_checkpoints(run_dir: Path) -> List[Path]:
 
 def load_checkpoint(path: Path) -> Dict[str, Any]:
     """Loads one checkpoint onto the CPU with ``weights_only=True`` (a sharded one: its training state, its
-    model and optimizer read later, into the live ones); raises UnreadableCheckpoint on a bad one."""
+    model and optimizer read later, into the live ones: ``CheckpointFormat.load_model``); raises
+    UnreadableCheckpoint on a bad one."""
     try:
         state = format_of(path).read(path)
     except Exception as e:  # torch.load raises many types for a damaged file

@@ -1,8 +1,8 @@
 """The one protocol both checkpoint formats follow, so that nothing else asks which one it has.
 
-A run writes one format, chosen once from its model (trainer/checkpoint/choice.py): a plain model's
-checkpoint (DDP or one process) is one file that rank 0 writes (trainer/checkpoint/one_file.py), a
-sharded model's (train.parallel=fsdp2) a directory into which every rank writes its own shards
+A run writes one format, chosen once (trainer/checkpoint/choice.py): a plain model's checkpoint (DDP
+or one process) is one file that rank 0 writes (trainer/checkpoint/one_file.py), a sharded model's
+(train.parallel=fsdp2) a directory into which every rank writes its own shards
 (trainer/checkpoint/dcp_shards.py). A run reads either kind, whatever it writes: the path tells the
 format (``choice.format_of``), and both kinds are listed, kept and skipped when damaged as one series
 (trainer/checkpoint/find.py, retention.py).
@@ -12,9 +12,13 @@ Writing has two phases because a sharded checkpoint needs every rank: ``stage`` 
 state and the rename that publishes the shards). Either leaves a complete checkpoint under its final
 name or nothing under it (trainer/checkpoint/layout.py's temp names).
 
-The format also carries how its model's whole tensors are taken and put back: best.pt is one file of
-whole weights in either format, and a run may resume from, or start at, a one-file checkpoint whatever
-its model.
+Reading mirrors writing: the format of the path (``choice.format_of``) reads the training state
+(``read``), then puts its model and optimizer entries into the live ones in place (``load_model``,
+``load_optimizer``), whatever the live model is. Whole tensors (a one-file checkpoint's) go in as the
+live model's own format puts them (``load_whole_model``, ``load_whole_optimizer``): into a sharded
+model's shards too. So the caller names both formats, the one read and the one its run writes, and
+nobody asks which kind a saved entry is. best.pt is one file of whole weights in either format
+(``whole_model_state``).
 """
 from __future__ import annotations
 
@@ -70,8 +74,19 @@ class CheckpointFormat(ABC):
 
     @abstractmethod
     def read(self, path: Path) -> Dict[str, Any]:
-        """The training state at ``path`` on the CPU (weights_only); raises whatever a damaged one makes
-        torch or the filesystem raise."""
+        """The training state at ``path`` on the CPU (weights_only); its ``model`` and ``optimizer`` entries are
+        for ``load_model`` and ``load_optimizer``. Raises whatever a damaged one makes torch or the filesystem raise."""
+
+    @abstractmethod
+    def load_model(self, model: torch.nn.Module, saved: Any, live: CheckpointFormat) -> None:
+        """``saved`` (the ``model`` entry of this format's ``read``) into ``model`` in place, on every rank.
+        ``live``: the format ``model``'s own run writes, which knows how whole tensors go into it."""
+
+    @abstractmethod
+    def load_optimizer(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, saved: Any,
+                       live: CheckpointFormat) -> None:
+        """``saved`` (the ``optimizer`` entry of this format's ``read``) into ``optimizer``, whose model is
+        ``model``, on every rank; ``live`` as for ``load_model``."""
 
     @abstractmethod
     def damage(self, path: Path) -> Optional[str]:

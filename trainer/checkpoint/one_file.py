@@ -41,14 +41,18 @@ class OneFile(CheckpointFormat):
         return lambda: {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
 
     def write(self, run_dir: Path, step: int, staged: Callable[[], Dict[str, Any]], extra: Dict[str, Any]) -> Path:
-        return self.write_state(run_dir, step, {**staged(), **extra})
-
-    def write_state(self, run_dir: Path, step: int, state: Dict[str, Any]) -> Path:
-        """``state`` as the checkpoint of ``step``, atomically."""
-        return write_atomically(step_path(run_dir, step, self.suffix), state)
+        return write_atomically(step_path(run_dir, step, self.suffix), {**staged(), **extra})
 
     def read(self, path: Path) -> Dict[str, Any]:
+        """The whole file; its ``model`` and ``optimizer`` entries are torch's own state dicts of whole tensors."""
         return torch.load(path, map_location="cpu", weights_only=True)
+
+    def load_model(self, model: torch.nn.Module, saved: Dict[str, Any], live: CheckpointFormat) -> None:
+        live.load_whole_model(model, saved)
+
+    def load_optimizer(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, saved: Dict[str, Any],
+                       live: CheckpointFormat) -> None:
+        live.load_whole_optimizer(model, optimizer, saved)
 
     def damage(self, path: Path) -> Optional[str]:
         """Judged from the zip central directory: ``torch.save`` writes a zip archive whose central directory

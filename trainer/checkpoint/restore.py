@@ -1,10 +1,12 @@
 """A checkpoint's model and optimizer state put back into the live ones, in place.
 
 In place, because DDP and any captured CUDA graph keep reading the tensors they were given: a
-restore before warm-up and capture must not swap them. What is read decides how (a sharded
-checkpoint's ``ShardedState`` loads its shards into any model, any world size); whole tensors go in
-as the live model's format puts them (``CheckpointFormat.load_whole_model``), the run's format when
-it passes one, else the format ``model`` would be written in.
+restore before warm-up and capture must not swap them. The caller names two formats: the one the
+checkpoint was read in (``choice.format_of`` of its path), which puts its entries in
+(``CheckpointFormat.load_model``, ``load_optimizer``), and the one its run writes (``live``), which
+says how whole tensors go into the live model: into a sharded model's shards too. What is added
+here is the policy around that: a checkpoint of another model refused by its settings, and the
+optimizer's tensor hyper-parameters kept.
 
 ``Optimizer.load_state_dict`` replaces each param group's ``lr`` with the saved object. Our lr is a
 device tensor that a captured CUDA graph reads by address, so ``load_optimizer_state`` copies the
@@ -17,19 +19,17 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from trainer.checkpoint.choice import format_for
-from trainer.checkpoint.dcp_shards import ShardedState
 from trainer.checkpoint.format import CheckpointFormat
 from trainer.errors import ConfigError
 
 
 def load_model_state(model: torch.nn.Module, state: Dict[str, Any], config: Dict[str, Any], *,
-                     resume: str = "auto", path: Optional[Path] = None,
-                     fmt: Optional[CheckpointFormat] = None) -> None:
-    """``model.load_state_dict(state["model"])`` (into a sharded model's shards too); a checkpoint of another
+                     read_in: CheckpointFormat, live: CheckpointFormat, resume: str = "auto",
+                     path: Optional[Path] = None) -> None:
+    """``state["model"]`` (read in ``read_in``) into ``model`` (whose run writes ``live``); a checkpoint of another
     model is refused with the ``recipe.model`` settings that differ between its config and this run's named."""
     try:
-        put_model_state(model, state["model"], fmt)
+        read_in.load_model(model, state["model"], live)
     except RuntimeError as e:
         saved = (state.get("config") or {}).get("recipe", {}).get("model") or {}
         now = (config.get("recipe") or {}).get("model") or {}
@@ -41,39 +41,25 @@ def load_model_state(model: torch.nn.Module, state: Dict[str, Any], config: Dict
                           "same recipe.model settings to resume it, or checkpoint.resume=never to start over") from None
 
 
-def put_model_state(model: torch.nn.Module, saved: Any, fmt: Optional[CheckpointFormat] = None) -> None:
-    """A checkpoint's model into ``model``, in place: from a sharded checkpoint's shards (any world size, a
-    plain model too), or whole tensors (into a sharded model's shards too)."""
-    if isinstance(saved, ShardedState):
-        saved.load_model(model)
-    else:
-        (fmt or format_for(model)).load_whole_model(model, saved)
-
-
 def _shown(settings: Dict[str, Any], key: str) -> str:
     return "unset (the default)" if key not in settings else str(settings[key]).lower() if isinstance(
         settings[key], bool) else str(settings[key])
 
 
-def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: Dict[str, Any],
-                         model: Optional[torch.nn.Module] = None, fmt: Optional[CheckpointFormat] = None) -> None:
-    """``optimizer.load_state_dict(saved)`` that keeps the live tensor hyper-parameters.
+def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: Any, *, model: torch.nn.Module,
+                         read_in: CheckpointFormat, live: CheckpointFormat) -> None:
+    """``saved`` (the ``optimizer`` entry read in ``read_in``) into ``optimizer``, keeping its live tensor
+    hyper-parameters.
 
-    ``load_state_dict`` swaps each param group's entries for the saved objects, so a
-    tensor ``lr`` would become a new CPU tensor: the schedule and any captured graph
-    would then hold a stale address. Here the saved values are copied into the
-    tensors the optimizer already had (on their device). Load before capturing. ``model``: the
-    optimizer's model, needed when it is sharded (its shards take their part of each state).
+    Loading swaps each param group's entries for the saved objects, so a tensor ``lr`` would become a
+    new CPU tensor: the schedule and any captured graph would then hold a stale address. Here the saved
+    values are copied into the tensors the optimizer already had (on their device). Load before
+    capturing. ``model``: the optimizer's model (a sharded one's shards take their part of each state).
     """
-    live = [{k: v for k, v in g.items() if k != "params" and isinstance(v, torch.Tensor)}
-            for g in optimizer.param_groups]
-    if isinstance(saved, ShardedState):
-        saved.load_optimizer(model, optimizer)
-    elif model is None:
-        optimizer.load_state_dict(saved)
-    else:
-        (fmt or format_for(model)).load_whole_optimizer(model, optimizer, saved)
-    for group, tensors in zip(optimizer.param_groups, live):
+    tensors_of = [{k: v for k, v in g.items() if k != "params" and isinstance(v, torch.Tensor)}
+                  for g in optimizer.param_groups]
+    read_in.load_optimizer(model, optimizer, saved, live)
+    for group, tensors in zip(optimizer.param_groups, tensors_of):
         for key, tensor in tensors.items():
             with torch.no_grad():
                 tensor.copy_(torch.as_tensor(group[key]))

@@ -13,26 +13,15 @@ from __future__ import annotations
 import logging
 import shutil
 from pathlib import Path
-from typing import Any, Callable, Dict
+from typing import Callable
 
 from trainer.checkpoint.choice import format_of
 from trainer.checkpoint.find import list_checkpoints
 from trainer.checkpoint.layout import temps
-from trainer.checkpoint.one_file import ONE_FILE
 from trainer.checkpoint.unreadable import short_cause
 from trainer.errors import ConfigError
 
 log = logging.getLogger(__name__)
-
-
-def save_checkpoint(run_dir: Path, step: int, state: Dict[str, Any], keep: int) -> Path:
-    """Writes ``state`` as ``run_dir/checkpoints/step_{step:08d}.pt`` atomically; keeps the newest ``keep``.
-
-    Call it on one rank only (rank 0): every rank holds the same DDP state. After a
-    crash at any point, the directory holds either the old or the new file, never a
-    partial one under a checkpoint name.
-    """
-    return add_checkpoint(run_dir, keep, lambda: ONE_FILE.write_state(run_dir, step, state))
 
 
 def add_checkpoint(run_dir: Path, keep: int, write: Callable[[], Path]) -> Path:

@@ -2,8 +2,8 @@
 
 A checkpoint holds the model, the optimizer, fp16's loss scaler (scale and growth tracker), the step
 (so the position in the epoch), every rank's RNG states, the W&B run id, the recipe and the resolved
-config. How it is laid out on disk is the format's business, chosen once here from the model
-(trainer/checkpoint/choice.py): every rank takes its part (``CheckpointFormat.stage``: nothing for
+config. How it is laid out on disk is the format's business, chosen once here from the run's
+parallelism (trainer/checkpoint/choice.py): every rank takes its part (``CheckpointFormat.stage``: nothing for
 one file, its own shards for DCP), then rank 0 writes the rest and publishes it, and retention keeps
 the newest ``checkpoint.keep``.
 
@@ -21,26 +21,27 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from trainer.checkpoint.choice import format_for
+from trainer.checkpoint.choice import format_for, format_of
 from trainer.checkpoint.compatibility import check_compatible, check_same_epochs
 from trainer.checkpoint.find import latest_checkpoint, load_checkpoint
 from trainer.checkpoint.one_file import save_best
-from trainer.checkpoint.restore import load_model_state, load_optimizer_state, put_model_state
+from trainer.checkpoint.restore import load_model_state, load_optimizer_state
 from trainer.checkpoint.retention import add_checkpoint
 from trainer.checkpoint.rng import rng_state, set_rng_state
 from trainer.checkpoint.unreadable import UnreadableCheckpoint
 from trainer.errors import ConfigError, StorageError
+from trainer.parallelism import Parallelism
 from trainer.runtime import Runtime, print_once, seed_rank_streams
 
 log = logging.getLogger(__name__)
 
 
 class TrainingState:
-    def __init__(self, rt: Runtime, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 step_counter: torch.Tensor, recipe_name: str, config: Dict[str, Any], seed: int, keep: int,
-                 scaler: Optional["torch.amp.GradScaler"] = None, steps_per_epoch: int = 0):
+    def __init__(self, rt: Runtime, *, model: torch.nn.Module, parallelism: Parallelism,
+                 optimizer: torch.optim.Optimizer, step_counter: torch.Tensor, recipe_name: str, config: Dict[str, Any],
+                 seed: int, keep: int, scaler: Optional["torch.amp.GradScaler"] = None, steps_per_epoch: int = 0):
         self.rt, self.model, self.optimizer, self.step_counter = rt, model, optimizer, step_counter
-        self.format = format_for(model)  # what this run writes, chosen once
+        self.format = format_for(parallelism)  # what this run writes, chosen once
         self.steps_per_epoch = steps_per_epoch  # saved: a resume with epochs of another length is refused
         self.scaler = scaler
         self.recipe_name, self.config, self.seed, self.keep = recipe_name, config, seed, keep
@@ -154,9 +155,9 @@ class TrainingState:
             state = _load_named(path, resume)
         check_compatible(state, self.recipe_name, resume=resume, path=path)
         check_same_epochs(state, self.config, self.steps_per_epoch, resume=resume, path=path)
-        load_model_state(self.model, state, self.config, resume=resume, path=path,  # in place: DDP and graphs see it
-                         fmt=self.format)
-        load_optimizer_state(self.optimizer, state["optimizer"], model=self.model, fmt=self.format)
+        read_in = format_of(path)  # either kind, whatever this run writes; in place: DDP and graphs see it
+        load_model_state(self.model, state, self.config, read_in=read_in, live=self.format, resume=resume, path=path)
+        load_optimizer_state(self.optimizer, state["optimizer"], model=self.model, read_in=read_in, live=self.format)
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])  # in place where the scale exists already
         self.step_counter.fill_(state["step"])
@@ -183,7 +184,7 @@ class TrainingState:
         """Starts from the model weights of ``path`` (any run's checkpoint or best.pt); optimizer and step fresh."""
         try:
             saved = load_checkpoint(Path(path))["model"]
-            put_model_state(self.model, saved, self.format)  # in place, like a resume (into a sharded model's shards)
+            format_of(Path(path)).load_model(self.model, saved, self.format)  # in place, like a resume
         except (UnreadableCheckpoint, KeyError, RuntimeError) as e:
             cause = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
             raise ConfigError(f"checkpoint.init_from={path} cannot start this model ({cause}): point it at a "
