@@ -223,7 +223,7 @@ def trial_job(session, steps: int) -> int:
             raise RuntimeError(ex.report.fallback)
         phase = "steps"
         for _ in range(min(steps, 3)):  # settle
-            trainer.run_step()
+            trainer.next_step()
         timed = time_steps(trainer, steps)
     except Exception as error:
         if not out_of_memory(error):

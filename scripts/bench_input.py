@@ -52,7 +52,7 @@ def timed_steps(trainer, steps: int):
                f"{loader.shapes.full_steps - 2 * ex.warmup_iters}")
     trainer.warm_up()
     for _ in range(ex.warmup_iters):  # settle (the workers' queues fill)
-        trainer.run_step()
+        trainer.next_step()
     waited = getattr(loader, "waited_s", 0.0)
     step_ms = time_steps(trainer, steps)["step_ms_mean"]
     return step_ms / 1e3, (getattr(loader, "waited_s", 0.0) - waited) / steps

@@ -77,13 +77,13 @@ def profile_job(session, args) -> int:
     trainer.warm_up()
     pools = memory_pools(args.memory)
     for _ in range(args.steps):  # settle
-        trainer.run_step()
+        trainer.next_step()
     wall_ms = time_steps(trainer, args.steps)["step_ms_mean"]  # train.py's timer, outside the profiler's overhead
 
     # The profiler's window is not timed: CUPTI gives its kernels' spans; the sync keeps them all inside it.
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(args.steps):
-            trainer.run_step()
+            trainer.next_step()
         torch.cuda.synchronize()
     events = device_events(prof, torch.cuda.current_device())
     found = summary(events, args.steps, top=args.top, gaps=args.gaps)

@@ -10,13 +10,13 @@ from typing import Dict
 
 
 def time_steps(trainer, steps: int) -> Dict[str, float]:
-    """Runs ``steps`` training steps (``trainer.run_step()``, after its warm-up) and returns StepTimer's
+    """Runs ``steps`` training steps (``trainer.next_step()``, after its warm-up) and returns StepTimer's
     summary of them: step_ms_median, step_ms_p90, step_ms_mean, steps_timed."""
     from graphing import StepTimer  # imports torch: not at a script's --help
 
     timer = StepTimer(trainer.device)  # marks now: the first step's interval starts after the work queued so far
     for _ in range(steps):
-        trainer.run_step()
+        trainer.next_step()
         timer.step("timed")
     timer.collect()
     return timer.summary("timed")
