@@ -19,9 +19,11 @@ ARGS = ["recipe.data.source=synthetic", "recipe.data.train_size=4096", "recipe.d
 @pytest.mark.fast
 def test_checkpoints_come_every_epoch_and_every_few_minutes_by_default(train_here, out):
     base = [a for a in ARGS if not a.startswith("checkpoint.every_steps")] + ["checkpoint.keep=10"]
-    by_epoch = train_here([*base, "train.max_steps=100"], out / "epochs")  # 64 steps an epoch
+    # 1024 samples: 16 steps an epoch; the run ends at step 24, mid-way through the second.
+    by_epoch = train_here([*[a for a in base if not a.startswith("recipe.data.train_size")],
+                           "recipe.data.train_size=1024", "train.max_steps=24"], out / "epochs")
     assert by_epoch.returncode == 0, by_epoch.stderr[-3000:]
-    assert [p.name for p in list_checkpoints(by_epoch.run_dir)] == ["step_00000064.pt", "step_00000100.pt"]
+    assert [p.name for p in list_checkpoints(by_epoch.run_dir)] == ["step_00000016.pt", "step_00000024.pt"]
     # The time trigger, checked at log intervals (every 8 steps here): due at every one of them.
     by_time = train_here([*base, "train.max_steps=24", "checkpoint.every_epochs=0", "checkpoint.every_minutes=1e-9"],
                          out / "minutes")
