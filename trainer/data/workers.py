@@ -91,10 +91,9 @@ def _start_helpers(start: str) -> None:
     the rank keeps them blocked for its stop thread (trainer/stop.py): a SIGTERM would then kill the rank outright,
     without its checkpoint; the mask is put back. It would also warn of "leaked semaphore objects" after every rank
     that ends by ``os._exit`` (they are freed all the same): that warning is left out of its options."""
-    import signal as signals
     from multiprocessing import forkserver, resource_tracker
 
-    mask = signals.pthread_sigmask(signals.SIG_BLOCK, []) if hasattr(signals, "pthread_sigmask") else None
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, []) if hasattr(signal, "pthread_sigmask") else None
     options = list(sys.warnoptions)
     sys.warnoptions.append("ignore:resource_tracker:UserWarning")
     try:
@@ -104,7 +103,7 @@ def _start_helpers(start: str) -> None:
     finally:
         sys.warnoptions[:] = options
         if mask is not None:
-            signals.pthread_sigmask(signals.SIG_SETMASK, mask)
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 def batches(loader: torch.utils.data.DataLoader, iterator: Optional[Iterator] = None, *, what: str) -> Iterator:
@@ -117,7 +116,7 @@ def batches(loader: torch.utils.data.DataLoader, iterator: Optional[Iterator] = 
         except StopIteration:
             return
         except RuntimeError as e:
-            if "timed out" not in str(e):
+            if not str(e).startswith("DataLoader timed out"):  # torch's words for a wait past ``timeout``
                 raise
             pids = ", ".join(str(w.pid) for w in getattr(iterator, "_workers", []))
             raise LoaderStuck(
@@ -159,8 +158,8 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # it exists, as another user's
+        pass
     return True
 
 
