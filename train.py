@@ -4,7 +4,7 @@
     torchrun --standalone --nproc_per_node=2 train.py recipe=mnist graph=full
     python train.py --cfg job                         # print the composed config
 
-compose (Hydra, conf/) → trainer/training.py's train(cfg), the run on one page → exit.
+compose (Hydra, conf/) → trainer/session.py's train(cfg), the run on one page → exit.
 Every rank composes the same config; bad settings are reported once, by rank 0.
 """
 from __future__ import annotations
@@ -12,11 +12,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from trainer import process
+from trainer.run import process
 
 process.quiet_other_ranks()  # before Hydra: a config error is the same on every rank, rank 0 says it
 if __name__ == "__main__":  # before any thread starts: threads inherit the signal mask
-    from trainer.stop import install as take_stop_signals
+    from trainer.run.stop import install as take_stop_signals
 
     take_stop_signals()
 
@@ -36,8 +36,8 @@ def main(cfg: DictConfig) -> None:
     global _job_started
     _job_started = True
     process.restore_stderr()
-    from trainer import sweep_report
-    from trainer.training import train  # after Hydra: `--help` and config errors stay fast
+    from trainer.metrics import sweep_report
+    from trainer.session import train  # after Hydra: `--help` and config errors stay fast
 
     code = train(cfg)
     job_dir = process.multirun_job_dir()
@@ -49,8 +49,8 @@ def main(cfg: DictConfig) -> None:
 
 def compose_and_run() -> None:
     """``main``, where a config Hydra cannot compose exits with the config-error code: Hydra itself
-    exits 1, which is a crash's code here (trainer/exit_codes.py)."""
-    from trainer.exit_codes import EXIT_CONFIG, EXIT_CRASH
+    exits 1, which is a crash's code here (trainer/run/errors.py)."""
+    from trainer.run.errors import EXIT_CONFIG, EXIT_CRASH
 
     try:
         main()
@@ -61,6 +61,6 @@ def compose_and_run() -> None:
 
 
 if __name__ == "__main__":
-    from trainer.sweep_report import end_of_sweep
+    from trainer.metrics.sweep_report import end_of_sweep
 
     process.exit_worker(compose_and_run, after=end_of_sweep)

@@ -12,7 +12,7 @@ choices of graphing come from graphing/options.py. Checks that need more than a 
 (its data sources, its model options) are the recipe's to check when it is built.
 
 Components come in by ``_target_``: the recipe's builder, the optimizer class and the
-learning-rate schedule (a device-side schedule from trainer/schedules.py, or your own). The
+learning-rate schedule (a device-side schedule from trainer/step/schedules.py, or your own). The
 optimizer and the schedule are partial, as in lightning-hydra-template (``_partial_: true``,
 which may be left out): the trainer completes the call, adding the parameters and a device
 learning rate to the optimizer's keys, and base_lr and total_steps to the schedule's. Any other
@@ -74,7 +74,7 @@ class GradReduce(Enum):
 class Parallel(Enum):
     ddp = "ddp"  # DistributedDataParallel: a whole replica of weights, gradients and optimizer state per rank
     # FSDP2 (fully_shard): weights, gradients and optimizer state sharded over all ranks, each block
-    # all-gathered for its forward and backward, gradients reduce-scattered (trainer/sharding.py)
+    # all-gathered for its forward and backward, gradients reduce-scattered (trainer/parallel/sharding.py)
     fsdp2 = "fsdp2"
 
 
@@ -114,7 +114,7 @@ class DataConfig:
     # and masked across ranks; true: it is dropped
     drop_last: bool = False
     # language models: sequence lengths to train on, shortest first, each for an equal share of
-    # the steps (trainer/seq_len.py); empty: the whole window always
+    # the steps (trainer/step/seq_len.py); empty: the whole window always
     seq_len_buckets: List[int] = field(default_factory=list)
     num_workers: int = 0  # DataLoader worker processes (host loader; device loader: for reading the data once)
     worker_start: WorkerStart = WorkerStart.forkserver
@@ -134,8 +134,8 @@ class RecipeConfig:
     # Any torch.optim class (or yours) by _target_; its other keys are its arguments.
     optim: Dict[str, Any] = field(default_factory=lambda: {"_target_": "torch.optim.SGD", "_partial_": True,
                                                            "lr": 0.01})
-    # A device-side schedule (trainer/schedules.py: Constant, Cosine, or yours); its other keys are its arguments.
-    schedule: Dict[str, Any] = field(default_factory=lambda: {"_target_": "trainer.schedules.Constant",
+    # A device-side schedule (trainer/step/schedules.py: Constant, Cosine, or yours); its other keys are its arguments.
+    schedule: Dict[str, Any] = field(default_factory=lambda: {"_target_": "trainer.step.schedules.Constant",
                                                               "_partial_": True})
     model: Dict[str, Any] = field(default_factory=dict)  # checked by the recipe's model
     # 0: off. The recipe's loss applies it and its Recipe says so (trainer/recipe.py): set for a recipe
@@ -260,7 +260,7 @@ class TrainConfig:
     # One directory per job, shared by all ranks (decided by rank 0). Default:
     # <output_root>/<date>/<time>_<recipe>_<mode>
     run_dir: Optional[str] = None
-    # One owner per run_dir, held by a lock (trainer/run_lock.py). true: where the filesystem refuses
+    # One owner per run_dir, held by a lock (trainer/run/run_lock.py). true: where the filesystem refuses
     # locks, take over a run_dir whose owner record names another host
     take_over_run_dir: bool = False
 

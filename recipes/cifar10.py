@@ -17,9 +17,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from recipes.vision import classification_criterion, image_datasets
-from trainer.activation_checkpointing import checkpointed
+from trainer.step.activation_checkpointing import checkpointed
 from trainer.recipe import Batch, Recipe, Split, top1_correct
-from trainer.runtime import Runtime
+from trainer.run.runtime import Runtime
 
 MEAN = (0.4914, 0.4822, 0.4465)  # per channel, of the CIFAR-10 training set
 STD = (0.2470, 0.2435, 0.2616)

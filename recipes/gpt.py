@@ -32,10 +32,10 @@ import torch.nn.functional as F
 
 from recipes.subset import seeded_subset
 from recipes.tokens import dtype_for_vocab, input_dtype, token_splits, windows
-from trainer.activation_checkpointing import checkpointed
-from trainer.errors import ConfigError
+from trainer.step.activation_checkpointing import checkpointed
+from trainer.run.errors import ConfigError
 from trainer.recipe import Batch, Datasets, Recipe, Split, top1_correct
-from trainer.runtime import Runtime
+from trainer.run.runtime import Runtime
 
 BYTES = 256  # the vocabulary of byte-level text: one token per byte
 SOURCES = ("auto", "text", "tokens", "synthetic")

@@ -41,10 +41,10 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from recipes.gpt import language_data, next_token_criterion, preprocess
-from trainer.errors import ConfigError, first_line
+from trainer.run.errors import ConfigError, first_line
 from trainer.recipe import Batch, Recipe, blocks_named, top1_correct
-from trainer.runtime import Runtime
-from trainer.shard_optimizer import local_tensor
+from trainer.run.runtime import Runtime
+from trainer.parallel.shard_optimizer import local_tensor
 
 REQUIREMENT = "transformers>=5.17,<6"  # as requirements-hf.txt says
 INSTALL = "pip install -r requirements-hf.txt"

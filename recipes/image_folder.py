@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from trainer.data import read_every_item
-from trainer.errors import ConfigError
+from trainer.run.errors import ConfigError
 from trainer.recipe import Datasets, Split
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from recipes.vision import classification_criterion, image_datasets
 from trainer.recipe import Batch, Recipe, Split, top1_correct
-from trainer.runtime import Runtime
+from trainer.run.runtime import Runtime
 
 MEAN, STD = 0.1307, 0.3081  # of the MNIST training set
 TRAIN_SIZE, TEST_SIZE = 60_000, 10_000

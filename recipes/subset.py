@@ -5,7 +5,7 @@ from typing import Optional
 
 import torch
 
-from trainer.errors import ConfigError
+from trainer.run.errors import ConfigError
 from trainer.recipe import Split, SplitLike
 
 STREAMS = {"train": 1, "test": 2}  # one random stream per split, as recipes/image_folder.py draws its subsets

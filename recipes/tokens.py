@@ -22,7 +22,7 @@ from typing import Dict, Tuple
 import numpy as np
 import torch
 
-from trainer.errors import ConfigError
+from trainer.run.errors import ConfigError
 from trainer.recipe import Split
 
 META = "meta.json"

@@ -8,10 +8,10 @@ import torch.nn.functional as F
 
 from recipes.image_folder import folder_datasets
 from recipes.subset import seeded_subset
-from trainer.errors import ConfigError
+from trainer.run.errors import ConfigError
 from trainer.recipe import Datasets, Split
-from trainer.runtime import Runtime
-from trainer.sources import resolve_source
+from trainer.run.runtime import Runtime
+from trainer.data.sources import resolve_source
 
 
 def classification_criterion(log_probs_given: bool, label_smoothing: float = 0.0):

@@ -35,7 +35,7 @@ sys.path.insert(0, str(REPO))
 
 from scripts.lib.launch import run_captured  # noqa: E402
 from scripts.lib.refuse import refuse  # noqa: E402
-from trainer.cli import script_config  # noqa: E402
+from trainer.run.cli import script_config  # noqa: E402
 
 DEFAULTS = ["recipe=gpt2_small", "graph=full", "logger=none", "train.progress=false", "train.eval=false",
             "recipe.data.source=synthetic", "graph.warmup_iters=3"]

@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from scripts.lib.launch import check_overrides, run_or_exit  # noqa: E402
-from trainer.cli import script_config  # noqa: E402
+from trainer.run.cli import script_config  # noqa: E402
 
 CONTEXT = 1024
 PROJECT = ["recipe=gpt2_small", "graph=full_compiled", "recipe.accuracy=false", "recipe.data.source=synthetic",

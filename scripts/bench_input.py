@@ -33,7 +33,7 @@ from conf.schema import compose  # noqa: E402
 from scripts.lib.launch import run_or_exit  # noqa: E402
 from scripts.lib.refuse import refuse  # noqa: E402
 from scripts.lib.timing import time_steps  # noqa: E402
-from trainer.cli import script_config  # noqa: E402
+from trainer.run.cli import script_config  # noqa: E402
 from trainer.session import Session  # noqa: E402
 
 EXPORT_TIMEOUT_S = 3600  # writing a dataset to disk as PNG files

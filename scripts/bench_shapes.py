@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from scripts.lib.launch import run_or_exit  # noqa: E402
-from trainer.cli import script_config  # noqa: E402
+from trainer.run.cli import script_config  # noqa: E402
 
 DEFAULTS = ["recipe=gpt2_small", "logger=none", "train.progress=false", "train.eval=false",
             "recipe.data.source=synthetic", "train.log_every=10"]

@@ -43,7 +43,7 @@ warm-up over 10 steps then constant, gradient clipping at 1.0; ``--warmup-steps`
 11 eager steps, then the capture) and ``--steps`` timed ones, with the same timer (graphing.StepTimer).
 MFU uses one FLOP formula for both (scripts/lib/llama3.py ``training_flops_per_token``:
 6 x (parameters - token embedding) + 12 x layers x width x sequence length per token, what both trainers
-log) against trainer/perf.py's dense bf16 peak of the GPU.
+log) against trainer/metrics/perf.py's dense bf16 peak of the GPU.
 
 Shapes (scripts/lib/llama3.py): ``8b`` is torchtitan's 8B flavour, 4096 x 32 layers, 32 heads / 8 KV heads,
 FFN 14336, vocabulary 128256, RoPE theta 500000: 8,030,261,248 parameters. torchtitan 0.2.2 has no ~1B
@@ -92,8 +92,8 @@ from scripts.lib.llama3 import (  # noqa: E402
     parameter_count, training_flops_per_token,
 )
 from scripts.lib.refuse import refuse  # noqa: E402
-from trainer.cli import script_config  # noqa: E402
-from trainer.results import markdown_table, write_json  # noqa: E402
+from trainer.run.cli import script_config  # noqa: E402
+from trainer.metrics.results import markdown_table, write_json  # noqa: E402
 
 SCRIPT = "bench_torchtitan.py"
 TORCHTITAN = "0.2.2"  # the release read for the shapes and settings; scripts/requirements-torchtitan.txt pins it
@@ -201,7 +201,7 @@ def ours_overrides(plan: Plan) -> List[str]:
             "recipe.accuracy=false",  # torchtitan computes no accuracy: no argmax over the vocabulary per step
             f"recipe.optim.lr={LR!r}", f"recipe.optim.betas={hydra_value(list(BETAS))}",
             f"recipe.optim.weight_decay={WEIGHT_DECAY!r}", f"+recipe.optim.eps={EPS!r}",
-            "recipe.schedule._target_=trainer.schedules.Constant", f"recipe.schedule.warmup_steps={LR_WARMUP_STEPS}",
+            "recipe.schedule._target_=trainer.step.schedules.Constant", f"recipe.schedule.warmup_steps={LR_WARMUP_STEPS}",
             "~recipe.schedule.min_lr_ratio",
             "train.parallel=fsdp2", "train.fsdp.init=meta", "train.precision=bf16", "train.fsdp.reduce_dtype=fp32",
             f"train.fsdp.reshard_after_forward={'false' if plan.reshard == 'never' else 'true'}",
@@ -265,7 +265,7 @@ def matched_settings(plan: Plan) -> List[Tuple[str, str, str]]:
          "graph=full (one CUDA graph); full_compiled: each block compiled, the loss apart, in the graph"),
         ("optimizer", f"AdamW fused, lr {LR:g}, betas {BETAS[0]}/{BETAS[1]}, eps {EPS:g}, weight decay {WEIGHT_DECAY}",
          "recipe.optim: torch.optim.AdamW, the same (fused)"),
-        ("LR schedule", f"warm-up {LR_WARMUP_STEPS} steps, then constant", f"trainer.schedules.Constant, warmup_steps={LR_WARMUP_STEPS}"),
+        ("LR schedule", f"warm-up {LR_WARMUP_STEPS} steps, then constant", f"trainer.step.schedules.Constant, warmup_steps={LR_WARMUP_STEPS}"),
         ("gradient clipping", f"max_norm {MAX_NORM}", f"train.grad_clip={MAX_NORM}"),
         ("steps", f"{plan.warmup_steps} untimed, {plan.steps} timed",
          f"{plan.warmup_steps - 1} eager + capture untimed, {plan.steps} timed (graph.warmup_iters)"),
@@ -412,7 +412,7 @@ def report(rows: Sequence[Dict[str, Any]], run_plans: Sequence[Plan], device: st
                      f"{s.ffn_hidden}, vocabulary {s.vocab}, RoPE theta {s.rope_theta:g}: {parameter_count(s):,} "
                      f"parameters; {flops / 1e9:.2f} GFLOP per token at {row['seq_len']} tokens; "
                      f"{row['seq_len']} x {row['local_batch']} tokens per GPU per step{steps}.")
-    peak_text = f"{peak[0]}, {peak[1]:g} TFLOP/s (trainer/perf.py)" if peak else "no known peak for this GPU: no MFU"
+    peak_text = f"{peak[0]}, {peak[1]:g} TFLOP/s (trainer/metrics/perf.py)" if peak else "no known peak for this GPU: no MFU"
     lines += ["", "FLOPs per token = 6 x (parameters - token embedding) + 12 x layers x width x sequence length, "
               f"one formula for both sides (scripts/lib/llama3.py); MFU against {peak_text}. tokens/s per GPU = "
               "tokens per GPU per step / mean step time. Step times: the interval between step ends "
@@ -658,7 +658,7 @@ def dry_run(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace, run_plans: List[Plan], version: Optional[str]) -> int:
     import torch  # after the checks: --help, bad input and the refusals answer without it
 
-    from trainer.perf import peak_tflops
+    from trainer.metrics.perf import peak_tflops
 
     exit_on_sigterm()  # a SIGTERM stops the run in flight (scripts/lib/launch.py) on the way out
     if args.alloc_conf:  # both sides' processes inherit it

@@ -30,8 +30,8 @@ from scripts.lib.comparison import comparison_rows  # noqa: E402
 from scripts.lib.launch import (  # noqa: E402
     RESERVED, check_overrides, cuda_device_count, exit_on_sigterm, failed, launch_mode, timestamp,
 )
-from trainer.cli import script_config  # noqa: E402
-from trainer.results import markdown_table  # noqa: E402
+from trainer.run.cli import script_config  # noqa: E402
+from trainer.metrics.results import markdown_table  # noqa: E402
 
 DEFAULTS = ["recipe=gpt2_small", "recipe.data.source=synthetic", "logger=none", "train.progress=false",
             "train.eval=false", "checkpoint.save=false", "train.epochs=1000"]  # --steps alone ends a run

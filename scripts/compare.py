@@ -36,7 +36,7 @@ from scripts.lib.launch import (  # noqa: E402
     RESERVED, check_overrides, cuda_device_count, exit_on_sigterm, failed, graph_names, parse_list, run_modes,
     timestamp,
 )
-from trainer.cli import script_config  # noqa: E402
+from trainer.run.cli import script_config  # noqa: E402
 
 MODES = ("eager", "full", "partial", "compile", "full_compiled")  # conf/graph/<mode>.yaml
 

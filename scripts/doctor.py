@@ -59,16 +59,16 @@ def diagnose_trainer(trainer):
                       max_graphs=trainer.plan.graph.max_graphs)
     if not cuda:
         report.notes.append("optimizer not checked here: on CUDA the trainer builds it capturable/fused, and "
-                            "trainer/optim.py refuses a class that cannot be captured")
+                            "trainer/step/optim.py refuses a class that cannot be captured")
     return report
 
 
 def doctor_job(session, overrides: List[str]) -> int:
     """Builds the run as train.py does, diagnoses its step, reports: the verdict's exit code."""
     from graphing.doctor import COLUMNS
-    from trainer.results import write_json
-    from trainer.runtime import print_once
-    from trainer.process import tell_torchrun
+    from trainer.metrics.results import write_json
+    from trainer.run.runtime import print_once
+    from trainer.run.process import tell_torchrun
 
     cfg, trainer = session.cfg, session.build()
     rt = trainer.rt
@@ -94,7 +94,7 @@ def doctor_job(session, overrides: List[str]) -> int:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from trainer.cli import script_config
+    from trainer.run.cli import script_config
     from trainer.session import Session
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

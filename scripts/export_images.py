@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, List, Optional, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer.cli import script_config  # noqa: E402
-from trainer.errors import ConfigError  # noqa: E402
+from trainer.run.cli import script_config  # noqa: E402
+from trainer.run.errors import ConfigError  # noqa: E402
 
 if TYPE_CHECKING:  # torch and the recipes are imported where used: `--help` and a bad override answer at once
     import numpy as np
@@ -56,7 +56,7 @@ def export(cfg, output: Path, *, limit: Optional[int] = None, workers: int = 1) 
     """Writes the folder of the recipe in ``cfg`` (conf.schema.compose); returns the line that says what was written."""
     import torch
 
-    from trainer.assembly import build_recipe_alone
+    from trainer.session import build_recipe_alone
 
     began = time.monotonic()
     if limit is not None and limit < 1:

@@ -40,7 +40,7 @@ from scripts.lib.kernel_profile import device_events, summary  # noqa: E402
 from scripts.lib.memory_pools import describe as describe_pools, pool_report  # noqa: E402
 from scripts.lib.refuse import refuse  # noqa: E402
 from scripts.lib.timing import time_steps  # noqa: E402
-from trainer.cli import script_config  # noqa: E402
+from trainer.run.cli import script_config  # noqa: E402
 from trainer.session import Session  # noqa: E402
 
 

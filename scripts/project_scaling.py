@@ -48,7 +48,7 @@ from scripts.lib.allreduce_model import (  # noqa: E402
     MEASURED_ALLREDUCE_SCALE, Links, allreduce_s, parameter_count,
 )
 from scripts.lib.refuse import refuse  # noqa: E402
-from trainer.cli import script_config  # noqa: E402
+from trainer.run.cli import script_config  # noqa: E402
 
 
 def step_ms_at(curve: Dict[int, float], batch: float) -> Optional[float]:
@@ -117,7 +117,7 @@ def check_two_gpus(points: Sequence[dict], recipe: str, one_gpu: Dict[str, Dict[
 
 def markdown(recipe: str, global_batch: int, grad_bytes: float, rows: List[dict], check: List[dict],
              links: Links, modes: Sequence[str], allreduce_scale: float = 1.0) -> str:
-    from trainer.results import markdown_table
+    from trainer.metrics.results import markdown_table
 
     table = markdown_table(
         ["GPUs", "batch/GPU", "all-reduce ms", *(f"{m} step ms" for m in modes), "graph speedup"],

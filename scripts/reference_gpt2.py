@@ -14,7 +14,7 @@ bf16 autocast with fp32 weights, TF32 matmuls, AdamW (fused, lr 6e-4, betas 0.9/
 weight decay 0.1 on matrices only), gradient clipping at 1.0, ``torch.compile(model)``
 (mode default), random tokens already on the GPU (the data costs nothing), one micro-batch
 per step, the loss computed inside the compiled forward. Prints milliseconds per step (median over --steps after --warmup), tokens/s and
-MFU against the GPU's dense bf16 peak (trainer/perf.py's table; 6N + 12·L·d·T FLOPs per token).
+MFU against the GPU's dense bf16 peak (trainer/metrics/perf.py's table; 6N + 12·L·d·T FLOPs per token).
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def main() -> int:
     import torch
 
     import graphing
-    from trainer.perf import peak_tflops
+    from trainer.metrics.perf import peak_tflops
 
     if not torch.cuda.is_available():
         refuse("reference_gpt2.py times a GPU: this machine has no CUDA device")

@@ -31,8 +31,8 @@ from scripts.lib.launch import (  # noqa: E402
     RESERVED, check_overrides, cuda_device_count, exit_on_sigterm, failed, graph_names, parse_list, run_modes,
     timestamp,
 )
-from trainer.cli import script_config  # noqa: E402
-from trainer.results import markdown_table, write_json  # noqa: E402
+from trainer.run.cli import script_config  # noqa: E402
+from trainer.metrics.results import markdown_table, write_json  # noqa: E402
 
 DEFAULT_BATCH_SIZES = "16,32,64,128,256"
 SWEEP_RESERVED = (*RESERVED, "recipe", "recipe.data.batch_size")

@@ -75,7 +75,7 @@ def train_here(capsys, tmp_path):
     The fast way to see what a user sees for a config: exit code, message, files.
     """
     from conf.schema import compose
-    from trainer.training import train as run
+    from trainer.session import train as run
 
     def train(overrides: List[str], output_root: Optional[Path] = None) -> Finished:
         output_root = output_root or tmp_path / "outputs"

@@ -50,7 +50,7 @@ def test_the_setting_composes_with_every_recipe_and_is_off_by_default(recipe):
 def one_step(recipe_name: str, overrides, checkpointing: bool):
     """One forward and backward of the recipe's model, built by its build() as a run would, on the
     first 8 training samples: (loss, gradients, buffers, calls of the first block's forward)."""
-    from trainer.assembly import build_recipe_alone
+    from trainer.session import build_recipe_alone
 
     cfg = compose([f"recipe={recipe_name}", "experiment=debug", "train.precision=fp32", *overrides,
                    f"{SETTING}={str(checkpointing).lower()}"])
@@ -142,7 +142,7 @@ CHECKPOINTED_USER_RECIPE = '''
 import torch
 import torch.nn.functional as F
 
-from trainer.activation_checkpointing import checkpointed
+from trainer.step.activation_checkpointing import checkpointed
 from trainer.recipe import Datasets, Recipe, top1_correct
 from user_recipes.rings import rings
 
@@ -279,7 +279,7 @@ def test_a_benchmark_trial_runs_in_its_own_process_and_reports_back(tmp_path):
 def test_blocks_a_recipe_names_are_recomputed_in_backward_while_training_only():
     import torch
 
-    from trainer.activation_checkpointing import checkpoint_blocks
+    from trainer.step.activation_checkpointing import checkpoint_blocks
 
     class Block(torch.nn.Module):
         def __init__(self):

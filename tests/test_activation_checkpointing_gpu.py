@@ -47,7 +47,7 @@ class DropoutBlock(nn.Module):
 def probe_step(block: nn.Module, x: torch.Tensor, how: str) -> torch.Tensor:
     from torch.utils.checkpoint import checkpoint
 
-    from trainer.activation_checkpointing import checkpointed
+    from trainer.step.activation_checkpointing import checkpointed
 
     if how == "torch.utils.checkpoint":
         y = checkpoint(block, x, use_reentrant=False)
@@ -183,7 +183,7 @@ def test_full_compiled_with_checkpointing_and_dropout_fails_its_capture_naming_t
     hold: the capture fails, once, with what to change."""
     done = launch([*COMMON, *CHECKPOINTED["gpt_tiny"], "graph=full_compiled", f"{SETTING}=true"], out, timeout=300)
     text = done.stdout + done.stderr
-    assert done.returncode == 3, text[-4000:]  # trainer/exit_codes.py EXIT_CAPTURE
+    assert done.returncode == 3, text[-4000:]  # trainer/run/errors.py EXIT_CAPTURE
     assert text.count("a compiled region that is recomputed by activation checkpointing draws random numbers") == 1
     assert "Set the model's dropout to 0" in text and "train.activation_checkpointing=false" in text
 

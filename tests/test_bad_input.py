@@ -35,7 +35,7 @@ from omegaconf import OmegaConf
 
 from conf.schema import compose
 from graphing import GraphMode
-from trainer.errors import ConfigError
+from trainer.run.errors import ConfigError
 
 QUICK = ["recipe.data.source=synthetic", "recipe.data.train_size=2048", "recipe.data.test_size=256",
          "logger=none", "train.max_steps=2"]
@@ -70,9 +70,9 @@ CASES = [
     pytest.param(["recipe._target_=operator.is_"], ["recipe._target_=operator.is_ returned a bool, not a "
                                                     "trainer.recipe.Recipe"], id="recipe-target-not-a-recipe"),
     pytest.param(["recipe.schedule._target_=torch.optim.lr_scheduler.StepLR"],
-                 ["is a host-side scheduler", "trainer.schedules.Cosine"], id="host-side-scheduler"),
-    pytest.param(["recipe.schedule._target_=trainer.schedules.Cosine", "+recipe.schedule.min_lr_ratio=2"],
-                 ["recipe.schedule (trainer.schedules.Cosine) could not be built", "min_lr_ratio=2"],
+                 ["is a host-side scheduler", "trainer.step.schedules.Cosine"], id="host-side-scheduler"),
+    pytest.param(["recipe.schedule._target_=trainer.step.schedules.Cosine", "+recipe.schedule.min_lr_ratio=2"],
+                 ["recipe.schedule (trainer.step.schedules.Cosine) could not be built", "min_lr_ratio=2"],
                  id="schedule-argument"),
     pytest.param(["graph.compile_model=true", "graph=eager"], ["graph.compile_model=true applies to graph.mode=full"],
                  id="compile-model-eager"),
@@ -167,7 +167,7 @@ def test_auto_mode_picks_full_on_cuda_and_eager_on_cpu():
 ])
 def test_an_optimizer_a_graph_would_freeze_is_refused_in_full_mode(target, settings, needle):
     # A setting is refused by the plan's check (check_captured_optimizer); a class, once built (build_optimizer).
-    from trainer.optim import build_optimizer, check_captured_optimizer, optimizer_spec
+    from trainer.step.optim import build_optimizer, check_captured_optimizer, optimizer_spec
 
     cfg = optimizer_spec(OmegaConf.create({"_target_": target, "_partial_": True, "lr": 0.1, **settings}))
 
@@ -216,9 +216,9 @@ def test_running_out_of_gpu_memory_says_so_in_one_line_with_the_settings_to_chan
 
 @pytest.mark.fast
 def test_every_exit_code_has_one_meaning():
-    """trainer/exit_codes.py and the doctor's verdicts (graphing's): no value means two things."""
+    """trainer/run/errors.py and the doctor's verdicts (graphing's): no value means two things."""
     from graphing.doctor.report import VERDICT_EXIT
-    from trainer.exit_codes import TRAINER_EXIT_CODES
+    from trainer.run.errors import TRAINER_EXIT_CODES
 
     doctor = {f"doctor: {verdict}": code for verdict, code in VERDICT_EXIT.items() if verdict != "ready"}
     codes = {**TRAINER_EXIT_CODES, **doctor}

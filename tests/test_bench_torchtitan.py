@@ -124,7 +124,7 @@ def test_one_flop_formula_six_n_plus_the_attention_term():
     assert training_flops_per_token(eight, 8192) == dense + attention == 57_914_449_920
     assert training_flops_per_token(eight, 4096) == dense + attention // 2
     assert training_flops_per_token(SHAPES["1b"], 2048) == 6 * (1_498_482_688 - 128256 * 2048) + 12 * 16 * 2048 * 2048
-    # MFU: a GPU training 4096 tokens/s of 8B at T=8192 against a 989 TFLOP/s peak (trainer/perf.py's H100/H200 SXM).
+    # MFU: a GPU training 4096 tokens/s of 8B at T=8192 against a 989 TFLOP/s peak (trainer/metrics/perf.py's H100/H200 SXM).
     assert mfu_pct(4096, 57_914_449_920, 989.0) == pytest.approx(100 * 4096 * 57_914_449_920 / 989e12)
     assert mfu_pct(4096, 57_914_449_920, 989.0) == pytest.approx(23.985, abs=1e-3)
 
@@ -158,7 +158,7 @@ def test_this_repos_side_composes_the_same_shape_and_matched_settings(size, ac):
     optim = OmegaConf.to_container(cfg.recipe.optim)
     assert optim == {"_target_": "torch.optim.AdamW", "_partial_": True, "lr": 3e-4, "betas": [0.9, 0.95],
                      "weight_decay": 0.1, "eps": 1e-8}
-    assert OmegaConf.to_container(cfg.recipe.schedule) == {"_target_": "trainer.schedules.Constant",
+    assert OmegaConf.to_container(cfg.recipe.schedule) == {"_target_": "trainer.step.schedules.Constant",
                                                            "_partial_": True, "warmup_steps": 10}
     assert cfg.recipe.accuracy is False and cfg.checkpoint.save is False
 
@@ -466,7 +466,7 @@ def test_a_failed_run_is_reported_by_its_first_error_not_torchruns_report():
         == "torchtitan_worker: rank 0 ran past 60 s: stopping"
     assert bench.failure_line("Error: train.epochs=0 must be at least 1\n") == "Error: train.epochs=0 must be at least 1"
     assert bench.failure_line("something\nlast words\n") == "last words" and bench.failure_line("") == "(no output)"
-    long = "[rank0]: trainer.errors.ConfigError: graph.compile_model=true with " + "x" * 400
+    long = "[rank0]: trainer.run.errors.ConfigError: graph.compile_model=true with " + "x" * 400
     assert bench.failure_line(long) == long[:299] + "…"  # the error's name stays; the end of its words goes
 
 

@@ -17,9 +17,9 @@ from trainer.checkpoint import (ONE_FILE, TEMP_PREFIX, UnreadableCheckpoint, che
                                 checkpoint_exists, format_of, latest_checkpoint, list_checkpoints, load_checkpoint,
                                 load_model_state, load_optimizer_state, rng_state, set_rng_state)
 from trainer.checkpoint.retention import add_checkpoint
-from trainer.errors import ConfigError
-from trainer.optim import build_optimizer
-from trainer.optim import optimizer_spec
+from trainer.run.errors import ConfigError
+from trainer.step.optim import build_optimizer
+from trainer.step.optim import optimizer_spec
 
 pytestmark = pytest.mark.fast
 
@@ -334,11 +334,11 @@ def test_checkpoint_of_another_recipe_names_the_settings(tmp_path):
     check_compatible(state, "gpt_tiny")  # the same recipe resumes
 
 
-# ---- storage that cannot take a write (trainer/storage.py) ---------------------------------
+# ---- storage that cannot take a write (trainer/run/storage.py) ---------------------------------
 
 def test_a_save_without_room_is_refused_before_writing_and_names_the_sizes(tmp_path, monkeypatch):
-    import trainer.storage as storage
-    from trainer.errors import StorageError
+    import trainer.run.storage as storage
+    from trainer.run.errors import StorageError
 
     _save(tmp_path, 10, keep=2)
     monkeypatch.setattr(storage, "free_bytes", lambda path: 1000)
@@ -351,7 +351,7 @@ def test_a_save_without_room_is_refused_before_writing_and_names_the_sizes(tmp_p
 
 
 def test_a_write_that_fails_without_an_errno_leaves_no_temp_file_and_keeps_the_last_good_one(tmp_path, monkeypatch):
-    from trainer.errors import StorageError
+    from trainer.run.errors import StorageError
 
     _save(tmp_path, 10, keep=2)
     real_save = torch.save
@@ -371,8 +371,8 @@ def test_results_are_written_whole_or_not_at_all(tmp_path, monkeypatch):
     import errno
     import os
 
-    from trainer.errors import StorageError
-    from trainer.results import write_json
+    from trainer.run.errors import StorageError
+    from trainer.metrics.results import write_json
 
     write_json(tmp_path / "results.json", {"steps": 1})
 
@@ -391,8 +391,8 @@ def test_metrics_rows_a_full_disk_refuses_wait_in_memory_and_never_leave_half_a_
     import json
     import os
 
-    from trainer.errors import StorageError
-    from trainer.metrics_logger import JsonLines
+    from trainer.run.errors import StorageError
+    from trainer.metrics.logger import JsonLines
 
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1}\n{"step": 2, "trunc')  # a crash while writing row 2

@@ -54,7 +54,7 @@ def test_defaults_are_the_readme_defaults():
     assert cfg.graph.capture_error_mode.value == "global" and cfg.graph.on_failure.value == "fail"
     assert cfg.recipe.data.source == "auto" and cfg.recipe.data.batch_size == 64
     assert dict(cfg.recipe.optim) == {"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.01, "momentum": 0.5}
-    assert dict(cfg.recipe.schedule) == {"_target_": "trainer.schedules.Constant", "_partial_": True, "warmup_steps": 0}
+    assert dict(cfg.recipe.schedule) == {"_target_": "trainer.step.schedules.Constant", "_partial_": True, "warmup_steps": 0}
     assert cfg.train.epochs == 10 and cfg.device.value == "auto"
     assert cfg.logger.backend.value == "wandb" and cfg.logger.wandb.mode is None  # offline unless told
     ddp = cfg.train.ddp  # bucket_cap_mb null: torch's own buckets (a 1 MiB first one, then 25 MiB)
@@ -114,9 +114,9 @@ def test_ddp_settings_compose_with_any_recipe_and_are_typed():
 @pytest.mark.fast
 def test_components_are_swapped_by_target():
     cfg = compose(["recipe.optim._target_=torch.optim.AdamW", "~recipe.optim.momentum",
-                   "recipe.schedule._target_=trainer.schedules.Cosine", "recipe.schedule.warmup_steps=5"])
+                   "recipe.schedule._target_=trainer.step.schedules.Cosine", "recipe.schedule.warmup_steps=5"])
     assert dict(cfg.recipe.optim) == {"_target_": "torch.optim.AdamW", "_partial_": True, "lr": 0.01}
-    assert dict(cfg.recipe.schedule) == {"_target_": "trainer.schedules.Cosine", "_partial_": True, "warmup_steps": 5}
+    assert dict(cfg.recipe.schedule) == {"_target_": "trainer.step.schedules.Cosine", "_partial_": True, "warmup_steps": 5}
 
 
 @pytest.mark.fast

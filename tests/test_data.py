@@ -20,9 +20,9 @@ from helpers.launches import launch_together
 from helpers.paths import ROOT
 from helpers.processes import MARK, SESSION, cmdline, is_live, marked_pids, stacks
 from trainer.data import DeviceLoader, HostLoader, choose_loader, make_loader
-from trainer.errors import ConfigError
+from trainer.run.errors import ConfigError
 from trainer.recipe import Split
-from trainer.runtime import Runtime
+from trainer.run.runtime import Runtime
 
 
 class Points(torch.utils.data.Dataset):
@@ -329,7 +329,7 @@ sys.path.insert(0, os.getcwd())
 from trainer.data import HostLoader
 from trainer.data.workers import WorkerSettings, use_worker_settings
 from trainer.recipe import Split
-from trainer.runtime import Runtime
+from trainer.run.runtime import Runtime
 
 
 class StuckAfter(torch.utils.data.Dataset):

@@ -23,7 +23,7 @@ from graphing import GraphOptions, build_executor
 from helpers.launches import Finished, free_port, launch_together
 from helpers.shared_runs import TWO_RANKS_ON_CIFAR
 from trainer.plan import plan_run
-from trainer.runtime import Runtime
+from trainer.run.runtime import Runtime
 from trainer.trainer import Trainer
 
 QUICK = ["recipe.data.source=synthetic", "recipe.data.train_size=2048", "recipe.data.test_size=256",

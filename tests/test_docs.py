@@ -175,7 +175,7 @@ class Checker:
             return [f"{script} {' '.join(own)} --help exits {code}: {help_text.strip()[-500:]}"]
         problems = [f"{script}: option {flag} is not in its --help" for flag in option_names(own)
                     if not re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", help_text)]
-        if "--config-dir" in help_text:  # it takes train.py's config (trainer/cli.py)
+        if "--config-dir" in help_text:  # it takes train.py's config (trainer/run/cli.py)
             train_args = [a for a in own if "=" in a and not a.startswith("-")] + train_part
             problems += self.train(train_args, cpu_world_size=None)  # the script adds its own settings
         return problems

@@ -135,7 +135,7 @@ def in_process(args: List[str], output_root: Path) -> Observed:
     import io
 
     from conf.schema import compose
-    from trainer.training import train
+    from trainer.session import train
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):

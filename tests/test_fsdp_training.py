@@ -144,16 +144,17 @@ def test_what_a_gpu_run_under_fsdp2_cannot_carry_is_refused_by_name(graph, preci
     # The plan's own check, with the choices a GPU machine resolves to (this one has none).
     from conf.schema import compose
     from graphing import GraphMode, GraphOptions
-    from trainer.errors import ConfigError
-    from trainer.optim import optimizer_spec
-    from trainer.sharding import fsdp_spec
+    from trainer.run.errors import ConfigError
+    from trainer.step.optim import optimizer_spec
+    from trainer.parallel.sharding import fsdp_spec
 
     cfg = compose([*GPT, "train.parallel=fsdp2", f"recipe.optim._target_={optim}", "~recipe.optim.betas",
                    "~recipe.optim.weight_decay"])
     with pytest.raises(ConfigError, match=re.escape(message)):
         options = GraphOptions(mode=GraphMode.full, compile_model=True) if graph == "full_compiled" else \
             GraphOptions(mode=GraphMode(graph))
-        fsdp_spec(cfg, precision, options, optimizer_spec(cfg.recipe.optim))
+        optimizer = optimizer_spec(cfg.recipe.optim)
+        fsdp_spec(cfg, precision, options, optimizer.target, optimizer.cls)
 
 
 @pytest.mark.fast

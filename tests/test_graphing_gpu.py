@@ -29,7 +29,7 @@ SYNTH = ["recipe.data.source=synthetic", "recipe.data.train_size=16384", "recipe
 def in_session(overrides, tmp_path, job):
     """``job(trainer, logger)`` on a Trainer built in this process (one rank) by train.py's session,
     which then closes it; returns what the job returned."""
-    from trainer.metrics_logger import MetricsLogger
+    from trainer.metrics.logger import MetricsLogger
     from trainer.session import Session
 
     cfg = compose([*SYNTH, "logger=none", f"output_root={tmp_path}", *overrides])
@@ -71,7 +71,7 @@ def test_each_capture_error_mode_trains_mnist_under_two_gpu_ddp(out, capture_err
 def test_full_graph_matches_eager_step_for_step(tmp_path):
     """Same seed, same data: per-step losses, the LR schedule and the parameters agree."""
     common = ["train.max_steps=60", "train.log_every=1", "train.eval=false",
-              "recipe.schedule._target_=trainer.schedules.Cosine", "recipe.schedule.warmup_steps=10"]
+              "recipe.schedule._target_=trainer.step.schedules.Cosine", "recipe.schedule.warmup_steps=10"]
     eager, _, eager_params = fit([*common, "graph=eager"], tmp_path / "eager")
     full, summary, full_params = fit([*common, "graph=full"], tmp_path / "full")
     assert summary["mode"] == "full" and summary["timed_phase"] == "graph"

@@ -101,7 +101,7 @@ def test_without_transformers_the_recipe_says_what_to_install(train_here, monkey
 @pytest.mark.fast
 def test_settings_the_model_would_not_read_are_refused():
     from recipes.hf_causal_lm import ModelSettings, check_config, model_config, model_settings
-    from trainer.errors import ConfigError
+    from trainer.run.errors import ConfigError
 
     long_context = ModelSettings(TINY_LLAMA, None, 128)
     with pytest.raises(ConfigError, match=r"recipe\.model\.config\.num_hiden_layers is not a setting of LlamaConfig.*"
@@ -179,7 +179,7 @@ def test_a_meta_built_model_is_drawn_by_transformers_own_initialization():
 @pytest.mark.fast
 def test_a_meta_built_tensor_that_initialization_leaves_unwritten_is_refused_by_name():
     from recipes.hf_causal_lm import init_weights
-    from trainer.errors import ConfigError
+    from trainer.run.errors import ConfigError
 
     model, _ = _meta_built_llama()
     model.model.register_buffer("stray_table", torch.empty(4))  # no _init_weights writes it

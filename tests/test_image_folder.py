@@ -21,8 +21,8 @@ from omegaconf import OmegaConf
 
 from conf.schema import compose
 from recipes.mnist import synthetic_mnist
-from trainer.errors import ConfigError
-from trainer.runtime import Runtime
+from trainer.run.errors import ConfigError
+from trainer.run.runtime import Runtime
 
 from helpers.paths import ROOT
 from helpers.processes import MARK, SESSION, marked_pids, stacks
@@ -307,7 +307,7 @@ import torch
 sys.path.insert(0, os.getcwd())
 from recipes.image_folder import folder_datasets
 from trainer.data import HostLoader
-from trainer.runtime import Runtime
+from trainer.run.runtime import Runtime
 
 
 def write_and_warn():  # what tqdm's monitor and a logging thread do: take stderr's and the warnings' locks

@@ -11,7 +11,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from trainer.errors import ConfigError
+from trainer.run.errors import ConfigError
 
 
 @pytest.mark.fast
@@ -36,8 +36,8 @@ def test_a_loss_scale_that_cannot_work_is_named():
 
 @pytest.mark.fast
 def test_under_a_graph_fp16_needs_an_optimizer_that_takes_the_scale_on_the_device():
-    from trainer.optim import build_optimizer
-    from trainer.optim import optimizer_spec
+    from trainer.step.optim import build_optimizer
+    from trainer.step.optim import optimizer_spec
 
     def spec(target, **settings):
         return optimizer_spec(OmegaConf.create({"_target_": target, "_partial_": True, "lr": 0.1, **settings}))
@@ -56,9 +56,9 @@ def test_under_a_graph_fp16_needs_an_optimizer_that_takes_the_scale_on_the_devic
 
 @pytest.mark.fast
 def test_the_loss_scale_and_its_growth_tracker_are_saved_and_restored(tmp_path):
-    from trainer.runtime import Runtime
+    from trainer.run.runtime import Runtime
     from trainer.checkpoint import TrainingState
-    from trainer.parallelism import DDPSpec, Parallelism
+    from trainer.parallel.parallelism import DDPSpec, Parallelism
 
     def state_with(scaler):
         rt = Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), distributed=False,

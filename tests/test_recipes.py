@@ -33,7 +33,7 @@ def test_cifar10_resnet18_config_has_the_usual_cifar_settings():
     assert r._target_ == "recipes.cifar10.build"
     assert (r.optim._target_, r.optim.lr, r.optim.momentum, r.optim.nesterov, r.optim.weight_decay) == \
         ("torch.optim.SGD", 0.1, 0.9, True, 5e-4)
-    assert r.schedule._target_ == "trainer.schedules.Cosine" and r.schedule.warmup_steps > 0
+    assert r.schedule._target_ == "trainer.step.schedules.Cosine" and r.schedule.warmup_steps > 0
     assert (r.data.batch_size, r.data.eval_batch_size) == (128, 1000)
     assert 0 < r.label_smoothing < 1
     assert cfg.train.epochs >= 20 and cfg.train.log_every == 50
@@ -49,7 +49,7 @@ def test_gpt_tiny_config_has_the_model_and_optimizer_a_user_expects():
     assert r._target_ == "recipes.gpt.build"
     assert (r.optim._target_, r.optim.lr, list(r.optim.betas), r.optim.weight_decay) == \
         ("torch.optim.AdamW", 6e-4, [0.9, 0.95], 0.1)
-    assert r.schedule._target_ == "trainer.schedules.Cosine" and r.schedule.warmup_steps > 0
+    assert r.schedule._target_ == "trainer.step.schedules.Cosine" and r.schedule.warmup_steps > 0
     assert r.data.batch_size == 8 and r.data.path is None
     assert (cfg.train.precision.value, cfg.train.grad_clip, cfg.train.grad_accum) == ("bf16", 1.0, 1)
     assert cfg.train.epochs <= 2 and cfg.train.log_every == 50
@@ -191,7 +191,7 @@ def test_cifar_preprocess_normalizes_and_augments_with_crops_and_flips():
 @pytest.mark.fast
 def test_mfu_uses_the_dense_datasheet_peak_of_the_gpu_and_precision():
     from recipes.gpt import GPT, GPTConfig
-    from trainer.perf import peak_tflops
+    from trainer.metrics.perf import peak_tflops
 
     assert peak_tflops("NVIDIA H100 80GB HBM3", "bf16") == ("H100 SXM bf16 dense", 989.0)
     assert peak_tflops("NVIDIA H100 PCIe", "bf16") == ("H100 PCIe bf16 dense", 756.0)
@@ -228,8 +228,8 @@ def test_unknown_gpt_model_key_is_named_once_in_one_process(train_here):
     ("cifar10_resnet18", "+recipe.model.width=32", "recipe.model"),
 ])
 def test_bad_model_settings_fail_before_any_data_is_made(recipe, override, named):
-    from trainer.errors import ConfigError
-    from trainer.runtime import Runtime
+    from trainer.run.errors import ConfigError
+    from trainer.run.runtime import Runtime
     from trainer.plan import recipe_builder
 
     cfg = composed(f"recipe={recipe}", override)
@@ -241,8 +241,8 @@ def test_bad_model_settings_fail_before_any_data_is_made(recipe, override, named
 @pytest.mark.fast
 def test_gpt_trains_on_a_text_file_given_by_path(tmp_path):
     from recipes.gpt import build
-    from trainer.errors import ConfigError
-    from trainer.runtime import Runtime
+    from trainer.run.errors import ConfigError
+    from trainer.run.runtime import Runtime
 
     text = tmp_path / "corpus.txt"
     text.write_bytes(b"the quick brown fox jumps over the lazy dog. " * 100)  # 4500 bytes

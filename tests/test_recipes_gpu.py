@@ -44,7 +44,7 @@ def _train_losses(done):
 def test_full_graph_trains_like_eager_from_the_same_seed(out, recipe):
     import torch
 
-    from trainer.perf import peak_tflops
+    from trainer.metrics.perf import peak_tflops
 
     eager = launch([*SAME_RUNS, *RECIPES[recipe], "graph=eager"], out / "eager", timeout=600)
     graph = launch([*SAME_RUNS, *RECIPES[recipe], "graph=full"], out / "full", timeout=600)
@@ -82,7 +82,7 @@ COMPILED_TOLERANCE = 2e-2
 @pytest.mark.parametrize("recipe,extra", [("cifar10_resnet18", []), ("gpt_tiny", ["recipe.accuracy=false"])],
                          ids=["cifar10_resnet18", "gpt_tiny-accuracy_off"])
 def test_the_model_compiled_with_its_loss_in_the_graph_trains_like_eager(out, recipe, extra):
-    """graph=full_compiled compiles the model and its loss as one function (trainer/step.py
+    """graph=full_compiled compiles the model and its loss as one function (trainer/step/steps.py
     ModelAndLoss) inside the whole-step graph: its losses follow eager's from the same seed."""
     eager = launch([*SAME_RUNS, *RECIPES[recipe], *extra, "graph=eager"], out / "eager", timeout=600)
     compiled = launch([*SAME_RUNS, *RECIPES[recipe], *extra, "graph=full_compiled"], out / "compiled", timeout=600)

@@ -1,4 +1,4 @@
-"""One owner per run directory (trainer/run_lock.py), checked in one process and its children.
+"""One owner per run directory (trainer/run/run_lock.py), checked in one process and its children.
 
 Two real launches into one directory are a row of tests/test_fault_table.py; here: what the
 lock does when its owner dies, when a DataLoader-style fork child outlives its owner, and the
@@ -18,8 +18,8 @@ import time
 import pytest
 
 from helpers.paths import ROOT
-from trainer.errors import RunDirInUse
-from trainer.run_lock import LOCK_NAME, acquire, read_owner
+from trainer.run.errors import RunDirInUse
+from trainer.run.run_lock import LOCK_NAME, acquire, read_owner
 
 pytestmark = pytest.mark.fast
 
@@ -27,7 +27,7 @@ HOLD = """
 import os, sys, time
 sys.path.insert(0, {root!r})
 from pathlib import Path
-from trainer.run_lock import acquire
+from trainer.run.run_lock import acquire
 lock = acquire(Path({run_dir!r}))
 if {fork}:
     if os.fork() == 0:  # a DataLoader worker: it inherits the descriptor, not the lock
@@ -102,7 +102,7 @@ def _record(run_dir, **fields):
 def test_without_locks_a_live_owner_on_this_host_is_refused_and_a_dead_one_taken_over(tmp_path, monkeypatch):
     import socket
 
-    from trainer.process_clock import process_started_at
+    from trainer.run.process import process_started_at
 
     _no_locks(monkeypatch)
     run_dir = tmp_path / "run"

@@ -1,6 +1,6 @@
 """A user runs the scripts: each reads train.py's config as train.py does; compare and sweep.
 
-Every script that takes train.py's overrides reads them the same way (trainer/cli.py):
+Every script that takes train.py's overrides reads them the same way (trainer/run/cli.py):
 ``--help`` says how, ``--config-dir`` brings the user's own configs, a config that does not
 compose is one line with train.py's exit code. A user compares graph modes
 (scripts/compare.py) and sweeps batch sizes (scripts/sweep.py): on CPU only eager runs; the
@@ -371,7 +371,7 @@ def user_configs(tmp_path):
           model: {width: 16}
           data: {batch_size: 64, eval_batch_size: 128}
           optim: {_target_: torch.optim.AdamW, lr: 0.01}
-          schedule: {_target_: trainer.schedules.Constant, warmup_steps: 0}
+          schedule: {_target_: trainer.step.schedules.Constant, warmup_steps: 0}
         train: {epochs: 1, log_every: 16}
         """))
     pythonpath = os.pathsep.join(p for p in (str(tmp_path / "site"), os.environ.get("PYTHONPATH")) if p)
@@ -430,7 +430,7 @@ def test_every_script_reports_a_bad_choice_as_train_py_does(tmp_path, name):
            "project_scaling.py": ["--sweep", str(tmp_path / "none.json"), "--recipe", "mnist", "--global-batch", "64"],
            "sweep.py": ["--output", str(tmp_path / "sw"), "--"]}.get(name, [])
     proc = script(name, *own, "graph.capture_error_mode=sometimes", timeout=60)
-    assert proc.returncode == 2, proc.stderr[-3000:]  # train.py's code for it (trainer/exit_codes.py EXIT_CONFIG)
+    assert proc.returncode == 2, proc.stderr[-3000:]  # train.py's code for it (trainer/run/errors.py EXIT_CONFIG)
     assert proc.stderr == (f"{name}: Error merging override graph.capture_error_mode=sometimes; "
                            "Invalid value 'sometimes', expected one of [global, thread_local, relaxed]\n")
     assert not any(tmp_path.iterdir())
@@ -664,7 +664,7 @@ def test_bench_allreduce_scales_over_every_gpu_count_the_machine_has():
 @pytest.mark.fast
 def test_a_refusal_is_one_message_from_rank_0_and_the_config_error_code(capsys, monkeypatch):
     from scripts.lib.refuse import refuse
-    from trainer.exit_codes import EXIT_CONFIG, EXIT_CRASH
+    from trainer.run.errors import EXIT_CONFIG, EXIT_CRASH
 
     for rank, said in (("0", "bad input\n"), ("1", "")):  # under torchrun every rank refuses alike: one says it
         monkeypatch.setenv("RANK", rank)

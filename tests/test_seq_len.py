@@ -1,11 +1,11 @@
-"""Sequence-length buckets (trainer/seq_len.py), on the CPU: the schedule, the checks, and a
+"""Sequence-length buckets (trainer/step/seq_len.py), on the CPU: the schedule, the checks, and a
 gpt_tiny run whose results give each bucket's throughput."""
 from __future__ import annotations
 
 import pytest
 
-from trainer.errors import ConfigError
-from trainer.seq_len import seq_len_schedule
+from trainer.run.errors import ConfigError
+from trainer.step.seq_len import seq_len_schedule
 
 pytestmark = pytest.mark.fast
 OK = dict(unit="tokens", context=64, total_steps=30, recipe="gpt_tiny", shapes_per_bucket=2, max_graphs=8,

@@ -23,9 +23,9 @@ from omegaconf import OmegaConf
 
 from conf.schema import TrainConfig, compose
 from helpers.paths import ROOT
-from trainer.errors import ConfigError
+from trainer.run.errors import ConfigError
 from trainer.recipe import Datasets, Recipe, Split, top1_correct
-from trainer.runtime import Runtime
+from trainer.run.runtime import Runtime
 
 pytestmark = pytest.mark.fast
 
@@ -127,7 +127,7 @@ def test_mnist_smooths_its_log_probabilities_as_cross_entropy_smooths_logits():
 def test_optimizer_and_schedule_are_hydra_partials_that_the_trainer_completes():
     from hydra.utils import instantiate
 
-    from trainer.optim import optimizer_spec, schedule_spec
+    from trainer.step.optim import optimizer_spec, schedule_spec
 
     cfg = compose([])
     assert cfg.recipe.optim._partial_ is True and cfg.recipe.schedule._partial_ is True
@@ -138,7 +138,7 @@ def test_optimizer_and_schedule_are_hydra_partials_that_the_trainer_completes():
     # The trainer completes them itself; without the key it does the same.
     assert optimizer_spec(cfg.recipe.optim).kwargs == {"momentum": 0.5}
     assert optimizer_spec({"_target_": "torch.optim.SGD", "lr": 0.1}).kwargs == {}
-    assert schedule_spec({"_target_": "trainer.schedules.Constant"}).kwargs == {}
+    assert schedule_spec({"_target_": "trainer.step.schedules.Constant"}).kwargs == {}
 
 
 @pytest.mark.parametrize("override,needle", [

@@ -160,21 +160,23 @@ def test_inputs_no_forward_passes_on_are_refused_not_dropped(train_here, importa
 @pytest.mark.fast
 def test_partial_graphs_take_the_positional_tensors_forward_passes_and_refuse_keywords(importable):
     from conf.schema import compose
-    from trainer.assembly import build_recipe_alone, positional_model_inputs
-    from trainer.errors import ConfigError
+    from trainer.step.steps import positional_model_inputs
+    from trainer.session import build_recipe_alone
+    from trainer.run.errors import ConfigError
     from trainer.plan import plan_run
 
     plan = plan_run(compose([*ARGS]), torch.device("cpu"), world_size=1)
     recipe = build_recipe_alone(plan.cfg)
     batch = {"x": torch.randn(4, 8), "attention_mask": torch.rand(4, 8) > 0.5, "y": torch.zeros(4).long()}
-    args = positional_model_inputs(plan, recipe.model, batch, recipe)
+    args = positional_model_inputs(recipe, plan.memory_format, recipe.model, batch, plan.cfg.recipe._target_)
     assert len(args) == 2 and args[0] is batch["x"] and args[1] is batch["attention_mask"]
 
     keywords = plan_run(compose([*ARGS, "recipe._target_=user_inputs.masked_sum.build_with_keywords"]),
                         torch.device("cpu"), world_size=1)
     recipe = build_recipe_alone(keywords.cfg)
     with pytest.raises(ConfigError) as err:
-        positional_model_inputs(keywords, recipe.model, batch, recipe)
+        positional_model_inputs(recipe, keywords.memory_format, recipe.model, batch,
+                                keywords.cfg.recipe._target_)
     assert "graph.mode=partial" in str(err.value) and "keyword arguments (attention_mask)" in str(err.value)
     assert "recipe._target_=user_inputs.masked_sum.build_with_keywords" in str(err.value)
 

@@ -1,4 +1,4 @@
-"""Adam and AdamW under fsdp2 step on the local shards (trainer/shard_optimizer.py), bit for bit as torch's
+"""Adam and AdamW under fsdp2 step on the local shards (trainer/parallel/shard_optimizer.py), bit for bit as torch's
 own step on the DTensors: on 2 gloo ranks, with param groups, weight decay, a tensor lr written in place,
 clipping to the global norm and a rank whose shard of a parameter is empty; the state stays DTensors.
 A resume at another world size through such a state is tests/test_fsdp_training.py's.
@@ -40,7 +40,7 @@ def test_adamw_on_local_shards_steps_bit_for_bit_as_on_dtensors(ranks, name):
 
 @pytest.mark.fast
 def test_only_elementwise_optimizers_step_on_local_shards_and_plain_parameters_step_as_before():
-    from trainer.shard_optimizer import on_local_shards
+    from trainer.parallel.shard_optimizer import on_local_shards
 
     assert on_local_shards(torch.optim.SGD) is torch.optim.SGD  # not in the list: today's path
     assert on_local_shards(torch.optim.Adam) is on_local_shards(torch.optim.Adam)  # one class each

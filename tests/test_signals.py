@@ -7,7 +7,7 @@ import pytest
 
 @pytest.mark.fast
 def test_one_process_checks_its_own_flag_and_ranks_agree_on_a_spacing_in_seconds():
-    from trainer.stop import StopAgreement
+    from trainer.run.stop import StopAgreement
 
     class OneProcess:
         distributed = False
@@ -33,7 +33,7 @@ def test_a_rank_stuck_holding_the_gil_after_sigterm_still_exits_and_says_where()
     script = textwrap.dedent("""
         import os, re, signal, sys, time
         sys.path.insert(0, sys.argv[1])
-        from trainer import stop
+        from trainer.run import stop
         stop.TERM_GRACE_S, stop.BACKSTOP_S = 0.5, 1.0
         assert stop.install()
         os.kill(os.getpid(), signal.SIGTERM)

@@ -8,10 +8,10 @@ import torch.nn.functional as F
 
 from trainer.data import StepShape, micro_slice
 from trainer.recipe import PADDING_MASK, Datasets, Recipe, Split, top1_correct
-from trainer.schedules import Constant, Cosine
+from trainer.step.schedules import Constant, Cosine
 from graphing import GraphOptions
 from graphing.executor import Executor
-from trainer.step import (EvalStep, StepSettings, TrainStep, build_step_model, mean_loss, per_sample_loss,
+from trainer.step.steps import (EvalStep, StepSettings, TrainStep, build_step_model, mean_loss, per_sample_loss,
                           takes_reduction)
 
 CPU = StepSettings(device=torch.device("cpu"))

@@ -227,7 +227,7 @@ def test_gpt2_small_config_has_gpt2s_shape_and_124m_parameters():
         (12, 12, 768, 1024, 50304, 0.0, False)
     assert (r.optim._target_, r.optim.lr, list(r.optim.betas), r.optim.weight_decay) == \
         ("torch.optim.AdamW", 6e-4, [0.9, 0.95], 0.1)
-    assert r.schedule._target_ == "trainer.schedules.Cosine" and r.schedule.warmup_steps > 0
+    assert r.schedule._target_ == "trainer.step.schedules.Cosine" and r.schedule.warmup_steps > 0
     assert (cfg.train.precision.value, cfg.train.grad_clip) == ("bf16", 1.0)
     assert (r.data.batch_size, r.data.eval_batch_size, r.data.loader.value) == (16, 16, "auto")
     assert r.data.train_size * c.context <= 10_000_000  # an epoch of synthetic tokens stays modest
@@ -281,8 +281,8 @@ def test_gpt2_small_vocabulary_trains_on_synthetic_tokens_at_a_tiny_width(train_
 def test_token_files_need_a_model_vocabulary_that_holds_them(tmp_path):
     from conf.schema import compose
     from recipes.gpt import build
-    from trainer.errors import ConfigError
-    from trainer.runtime import Runtime
+    from trainer.run.errors import ConfigError
+    from trainer.run.runtime import Runtime
 
     rng = np.random.default_rng(0)
     root = write_token_dir(tmp_path / "wide", rng.integers(0, 1000, 600, dtype=np.uint16),

@@ -12,9 +12,9 @@ it returns (``RunPlan.build_recipe``).
 Every setting is read or refused: one that this run cannot carry (a setting of another
 mode, an option the recipe does not apply) stops the run here with a ConfigError naming it.
 A concern with settings of its own checks them in its own module, and the plan calls it:
-the optimizer and the schedule (trainer/optim.py ``optimizer_spec``, ``schedule_spec``),
-the parallelism (trainer/parallelism.py ``plan_parallelism``: DDP's settings there, FSDP2's in
-trainer/sharding.py ``fsdp_spec``), the graph (graphing's ``GraphOptions.resolved``, worded here as
+the optimizer and the schedule (trainer/step/optim.py ``optimizer_spec``, ``schedule_spec``),
+the parallelism (trainer/parallel/parallelism.py ``plan_parallelism``: DDP's settings there, FSDP2's in
+trainer/parallel/sharding.py ``fsdp_spec``), the graph (graphing's ``GraphOptions.resolved``, worded here as
 ``graph.*``).
 
 The plan is what the rest of the run reads its choices from (the Trainer, trainer/trainer.py,
@@ -31,19 +31,21 @@ import inspect
 import math
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Any, Callable
+from typing import Any, Callable, Dict
 
 import torch
+from omegaconf import OmegaConf
 
 from conf.schema import GraphConfig, LossScaleConfig, changed_settings
 from graphing import GraphConfigError, GraphMode, GraphOptions
 from trainer.checkpoint import checkpoint_exists
-from trainer.data import choose_loader
-from trainer.errors import ConfigError
+from trainer.data import choose_loader, extra_input_names, item_problem
+from trainer.run.errors import ConfigError
 from trainer.recipe import Recipe
-from trainer.optim import OptimizerSpec, ScheduleSpec, check_captured_optimizer, optimizer_spec, schedule_spec
-from trainer.parallelism import Parallelism, plan_parallelism
-from trainer.targets import import_target
+from trainer.step.activation_checkpointing import apply_or_refuse as apply_activation_checkpointing
+from trainer.step.optim import OptimizerSpec, ScheduleSpec, check_captured_optimizer, optimizer_spec, schedule_spec
+from trainer.parallel.parallelism import Parallelism, plan_parallelism
+from trainer.run.targets import import_target
 
 
 def graph_setting(name: str) -> str:
@@ -75,6 +77,21 @@ class RunPlan:
         return replace(self, loader=choose_loader(self.loader, recipe.data.train, recipe.data.test, self.device),
                        memory_format=resolve_memory_format(self.memory_format, recipe.model, self.device))
 
+    def config_used(self, recipe: Recipe, executor, world_size: int) -> Dict[str, Any]:
+        """The resolved config, and beside each choice what this run (its ``executor``) actually uses."""
+        config = OmegaConf.to_container(self.cfg, resolve=True, enum_to_str=True)
+        config["recipe"]["data"]["source_used"] = recipe.data.source
+        config["recipe"]["data"]["loader_used"] = self.loader
+        config["graph"]["mode_used"] = self.mode
+        config["train"]["precision_used"] = self.precision
+        config["train"]["memory_format_used"] = str(self.memory_format).replace("torch.", "")
+        config["train"]["activation_checkpointing_used"] = recipe.activation_checkpointing
+        config["graph"]["capture_error_mode_used"] = executor.report.capture_error_mode
+        config["world_size"] = world_size
+        if self.parallelism.sharded:
+            config["train"]["fsdp"]["blocks_used"] = len(recipe.blocks)  # 0: the model sharded as one unit
+        return config
+
 
 def plan_run(cfg, device: torch.device, world_size: int) -> RunPlan:
     """Raises ConfigError naming the first setting that cannot work; else the run's plan."""
@@ -84,7 +101,7 @@ def plan_run(cfg, device: torch.device, world_size: int) -> RunPlan:
     _check_loss_scale(cfg.train, precision)
     graph = graph_options(cfg, device, world_size)
     check_captured_optimizer(optimizer, captured=graph.mode is GraphMode.full)
-    parallelism = plan_parallelism(cfg, world_size, precision, graph, optimizer)
+    parallelism = plan_parallelism(cfg, world_size, precision, graph, optimizer.target, optimizer.cls)
     return RunPlan(cfg=cfg, device=device, world_size=world_size, graph=graph,
                    precision=precision, build_recipe=build_recipe, optimizer=optimizer,
                    schedule=schedule_spec(cfg.recipe.schedule), parallelism=parallelism,
@@ -178,11 +195,34 @@ def recipe_builder(cfg) -> Callable:
     return partial(_build_checked, build)
 
 
-def _build_checked(build: Callable, cfg, rt) -> Any:
-    """``build(cfg, rt)``, its Recipe checked (``RunPlan.build_recipe``)."""
+def _build_checked(build: Callable, cfg, rt) -> Recipe:
+    """``build(cfg, rt)``, the Recipe it returns checked for what the trainer reads from it, with
+    activation checkpointing applied (``RunPlan.build_recipe``)."""
+    target = cfg.recipe._target_
     recipe = build(cfg, rt)
-    if isinstance(recipe, Recipe):  # anything else is named where the Recipe is taken (trainer/assembly.py)
-        check_recipe_applies(cfg, recipe)
+    if not isinstance(recipe, Recipe):
+        raise ConfigError(f"recipe._target_={target} returned a {type(recipe).__name__}, not a "
+                          "trainer.recipe.Recipe: see trainer/recipe.py for the contract")
+    check_recipe_applies(cfg, recipe)
+    recipe = apply_activation_checkpointing(cfg, recipe)
+    if recipe.forward is not None and not callable(recipe.forward):
+        raise ConfigError(f"recipe._target_={target} returned a Recipe whose forward is a "
+                          f"{type(recipe.forward).__name__}: make it forward(model, batch) -> output, or None")
+    for split, dataset in (("train", recipe.data.train), ("test", recipe.data.test)):
+        problem = item_problem(dataset)
+        if problem:
+            raise ConfigError(
+                f"recipe._target_={target} returned data the loaders cannot read: in its {split} split, {problem}. "
+                'A dataset item is (x, y), or for a model with several inputs a dict {"x": ..., "y": ..., '
+                "<input name>: ...} that Recipe.forward passes on (trainer/recipe.py, SplitLike): change the "
+                "dataset's items to one of these")
+        unread = extra_input_names(dataset) if recipe.forward is None else []
+        if unread:
+            raise ConfigError(
+                f"recipe._target_={target} returned {split} data with the inputs {', '.join(map(repr, unread))} "
+                "besides 'x' and 'y', but no Recipe.forward to pass them to the model (without one the model "
+                "gets batch['x'] only): add forward=lambda model, batch: model(batch['x'], ...) to the Recipe, "
+                "or drop those fields")
     return recipe
 
 

@@ -1,7 +1,7 @@
 """When the loop reads metrics, checkpoints and evaluates: small policies it asks.
 
 Each answers for one ``StepPoint`` (where the loop stands after a step) without touching
-the device. When to stop early (SIGTERM) is the ranks' agreement in trainer/stop.py.
+the device. When to stop early (SIGTERM) is the ranks' agreement in trainer/run/stop.py.
 """
 from __future__ import annotations
 

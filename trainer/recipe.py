@@ -4,7 +4,7 @@ A recipe is any callable ``build(cfg, runtime) -> Recipe`` named by ``recipe._ta
 (a dotted path: ``recipes.mnist.build``, or ``my_package.my_module.build`` from your
 own package on PYTHONPATH). It reads its own settings from ``cfg.recipe`` and checks
 the choices it owns (its data sources, its model options) once, raising
-``trainer.errors.ConfigError`` with the setting named.
+``trainer.run.errors.ConfigError`` with the setting named.
 
 A recipe knows its model, data and loss; it never needs to know whether its step is
 graphed. What it provides runs inside the step, so it must be graph-safe: device-side
@@ -23,7 +23,7 @@ perhaps a ``loss``) gets a ``forward`` that returns the tensor the criterion rea
 
 Activation checkpointing (``train.activation_checkpointing=true``) is the recipe's to apply,
 since only it knows its model's blocks: ``build`` reads ``cfg.train.activation_checkpointing``,
-its model runs each block through ``trainer.activation_checkpointing.checkpointed`` when it is
+its model runs each block through ``trainer.step.activation_checkpointing.checkpointed`` when it is
 true, and it returns ``Recipe(..., activation_checkpointing=True)`` to say so. A recipe that
 leaves ``activation_checkpointing`` False (the default) is refused with the setting on, with one
 ConfigError naming it, rather than trained without it.
@@ -114,14 +114,14 @@ class Recipe:
     # graph.mode=partial it must call the model once, with tensors as positional arguments
     # (what torch.cuda.make_graphed_callables replays).
     forward: Optional[Callable[[torch.nn.Module, Batch], torch.Tensor]] = None
-    # Whether the model checkpoints its blocks (trainer/activation_checkpointing.py): a recipe that
+    # Whether the model checkpoints its blocks (trainer/step/activation_checkpointing.py): a recipe that
     # supports train.activation_checkpointing passes the setting's value; False refuses the setting.
     activation_checkpointing: bool = False
     # The label smoothing its criterion applies: a recipe that supports recipe.label_smoothing passes
     # the setting's value; a setting other than this value is refused.
     label_smoothing: float = 0.0
     # The model's repeated blocks (transformer layers, residual stages), in order: train.parallel=fsdp2
-    # shards each on its own (trainer/sharding.py). A library model's own list serves as it is
+    # shards each on its own (trainer/parallel/sharding.py). A library model's own list serves as it is
     # (``blocks_named(model, model._no_split_modules)``). Empty: the model is sharded as one unit.
     blocks: Sequence[torch.nn.Module] = ()
     # Draws every parameter and buffer of the model in place: what train.fsdp.init=meta calls after the

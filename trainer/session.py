@@ -1,40 +1,47 @@
-"""What every job shares, for train.py and every script: the phases, the teardown, errors -> exit code.
+"""Every job's frame, and the training job: for train.py and every script.
 
-    def job(session):                  # train (trainer/training.py), diagnose, benchmark
+    def job(session):                  # train (``fit_job`` below), diagnose, benchmark
         trainer = session.build()      # the Trainer (trainer/trainer.py), closed by the session
         ...
     return Session(cfg).execute(job)   # plan, join, job; on every path: teardown in reverse, and an
                                        # error becomes one message and an exit code
 
 ``plan``: every check that needs no data, before the ranks meet (trainer/plan.py); ``join``: the
-process group, an agreed run directory, logging, seeds (trainer/runtime.py).
+process group, an agreed run directory, logging, seeds (trainer/run/runtime.py).
 
 Teardown, in reverse: graphs and loaders (before the process group), the metrics logger (W&B),
 the process group, the log handlers. Each expected failure becomes one message, printed by rank
 0, and an exit code; a crash prints its traceback once per rank and exits 1, except a collective
 that lost its peer (a rank killed or crashed elsewhere): one line from rank 0, the trace in each
 rank's log file. What a run must hold for its whole life (a lock on its run directory,
-trainer/run_lock.py) is taken in ``join`` and given back at teardown.
+trainer/run/run_lock.py) is taken in ``join`` and given back at teardown.
+
+``train(cfg)`` is one training run on one page: plan → process group → build → resume → fit →
+results → teardown.
 """
 from __future__ import annotations
 
 import logging
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
-from trainer.errors import first_line
-from trainer.exit_codes import EXIT_CAPTURE, EXIT_CONFIG, EXIT_CRASH, EXIT_NONFINITE, EXIT_PREEMPTED, EXIT_STORAGE
-from trainer.log_files import log_to_file, start_logging, stop_logging
-from trainer.process import multirun_job_dir, peer_gone, tell_torchrun
+from omegaconf import OmegaConf
+
+from trainer.run.errors import (EXIT_CAPTURE, EXIT_CONFIG, EXIT_CRASH, EXIT_NONFINITE, EXIT_PREEMPTED, EXIT_STORAGE,
+                            first_line)
+from trainer.run.log_files import log_to_file, start_logging, stop_logging
+from trainer.run.process import hydra_overrides, multirun_job_dir, peer_gone, tell_torchrun
 
 if TYPE_CHECKING:  # imported when first used: `train.py --help` and config errors stay fast
     from trainer.trainer import Trainer
-    from trainer.metrics_logger import MetricsLogger
+    from trainer.metrics.logger import MetricsLogger
     from trainer.plan import RunPlan
-    from trainer.runtime import Runtime
+    from trainer.recipe import Recipe
+    from trainer.run.runtime import Runtime
 
 
 log = logging.getLogger("train")
@@ -78,10 +85,10 @@ class Session:
         """Says ``e`` once and returns (exit code, clean: the ranks end together, failed_together:
         a clean end that is still a failure for the W&B run)."""
         from graphing import CaptureError
-        from trainer.errors import ConfigError, NonFiniteLossError, Preempted, StorageError
+        from trainer.run.errors import ConfigError, NonFiniteLossError, Preempted, StorageError
         from trainer.plan import graph_setting
-        from trainer.runtime import env_rank, print_once
-        from trainer.stop import stop_requested
+        from trainer.run.runtime import env_rank, print_once
+        from trainer.run.stop import stop_requested
 
         expected = ((ConfigError, EXIT_CONFIG), (CaptureError, EXIT_CAPTURE), (NonFiniteLossError, EXIT_NONFINITE),
                     (StorageError, EXIT_STORAGE))
@@ -125,7 +132,7 @@ class Session:
     def plan(self) -> "RunPlan":
         """Every check and choice that needs no data, once, before the ranks meet (trainer/plan.py)."""
         from trainer.plan import plan_run
-        from trainer.runtime import pick_device
+        from trainer.run.runtime import pick_device
 
         device = pick_device(self.cfg.device.value)
         self.run_plan = plan_run(self.cfg, device, int(os.environ.get("WORLD_SIZE", "1")))
@@ -133,7 +140,7 @@ class Session:
 
     def join(self) -> "Runtime":
         """The process group, the run directory all ranks agree on (and its lock), logging, seeds."""
-        from trainer.runtime import seed_everything, start
+        from trainer.run.runtime import seed_everything, start
 
         cfg = self.cfg
         name = f"{cfg.recipe.name}_{self.purpose or self.run_plan.mode}"
@@ -161,7 +168,7 @@ class Session:
 
     def open_logger(self, config: Dict[str, Any], job_type: str, run_id: Optional[str] = None):
         """The metrics logger (metrics.jsonl, W&B) of this session; finished at teardown."""
-        from trainer.metrics_logger import MetricsLogger
+        from trainer.metrics.logger import MetricsLogger
 
         self.logger = MetricsLogger(self.cfg.logger, self.rt.run_dir, config, rank=self.rt.rank,
                                     job_type=job_type, run_id=run_id)
@@ -177,7 +184,92 @@ class Session:
         stop_logging(self._handlers)
 
 
+def build_recipe_alone(cfg) -> "Recipe":
+    """The recipe ``cfg`` names (model and data), checked as a run would be, built for one
+    process on the CPU with no process group: for scripts that need its data or its model only."""
+    import torch
+
+    from trainer.plan import plan_run
+    from trainer.run.runtime import Runtime
+
+    plan = plan_run(cfg, torch.device("cpu"), world_size=1)
+    rt = Runtime(rank=0, local_rank=0, world_size=1, device=plan.device, distributed=False, run_dir=Path("."))
+    return plan.build_recipe(cfg, rt)
+
+
 def _out_of_device_memory(e: BaseException) -> bool:
     import torch
 
     return isinstance(e, torch.OutOfMemoryError)
+
+
+# The training job (train.py), every script's model of a job.
+
+def train(cfg) -> int:
+    """Trains as ``cfg`` says; returns the process's exit code (0: done). The run on one page:
+
+        plan → process group → build → resume → fit → results → teardown
+
+    The Trainer (trainer/trainer.py) builds the run and runs its loop; the step order itself is
+    trainer/step/steps.py (``TrainStep.__call__``)."""
+    return Session(cfg).execute(fit_job)  # plan, join, the job; teardown in reverse; an error becomes a code
+
+
+def fit_job(session: Session) -> int:
+    """The training job, after the plan and the join: build, resume, fit, results."""
+    cfg = session.cfg
+    trainer = session.build()  # recipe, model, executor, optimizer, loaders, steps, checkpointable state
+    start_step, wandb_run_id = trainer.resume(cfg.checkpoint)  # before any warm-up or capture
+    if start_step >= trainer.total_steps and not cfg.train.eval_only:
+        say_complete(trainer, start_step)  # a finished run is left alone
+        return 0
+    session.open_run_dir()
+    trainer.state.on_rank0(lambda: write_run_config(trainer))
+    announce(trainer)
+    logger = session.open_logger(trainer.config, job_type=trainer.plan.mode, run_id=wandb_run_id)
+    summary = trainer.fit(logger, start_step)
+    # Not on disk: no exit 0.
+    trainer.state.on_rank0(lambda: write_results(trainer, logger, summary))
+    return 0
+
+
+def write_run_config(trainer: "Trainer") -> None:
+    """config.yaml (the resolved config, with what the run uses) and overrides.yaml, in the run directory."""
+    from trainer.run.storage import write_text_atomically
+
+    run_dir = trainer.rt.run_dir
+    write_text_atomically("config.yaml", run_dir / "config.yaml", OmegaConf.to_yaml(trainer.config))
+    write_text_atomically("overrides.yaml", run_dir / "overrides.yaml", OmegaConf.to_yaml(hydra_overrides()))
+
+
+def announce(trainer: "Trainer") -> None:
+    """One line on the console; the resolved config in every rank's log file."""
+    from trainer.run.runtime import print_once
+
+    cfg, rt = trainer.plan.cfg, trainer.rt
+    log.info("config:\n%s", OmegaConf.to_yaml(trainer.config))
+    print_once(f"run {rt.run_dir} | recipe {cfg.recipe.name} ({trainer.recipe.data.source} data) | "
+               f"mode {trainer.plan.mode} | {rt.world_size} x {rt.device.type} | "
+               f"{trainer.steps_per_epoch} steps/epoch of {trainer.global_batch} samples")
+
+
+def write_results(trainer: "Trainer", logger, summary) -> None:
+    """The summary printed and written (results.json; eval.json for train.eval_only, which never
+    replaces a run's results), after the metric rows a full disk held back."""
+    from trainer.metrics.results import print_summary, write_json
+
+    # From the end of the last step's work: results.json's alone (W&B has the rest).
+    summary["time/after_last_step_s"] = time.perf_counter() - trainer.last_step_done
+    print_summary(summary)
+    logger.write_pending()
+    write_json(trainer.rt.run_dir / ("eval.json" if trainer.plan.cfg.train.eval_only else "results.json"), summary)
+
+
+def say_complete(trainer: "Trainer", done: int) -> None:
+    from trainer.run.runtime import print_once
+
+    results = trainer.rt.run_dir / "results.json"
+    where = (f"results in {results}" if results.exists() else  # its final write failed (exit 5)
+             f"{results.name} could not be written at its end: its summary is the last row of metrics.jsonl")
+    print_once(f"run {trainer.rt.run_dir} is complete: {done} of {trainer.total_steps} steps done; {where}. "
+               "Ask for more (train.epochs, train.max_steps) to continue it, or set run_dir=... for a new run")

@@ -5,15 +5,15 @@
     summary = trainer.fit(logger, start)             # epochs of steps; logs, checkpoints, evaluates
     trainer.close()                                  # graphs and loaders, before the process group goes
 
-train.py's run (trainer/training.py) and every script build it the same way, through the
+train.py's run (trainer/session.py) and every script build it the same way, through the
 session (trainer/session.py ``Session.build``). One step driver, ``run_step``: fit runs it, and scripts
 time it through ``next_step``, each step in the shape fit gives it (full, the epoch's tail, a
 recipe.data.seq_len_buckets length).
 
 Per step the host only stages inputs, runs the step (eagerly or by graph replay, as the executor
-decides: trainer/step.py ``TrainStep`` is what runs) and records a timing event. It reads device
+decides: trainer/step/steps.py ``TrainStep`` is what runs) and records a timing event. It reads device
 values only when the log policy says so; when to checkpoint and evaluate is asked of the policies
-in trainer/policies.py, when to stop early of the ranks' agreement (trainer/stop.py).
+in trainer/policies.py, when to stop early of the ranks' agreement (trainer/run/stop.py).
 """
 from __future__ import annotations
 
@@ -30,23 +30,23 @@ import torch.distributed as dist
 
 from graphing import GraphMode, StepRole, build_executor, weights_digest
 from graphing.executor import log_fallback
-from trainer import hooks
-from trainer.assembly import build_recipe, config_used, positional_model_inputs
+from trainer.run import hooks
 from trainer.checkpoint import TrainingState
 from trainer.data import StepShape, make_loader
 from trainer.data.workers import WorkerSettings, use_worker_settings
-from trainer.errors import NonFiniteLossError, Preempted
-from trainer.metrics_logger import MetricsLogger
-from trainer.optim import build_optimizer, build_schedule
-from trainer.perf import Perf
+from trainer.run.errors import NonFiniteLossError, Preempted
+from trainer.metrics.logger import MetricsLogger
+from trainer.step.optim import build_optimizer, build_schedule
+from trainer.metrics.perf import Perf
 from trainer.plan import RunPlan, graph_setting
 from trainer.policies import CheckpointPolicy, EvalPolicy, LogPolicy, StepPoint
-from trainer.process_clock import process_started_at
-from trainer.progress import close_bar, progress_bar, show_on_bar
-from trainer.runtime import Runtime, print_once, seed_rank_streams
-from trainer.seq_len import seq_len_schedule
-from trainer.step import EvalStep, StepSettings, TrainStep, autocast_factory, build_step_model
-from trainer.stop import StopAgreement
+from trainer.run.process import process_started_at
+from trainer.metrics.progress import close_bar, progress_bar, show_on_bar
+from trainer.run.runtime import Runtime, print_once, seed_rank_streams
+from trainer.step.seq_len import seq_len_schedule
+from trainer.step.steps import (EvalStep, StepSettings, TrainStep, autocast_factory, build_step_model,
+                                 positional_model_inputs)
+from trainer.run.stop import StopAgreement
 
 log = logging.getLogger("train")
 
@@ -63,7 +63,7 @@ class Trainer:
         train_cfg, data_cfg = cfg.train, cfg.recipe.data
         use_worker_settings(WorkerSettings(data_cfg.worker_start.value, data_cfg.worker_timeout_s),
                             start_now_for=cfg.recipe._target_.rpartition(".")[0] if data_cfg.num_workers else None)
-        recipe = build_recipe(plan, rt)
+        recipe = plan.build_recipe(cfg, rt)
         plan = plan.for_recipe(recipe)
         device, parallelism = plan.device, plan.parallelism
         # Before seed_rank_streams: a sharded model's meta init draws alike on every rank.
@@ -95,7 +95,8 @@ class Trainer:
 
         def sample_inputs():  # the model's inputs for one preprocessed training batch, for executors that trace it
             train_loader.stage()
-            inputs = positional_model_inputs(plan, model, recipe.preprocess(train_loader.next_batch(), True), recipe)
+            inputs = positional_model_inputs(recipe, plan.memory_format, model,
+                                             recipe.preprocess(train_loader.next_batch(), True), cfg.recipe._target_)
             train_loader.start_epoch(0)
             return inputs
 
@@ -113,7 +114,7 @@ class Trainer:
         perf = Perf(device, units_per_step=global_batch * recipe.units_per_sample, unit=recipe.unit,
                     world_size=rt.world_size, flops_per_unit=recipe.flops_per_unit, precision=plan.precision,
                     units_per_sample=recipe.units_per_sample)
-        config = config_used(plan, recipe, executor, rt)
+        config = plan.config_used(recipe, executor, rt.world_size)
         state = TrainingState(rt, model=model, parallelism=parallelism, optimizer=optimizer,
                               step_counter=train_step.step, scaler=scaler, recipe_name=recipe.name, config=config,
                               seed=cfg.seed, keep=cfg.checkpoint.keep, steps_per_epoch=steps_per_epoch)
@@ -213,7 +214,7 @@ class Trainer:
         else:
             step = self._train_epochs(step)
         _synchronize(self.device)
-        self.last_step_done = time.perf_counter()  # time/after_last_step_s counts from here (trainer/training.py write_results)
+        self.last_step_done = time.perf_counter()  # time/after_last_step_s counts from here (trainer/session.py write_results)
         wall = self.last_step_done - began
         self.clock["total_s"] = time.time() - process_started_at()  # to the end of training, as results are written
         summary = self._summary(step, wall)

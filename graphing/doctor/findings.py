@@ -24,7 +24,7 @@ FIXES: Dict[str, str] = {
                      "keeps the Python number it saw at capture.",
     "lr_frozen": "Set the lr in your loop before each call (GraphedStep carries it into the graph), or write it "
                  "into a device tensor lr in place (group['lr'].fill_(value), a device-side schedule such as "
-                 "trainer/schedules.py).",
+                 "trainer/step/schedules.py).",
     "optimizer": "Build the optimizer with capturable=True, or hand it to GraphedStep before its first step (it "
                  "turns capturable on); graphing.graph_safe_optimizer_kwargs "
                  "gives the arguments.",

@@ -6,7 +6,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from graphing.doctor.findings import BLOCKS, WRONG, Finding
 
-EXIT_READY, EXIT_BLOCKED, EXIT_WRONG = 0, 7, 6  # apart from the trainer's codes (trainer/exit_codes.py)
+EXIT_READY, EXIT_BLOCKED, EXIT_WRONG = 0, 7, 6  # apart from the trainer's codes (trainer/run/errors.py)
 VERDICT_EXIT = {"ready": EXIT_READY, "blocked": EXIT_BLOCKED, "captures-but-wrong": EXIT_WRONG}
 COLUMNS = ["kind", "effect", "where", "what", "fix"]
 SKIPPED_WITHOUT_CUDA = [

@@ -49,7 +49,7 @@ def parameter_count_of(recipe: str) -> int:
 
 def parameter_count(cfg) -> int:
     """The trainable parameters of the recipe in ``cfg``, from its own builder (on the CPU; give it tiny data)."""
-    from trainer.assembly import build_recipe_alone
+    from trainer.session import build_recipe_alone
 
     model = build_recipe_alone(cfg).model
     return sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from trainer import results
+from trainer.metrics import results
 
 COLUMNS = [  # (row key, Markdown header, format)
     ("mode", "mode", "{}"),
@@ -147,7 +147,7 @@ def log_to_wandb(cfg_logger, directory: Path, *, group: str, job_type: str, name
     """
     if cfg_logger.backend.value != "wandb":
         return None
-    from trainer.metrics_logger import wandb_mode
+    from trainer.metrics.logger import wandb_mode
 
     wcfg = cfg_logger.wandb
     try:

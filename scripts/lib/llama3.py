@@ -26,7 +26,7 @@ MAX_POSITIONS = 131072  # torchtitan's max_seq_len default (it trims its RoPE ta
 
 # The training settings both sides of scripts/bench_torchtitan.py use: torchtitan's Llama 3 8B preset (AdamW,
 # clipping), with 10 warm-up steps then a constant LR (the preset's 200 warm-up steps and linear decay are sized
-# for 1000 steps; this repo's trainer.schedules.Constant is the same warm-up, step for step).
+# for 1000 steps; this repo's trainer.step.schedules.Constant is the same warm-up, step for step).
 LR, BETAS, EPS, WEIGHT_DECAY = 3e-4, (0.9, 0.95), 1e-8, 0.1
 LR_WARMUP_STEPS = 10
 MAX_NORM = 1.0

@@ -1,6 +1,6 @@
 """A script's refusal: bad input, missing hardware or a missing optional package.
 
-One message and train.py's exit code for a setting that cannot work (2, trainer/exit_codes.py),
+One message and train.py's exit code for a setting that cannot work (2, trainer/run/errors.py),
 so that a caller can tell it from a crash or a failed child run (1).
 """
 from __future__ import annotations
@@ -9,7 +9,7 @@ import os
 import sys
 from typing import NoReturn
 
-from trainer.exit_codes import EXIT_CONFIG
+from trainer.run.errors import EXIT_CONFIG
 
 
 def refuse(message: str) -> NoReturn:

@@ -1,4 +1,4 @@
-"""Timing a built trainer's steps the way train.py times its own: graphing.StepTimer (trainer/perf.py).
+"""Timing a built trainer's steps the way train.py times its own: graphing.StepTimer (trainer/metrics/perf.py).
 
 One timer for every script, so that a script's "step ms" means what results.json's perf/step_ms_* mean:
 the interval between the ends of consecutive steps on the device (CUDA events, read once after the

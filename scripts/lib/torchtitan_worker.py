@@ -88,7 +88,7 @@ def job_config(args: argparse.Namespace, dump_folder: str, cuda: bool):
     o.name, o.lr, o.beta1, o.beta2, o.eps, o.weight_decay = "AdamW", LR, BETAS[0], BETAS[1], EPS, WEIGHT_DECAY
     o.implementation = "fused" if cuda else "foreach"  # fused: CUDA only, says torchtitan
     job.lr_scheduler.warmup_steps = LR_WARMUP_STEPS
-    job.lr_scheduler.decay_ratio = 0.0  # no decay: warm-up, then constant, as trainer.schedules.Constant
+    job.lr_scheduler.decay_ratio = 0.0  # no decay: warm-up, then constant, as trainer.step.schedules.Constant
     job.activation_checkpoint.mode = args.ac
     job.compile.enable = args.compile
     job.compile.components = ["model", "loss"]

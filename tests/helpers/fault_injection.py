@@ -15,7 +15,7 @@
   This patches ``torch.save`` of files (not of in-memory buffers) in rank 0's process, only here.
 
 - STOP_CHECK_S, seconds: the ranks ask each other about a stop request (SIGTERM) about every that
-  many seconds of training instead of 2 (``trainer.stop.StopAgreement``'s spacing), so that a short
+  many seconds of training instead of 2 (``trainer.run.stop.StopAgreement``'s spacing), so that a short
   test run stops within a few steps of the signal; the agreement itself is the same code.
 
 - REPORT_GATHERS, "1": each time a sharded tensor (a DTensor with a Shard placement, more than one
@@ -109,7 +109,7 @@ def report_whole_gathers() -> None:
 
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
-    from trainer import hooks  # import-free: train.py still takes the signals before any thread starts
+    from trainer.run import hooks  # import-free: train.py still takes the signals before any thread starts
 
     kills = [k for k in os.environ.get(KILL_AT_STEP_ENV, "").split(",") if k]
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -118,7 +118,7 @@ if __name__ == "__main__":
     if os.environ.get(QUOTA_AT_STEP_ENV):
         hooks.after_step.append(quota_at(os.environ[QUOTA_AT_STEP_ENV]))
     if os.environ.get(STOP_CHECK_S_ENV):
-        from trainer.stop import StopAgreement  # import-free of threads: the signals are taken in train.py
+        from trainer.run.stop import StopAgreement  # import-free of threads: the signals are taken in train.py
 
         StopAgreement.__init__.__defaults__ = (float(os.environ[STOP_CHECK_S_ENV]),)
     if os.environ.get(REPORT_GATHERS_ENV):

@@ -1,5 +1,5 @@
 """AdamW on FSDP2's DTensor parameters two ways, on each rank: torch's own step (through DTensor) and
-trainer/shard_optimizer.py's step on the local shards; what tests/test_shard_optimizer.py compares.
+trainer/parallel/shard_optimizer.py's step on the local shards; what tests/test_shard_optimizer.py compares.
 
     torchrun --nproc_per_node=2 tests/helpers/shard_optimizer_ranks.py OUT_DIR OPTIONS_JSON   # a list of option sets
 
@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from trainer.shard_optimizer import on_local_shards  # noqa: E402
+from trainer.parallel.shard_optimizer import on_local_shards  # noqa: E402
 
 STEPS = 5
 

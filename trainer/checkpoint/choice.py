@@ -1,6 +1,6 @@
 """Which checkpoint format: chosen once for what a run writes, told by the path for what it reads.
 
-What a run writes follows from its parallelism (trainer/parallelism.py) alone: a sharded model
+What a run writes follows from its parallelism (trainer/parallel/parallelism.py) alone: a sharded model
 (train.parallel=fsdp2) cannot be gathered whole on one rank, so each rank writes its shards (DCP); a
 replicated one is one file. This is the only place in trainer/checkpoint/ that asks whether the run
 is sharded; TrainingState asks once and keeps the answer.
@@ -17,7 +17,7 @@ from typing import Tuple
 from trainer.checkpoint.dcp_shards import DCP_SHARDS
 from trainer.checkpoint.format import CheckpointFormat
 from trainer.checkpoint.one_file import ONE_FILE
-from trainer.parallelism import Parallelism
+from trainer.parallel.parallelism import Parallelism
 
 FORMATS: Tuple[CheckpointFormat, ...] = (ONE_FILE, DCP_SHARDS)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-from trainer.errors import ConfigError
+from trainer.run.errors import ConfigError
 
 
 def check_compatible(state: Dict[str, Any], recipe_name: str, *, resume: str = "auto",

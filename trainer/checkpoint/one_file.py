@@ -12,7 +12,7 @@ Foot-guns handled here:
 - A file can still be truncated afterwards by the disk or a copy: ``damage`` tells from the file's
   tail, without loading it, so retention never counts it (trainer/checkpoint/retention.py).
 - ``torch.save`` can fail without an errno once the disk fills: the room is checked first, and a
-  failed write becomes a StorageError naming the path and sizes (trainer/storage.py).
+  failed write becomes a StorageError naming the path and sizes (trainer/run/storage.py).
 """
 from __future__ import annotations
 
@@ -24,11 +24,11 @@ from typing import Any, Callable, Dict, Optional
 
 import torch
 
-from trainer import storage
+from trainer.run import storage
 from trainer.checkpoint.format import CheckpointFormat, Ranks
 from trainer.checkpoint.layout import BEST_NAME, FILE_SUFFIX, checkpoint_dir, step_path, temp_file_prefix
 from trainer.checkpoint.unreadable import short_cause
-from trainer.stop import writing
+from trainer.run.stop import writing
 
 
 class OneFile(CheckpointFormat):

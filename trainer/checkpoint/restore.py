@@ -20,7 +20,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from trainer.checkpoint.format import CheckpointFormat
-from trainer.errors import ConfigError
+from trainer.run.errors import ConfigError
 
 
 def load_model_state(model: torch.nn.Module, state: Dict[str, Any], config: Dict[str, Any], *,

@@ -19,7 +19,7 @@ from trainer.checkpoint.choice import format_of
 from trainer.checkpoint.find import list_checkpoints
 from trainer.checkpoint.layout import temps
 from trainer.checkpoint.unreadable import short_cause
-from trainer.errors import ConfigError
+from trainer.run.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

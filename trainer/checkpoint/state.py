@@ -7,7 +7,7 @@ parallelism (trainer/checkpoint/choice.py): every rank takes its part (``Checkpo
 one file, its own shards for DCP), then rank 0 writes the rest and publishes it, and retention keeps
 the newest ``checkpoint.keep``.
 
-A storage failure stops every rank alike (trainer/storage.py's policy): rank 0's outcome reaches
+A storage failure stops every rank alike (trainer/run/storage.py's policy): rank 0's outcome reaches
 every rank in the broadcast that ends the write, a check every rank makes is gathered, and each
 says the last good checkpoint and what to do. Restored on every rank before warm-up and capture, in
 place, so that DDP and any captured graph keep reading the same tensors.
@@ -29,9 +29,9 @@ from trainer.checkpoint.restore import load_model_state, load_optimizer_state
 from trainer.checkpoint.retention import add_checkpoint
 from trainer.checkpoint.rng import rng_state, set_rng_state
 from trainer.checkpoint.unreadable import UnreadableCheckpoint
-from trainer.errors import ConfigError, StorageError
-from trainer.parallelism import Parallelism
-from trainer.runtime import Runtime, print_once, seed_rank_streams
+from trainer.run.errors import ConfigError, StorageError
+from trainer.parallel.parallelism import Parallelism
+from trainer.run.runtime import Runtime, print_once, seed_rank_streams
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class TrainingState:
 
         ``before``: rank 0's other writes due first (metrics rows that could not be appended).
         A storage failure on rank 0 reaches every rank in the broadcast that ends the save, and
-        every rank raises the same StorageError: the run stops together (trainer/storage.py).
+        every rank raises the same StorageError: the run stops together (trainer/run/storage.py).
         """
         rng = self._all_rng_states()
         extra = {"step": step, "epoch": epoch, "steps_per_epoch": self.steps_per_epoch, "rng": rng,

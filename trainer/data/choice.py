@@ -11,9 +11,9 @@ import torch
 from trainer.data.device_loader import DeviceLoader
 from trainer.data.host_loader import HostLoader
 from trainer.data.items import read_all, sample_item
-from trainer.errors import ConfigError
+from trainer.run.errors import ConfigError
 from trainer.recipe import SplitLike
-from trainer.runtime import Runtime
+from trainer.run.runtime import Runtime
 
 DEVICE_MEMORY_SHARE = 0.3  # loader=auto keeps a split on the device when it takes at most this share of free memory
 

@@ -12,7 +12,7 @@ from trainer.data.epochs import (
     StepShape, epoch_index, micro_slice, eval_epoch_size, train_epoch_shapes, train_epoch_index,
 )
 from trainer.recipe import PADDING_MASK, Batch, Split
-from trainer.runtime import Runtime
+from trainer.run.runtime import Runtime
 
 
 class DeviceLoader:

@@ -13,8 +13,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from trainer.errors import ConfigError
-from trainer.runtime import Runtime
+from trainer.run.errors import ConfigError
+from trainer.run.runtime import Runtime
 
 
 def shard_indices(n: int, rank: int, world: int, *, shuffle: bool, seed: int, epoch: int) -> torch.Tensor:

@@ -20,7 +20,7 @@ from trainer.data.epochs import (
 from trainer.data.items import BatchReader, keep_batch, sample_item
 from trainer.data.workers import batches, worker_options
 from trainer.recipe import PADDING_MASK, Batch, SplitLike
-from trainer.runtime import Runtime
+from trainer.run.runtime import Runtime
 
 
 class _EpochBatches:

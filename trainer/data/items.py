@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 import torch
 
 from trainer.data.workers import batches, worker_options
-from trainer.errors import ConfigError
+from trainer.run.errors import ConfigError
 from trainer.recipe import PADDING_MASK, Batch, Split, SplitLike
 
 

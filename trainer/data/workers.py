@@ -88,7 +88,7 @@ def _context(dataset_module: str):
 def _start_helpers(start: str) -> None:
     """Starts multiprocessing's resource tracker (which a forkserver's or spawn's queues register with) and the
     forkserver now, from here. The tracker's start unblocks SIGINT and SIGTERM in the thread that starts it, where
-    the rank keeps them blocked for its stop thread (trainer/stop.py): a SIGTERM would then kill the rank outright,
+    the rank keeps them blocked for its stop thread (trainer/run/stop.py): a SIGTERM would then kill the rank outright,
     without its checkpoint; the mask is put back. It would also warn of "leaked semaphore objects" after every rank
     that ends by ``os._exit`` (they are freed all the same): that warning is left out of its options."""
     from multiprocessing import forkserver, resource_tracker

@@ -1,6 +1,6 @@
 """Writes that can fail for lack of room (no space, quota, read-only, permission), said once and plainly.
 
-A failed write becomes ``StorageError`` (trainer/errors.py): a message that names the path,
+A failed write becomes ``StorageError`` (trainer/run/errors.py): a message that names the path,
 the bytes the write needed and the bytes free there, and what to do. ``torch.save`` can fail
 without an errno (``RuntimeError: [enforce fail at inline_container.cc:...] ... file write
 failed``), so the room is measured here, before a write (``check_room``), and again when one
@@ -22,8 +22,8 @@ import shutil
 from pathlib import Path
 from typing import Any, Optional
 
-from trainer.errors import StorageError
-from trainer.stop import writing
+from trainer.run.errors import StorageError
+from trainer.run.stop import writing
 
 # Errors that mean "this storage cannot take the write", as opposed to a bug in what is written.
 _STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO, errno.EFBIG,

@@ -13,8 +13,8 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from graphing import StepTimer
-from trainer.results import markdown_table
-from trainer.runtime import print_once
+from trainer.metrics.results import markdown_table
+from trainer.run.runtime import print_once
 
 # Dense tensor-core peaks, TFLOP/s (NVIDIA datasheets; "dense" = half the with-sparsity figure).
 # Matched in order against torch.cuda.get_device_name(); the first name contained wins.

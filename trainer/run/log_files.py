@@ -55,7 +55,7 @@ class _QuietFileHandler(logging.FileHandler):
     def handleError(self, record) -> None:
         if not self._said:
             self._said = True
-            from trainer.runtime import print_once
+            from trainer.run.runtime import print_once
 
             print_once(f"[logger] cannot write {self.baseFilename} ({sys.exc_info()[1]}); its records are lost "
                        "from here", file=sys.stderr)

@@ -1,6 +1,6 @@
 """The process around a run: what train.py and every script need from the OS, torchrun and Hydra.
 
-Kept apart from the run itself (trainer/training.py) and light to import (no torch at module
+Kept apart from the run itself (trainer/session.py) and light to import (no torch at module
 level), because train.py calls it before Hydra parses the command line:
 
 - ``quiet_other_ranks`` / ``restore_stderr``: a config error is the same on every rank, so only
@@ -12,6 +12,8 @@ level), because train.py calls it before Hydra parses the command line:
 - ``tell_torchrun``, ``peer_gone``: an error's message in torchrun's failure report, and whether a
   collective lost its peer (another rank's failure, not this one's).
 - ``multirun_job_dir``, ``hydra_overrides``: what Hydra says about this job.
+- ``process_started_at``: when this process started, for the start-up timings and for a run
+  directory owner's record (trainer/run/run_lock.py tells a live owner from a reused pid by it).
 """
 from __future__ import annotations
 
@@ -20,7 +22,10 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Callable, List, Optional
+
+_LOADED_AT = time.time()
 
 _saved_stderr: Optional[int] = None
 
@@ -53,7 +58,7 @@ def exit_worker(main: Callable[[], None], after: Callable[[], int] = lambda: 0) 
     except SystemExit as stop:
         code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
         # When another rank exits first, torchrun sends this one SIGTERM: the signal thread
-        # (trainer/stop.py) lets it finish printing its one message rather than dying mid-way.
+        # (trainer/run/stop.py) lets it finish printing its one message rather than dying mid-way.
         if under_torchrun():
             _exit_now(code)
         raise
@@ -115,3 +120,15 @@ def hydra_overrides() -> List[str]:
         return list(HydraConfig.get().overrides.task)
     except ValueError:
         return []
+
+
+def process_started_at() -> float:
+    """When this process started (Unix time): from /proc on Linux, else when this module loaded."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        ticks = int(fields[19])  # starttime: clock ticks after boot
+        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime"))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return _LOADED_AT

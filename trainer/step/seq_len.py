@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import List, Optional, Sequence
 
-from trainer.errors import ConfigError
+from trainer.run.errors import ConfigError
 
 SETTING = "recipe.data.seq_len_buckets"
 

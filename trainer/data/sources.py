@@ -5,9 +5,9 @@ import logging
 import socket
 from typing import Callable, Optional, Tuple
 
-from trainer.errors import ConfigError
+from trainer.run.errors import ConfigError
 from trainer.recipe import Datasets, Split
-from trainer.runtime import Runtime
+from trainer.run.runtime import Runtime
 
 
 def resolve_source(rt: Runtime, requested: str, real_name: str, data_key: str,

@@ -1,8 +1,8 @@
 """The device work of one training step and one evaluation step: the step order, on one screen.
 
 One path for every mode: what the step computes (the model and its loss, compiled together or
-not) is chosen once at assembly (``build_step_model``), and the step runs the same code whether
-it runs eagerly, is captured whole into a CUDA graph, or calls partially graphed / compiled
+not) is chosen once, when the Trainer builds the run (``build_step_model``), and the step runs the
+same code whether it runs eagerly, is captured whole into a CUDA graph, or calls partially graphed / compiled
 models. Everything here is graph-safe (no host syncs); results land in device accumulators
 that the loop reads at its log interval.
 """
@@ -17,11 +17,11 @@ import torch
 
 from graphing import Executor, no_sync_except_last
 from trainer.data import StepShape
-from trainer.errors import ConfigError
+from trainer.run.errors import ConfigError
 from trainer.recipe import PADDING_MASK, Batch, Recipe
-from trainer.schedules import LRSchedule
-from trainer.seq_len import truncate
-from trainer.sharding import full_norm
+from trainer.step.schedules import LRSchedule
+from trainer.step.seq_len import truncate
+from trainer.parallel.sharding import full_norm
 
 
 def per_term(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -75,7 +75,7 @@ class ModelAndLoss(torch.nn.Module):
 
 @dataclass(frozen=True)
 class StepModel:
-    """What the steps compute, chosen once at assembly: ``train(batch, output)`` returns (the model's
+    """What the steps compute, chosen once when the run is built: ``train(batch, output)`` returns (the model's
     output, or None when ``output`` is False, the micro-batch's mean loss); ``evaluate(batch)`` the
     output; ``correct(output, target)`` per-item correctness (None: recipe.accuracy=false).
     ``module`` is what DDP wraps (``no_sync``) and what the optimizer's parameters belong to."""
@@ -344,3 +344,22 @@ class EvalStep:
         correct = self.recipe.correct(output, batch["y"]) if self.model.correct is not None else \
             torch.zeros(per_sample.shape, dtype=torch.bool, device=per_sample.device)
         accumulate(self.metrics, per_sample, correct, batch[PADDING_MASK])
+
+
+def positional_model_inputs(recipe: Recipe, memory_format: torch.memory_format, model: torch.nn.Module, batch,
+                            recipe_target: str) -> tuple:
+    """The tensors the step passes the model for ``batch``, for executors that trace the model
+    ahead of time (graph.mode=partial: torch.cuda.make_graphed_callables replays positional tensors)."""
+    try:
+        args, kwargs = model_call_arguments(model_call(recipe, memory_format), model, batch)
+    except ValueError:
+        args, kwargs = None, {}
+    if args is not None and not kwargs and all(torch.is_tensor(a) for a in args):
+        return args
+    how = ("never calls the model" if args is None
+           else f"calls the model with keyword arguments ({', '.join(kwargs)})" if kwargs
+           else "passes the model arguments that are not tensors")
+    raise ConfigError(f"graph.mode=partial graphs the model with torch.cuda.make_graphed_callables, which replays "
+                      f"tensors passed positionally, but the Recipe.forward of recipe._target_="
+                      f"{recipe_target} {how}: pass the model tensors positionally in Recipe.forward, "
+                      "or set graph=full (or graph=eager)")

@@ -6,7 +6,7 @@ otherwise, so nothing waits for a network or a key; ``wandb sync <run_dir>/wandb
 uploads later. A W&B failure at any point is reported once and logging carries on to
 the JSONL file: it never stops training.
 
-W&B runs in a process of its own (trainer/wandb_sidecar.py): importing wandb and
+W&B runs in a process of its own (trainer/metrics/wandb_sidecar.py): importing wandb and
 starting its run take seconds of Python work, which on a thread of this process would
 hold the GIL and slow every step it overlaps. This process only queues each call; a
 thread pipes it to the sidecar, which replays the calls in order once W&B is up.
@@ -29,9 +29,10 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from trainer import storage, wandb_sidecar
-from trainer.errors import StorageError
-from trainer.wandb_sidecar import FAILURE_HINT
+from trainer.metrics import wandb_sidecar
+from trainer.run import storage
+from trainer.run.errors import StorageError
+from trainer.metrics.wandb_sidecar import FAILURE_HINT
 
 SIDECAR = Path(wandb_sidecar.__file__)  # run as a script: it imports the standard library and wandb only
 FINISH_GRACE_S = 60.0  # beyond the start timeout: writing and closing the run's files
@@ -170,13 +171,13 @@ def new_run_id() -> str:
 class JsonLines:
     """metrics.jsonl, appended one whole row at a time; a row that cannot be written waits in memory.
 
-    Only rank 0 of the run directory's owner (trainer/run_lock.py) appends, so a failed write
+    Only rank 0 of the run directory's owner (trainer/run/run_lock.py) appends, so a failed write
     can be cut back to the last whole row: a full disk never leaves half a row. A file that
     already ends in half a row (a crash, a power loss) gets a line break first, so that the
     bad row stays one unreadable line and every new row is whole. Rows that fail (no space,
     quota, read-only) are kept in memory in order, retried with the next row, and written
     before the next checkpoint (``write_pending``), where a lasting failure stops the run
-    (trainer/storage.py).
+    (trainer/run/storage.py).
     """
 
     def __init__(self, path: Path):

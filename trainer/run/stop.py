@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 
-from trainer.exit_codes import EXIT_INTERRUPTED, EXIT_PREEMPTED
+from trainer.run.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
 TERM_GRACE_S = 15.0  # SIGTERM to exit at the latest; torchrun and SLURM send SIGKILL after 30 s
 BACKSTOP_S = 5.0  # then, without the GIL: the stacks printed and exit 1, still before SIGKILL
@@ -93,7 +93,7 @@ def _take_signals(signals) -> None:
             name = "interrupted (SIGINT)" if sig == signal.SIGINT else "second SIGTERM"
             _say(f"{name}: stopping now, without writing a checkpoint", every_rank=False)  # all got it
             _exit_now(EXIT_INTERRUPTED if sig == signal.SIGINT else EXIT_PREEMPTED)
-        _stop_requested.set()  # said once the ranks have stopped (trainer/errors.py Preempted)
+        _stop_requested.set()  # said once the ranks have stopped (trainer/run/errors.py Preempted)
         threading.Thread(target=_exit_after_grace, name="stop-deadline", daemon=True).start()
         try:
             faulthandler.dump_traceback_later(TERM_GRACE_S + BACKSTOP_S, exit=True)

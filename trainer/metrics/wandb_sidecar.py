@@ -1,4 +1,4 @@
-"""The W&B side of metrics logging, as a process of its own (run by trainer/metrics_logger.py).
+"""The W&B side of metrics logging, as a process of its own (run by trainer/metrics/logger.py).
 
 Importing wandb and starting a run takes seconds of Python work; on a thread of the
 training process that work holds the GIL and slows every step it overlaps (MNIST on one

@@ -22,7 +22,7 @@ The whole step (forward, backward with FSDP2's collectives, clipping, optimizer)
 by graph.mode=full like a DDP step: FSDP2's streams fork from the capture stream and join it
 within each step, and nothing outside a step leaves an event that the captured step waits on
 (checked on one GPU, tests/test_fsdp_gpu.py). What FSDP2 cannot carry is refused by the plan
-(``fsdp_spec``, called through trainer/parallelism.py, whose ``Parallelism`` the rest of the trainer
+(``fsdp_spec``, called through trainer/parallel/parallelism.py, whose ``Parallelism`` the rest of the trainer
 asks: its ``place_model`` calls ``sharded_model`` here); its checkpoints, and its whole tensors for
 best.pt, are trainer/checkpoint/dcp_shards.py's.
 """
@@ -36,20 +36,19 @@ import torch.distributed as dist
 
 from graphing import GraphMode, GraphOptions
 from graphing.sharded import is_dtensor
-from trainer.errors import ConfigError
-from trainer.optim import OptimizerSpec
+from trainer.run.errors import ConfigError
 
 
 @dataclass(frozen=True)
 class FSDPSpec:
-    """``train.fsdp`` of ``train.parallel=fsdp2`` (trainer/sharding.py)."""
+    """``train.fsdp`` of ``train.parallel=fsdp2`` (trainer/parallel/sharding.py)."""
     reshard_after_forward: bool
     reduce_dtype: str  # fp32 | bf16
     init: str  # host | meta
 
 
-def fsdp_spec(cfg, precision: str, graph: GraphOptions, optimizer: OptimizerSpec) -> FSDPSpec:
-    """``train.fsdp`` of a run under ``train.parallel=fsdp2``, checked (trainer/parallelism.py ``plan_parallelism``
+def fsdp_spec(cfg, precision: str, graph: GraphOptions, optimizer_target: str, optimizer_cls: type) -> FSDPSpec:
+    """``train.fsdp`` of a run under ``train.parallel=fsdp2``, checked (trainer/parallel/parallelism.py ``plan_parallelism``
     calls it): what FSDP2 cannot carry (fp16's loss scale, partial and compile graphs, fused SGD) is refused by name."""
     t = cfg.train
     if precision == "fp16":
@@ -66,7 +65,7 @@ def fsdp_spec(cfg, precision: str, graph: GraphOptions, optimizer: OptimizerSpec
     if t.fsdp.reduce_dtype.value == "bf16" and precision != "bf16":
         raise ConfigError(f"train.fsdp.reduce_dtype=bf16 reduces bf16 gradients, but train.precision resolves to "
                           f"{precision}: set train.precision=bf16, or train.fsdp.reduce_dtype=fp32")
-    check_optimizer(optimizer.target, optimizer.cls, captured=graph.mode is GraphMode.full)
+    check_optimizer(optimizer_target, optimizer_cls, captured=graph.mode is GraphMode.full)
     return FSDPSpec(reshard_after_forward=t.fsdp.reshard_after_forward, reduce_dtype=t.fsdp.reduce_dtype.value,
                     init=t.fsdp.init.value)
 
@@ -150,7 +149,7 @@ def full_norm(norm: torch.Tensor) -> torch.Tensor:
 
 def sharded_model(recipe, device: torch.device, spec, precision: str) -> torch.nn.Module:
     """The recipe's model, sharded over every rank as ``spec`` (the plan's ``train.fsdp``) says, on ``device``."""
-    from trainer.runtime import print_once
+    from trainer.run.runtime import print_once
 
     model = recipe.model
     blocks = list(recipe.blocks)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from trainer.errors import ConfigError
+from trainer.run.errors import ConfigError
 
 
 def import_target(path: Any, key: str, example: str) -> Any:

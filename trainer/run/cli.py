@@ -16,7 +16,7 @@ import os
 import sys
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
-from trainer.exit_codes import EXIT_CONFIG
+from trainer.run.errors import EXIT_CONFIG
 
 
 TRAIN_CONFIG_HELP = """\
@@ -49,7 +49,7 @@ def script_config(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]]
     None), ``config_name`` and ``train_options`` (``--config-dir``/``--config-name`` as train.py
     takes them, for a script that launches it). A config that does not compose (unknown key,
     bad value, unknown group option, missing --config-dir) prints one line, ``<script>: <Hydra's
-    words>``, on rank 0 and exits with train.py's code for it (2, trainer/exit_codes.py).
+    words>``, on rank 0 and exits with train.py's code for it (2, trainer/run/errors.py).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     before, after = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])

@@ -7,8 +7,8 @@ from typing import Any, Dict, List
 
 
 def write_json(path: Path, obj: Any) -> None:
-    """Whole or not at all; a failure for lack of room or rights is a StorageError naming the path (trainer/storage.py)."""
-    from trainer.storage import write_text_atomically
+    """Whole or not at all; a failure for lack of room or rights is a StorageError naming the path (trainer/run/storage.py)."""
+    from trainer.run.storage import write_text_atomically
 
     write_text_atomically(path.name, path, json.dumps(obj, indent=2, default=str) + "\n")
 

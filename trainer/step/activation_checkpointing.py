@@ -28,7 +28,7 @@ from typing import Iterator
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from trainer.errors import ConfigError
+from trainer.run.errors import ConfigError
 
 SETTING = "train.activation_checkpointing"
 _BATCH_NORMS = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d, torch.nn.SyncBatchNorm)
@@ -93,7 +93,7 @@ def apply_or_refuse(cfg, recipe):
         "activation checkpointing (its Recipe says activation_checkpointing=False) nor names its blocks "
         f"(Recipe.blocks). Set {SETTING}=false, or choose a recipe that supports it; a recipe of your own "
         "supports it by naming its model's blocks in Recipe.blocks (the trainer then recomputes each), or by "
-        "running them through trainer.activation_checkpointing.checkpointed itself and returning "
+        "running them through trainer.step.activation_checkpointing.checkpointed itself and returning "
         "Recipe(..., activation_checkpointing=True)")
 
 

@@ -20,8 +20,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from trainer.errors import ConfigError, RunDirInUse
-from trainer.run_lock import RunDirLock, acquire
+from trainer.run.errors import ConfigError, RunDirInUse
+from trainer.run.run_lock import RunDirLock, acquire
 
 def env_rank() -> int:
     return int(os.environ.get("RANK", "0"))
@@ -41,10 +41,10 @@ class Runtime:
     device: torch.device
     distributed: bool
     run_dir: Path
-    lock: Optional["RunDirLock"] = None  # rank 0's claim on run_dir (trainer/run_lock.py)
+    lock: Optional["RunDirLock"] = None  # rank 0's claim on run_dir (trainer/run/run_lock.py)
     opened: bool = False  # the run directory is in use (make_run_dir): it stays when the run ends
     # Where a recipe builds its model: the host, or under train.fsdp.init=meta the meta device (a recipe that
-    # supports it builds ``with torch.device(rt.init_device)`` and gives Recipe.init_weights; trainer/sharding.py)
+    # supports it builds ``with torch.device(rt.init_device)`` and gives Recipe.init_weights; trainer/parallel/sharding.py)
     init_device: torch.device = torch.device("cpu")
 
     @property
@@ -113,7 +113,7 @@ def start(device: torch.device, output_root: str, run_dir: Optional[str], run_na
           init_meta: bool = False) -> Runtime:
     """Joins the process group (when launched by torchrun; ``needs_group``: a group of one without it,
     for FSDP2, whose shards live on a device mesh) and agrees on one run directory, which rank 0 claims
-    for the whole job (trainer/run_lock.py) before anything is written there. ``init_meta``: recipes
+    for the whole job (trainer/run/run_lock.py) before anything is written there. ``init_meta``: recipes
     build their models on the meta device (``Runtime.init_device``)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = env_rank(), int(os.environ.get("LOCAL_RANK", "0"))
@@ -194,7 +194,7 @@ def _dated_dirs(output_root: Path, name: str) -> List[Path]:
 def _why_not_writable(path: Path) -> Optional[str]:
     """Why ``path`` could not be created and written, or None; creates nothing.
 
-    The run directory is made when rank 0 claims it (trainer/run_lock.py); if the run ends
+    The run directory is made when rank 0 claims it (trainer/run/run_lock.py); if the run ends
     before it opens the directory (``Runtime.make_run_dir``: a config error found while
     building), the claim removes what it made, so that no empty directory stays behind.
     """

@@ -2,7 +2,7 @@
 
 ``Parallelism`` is the one answer: the model replicated on every rank, its gradients all-reduced
 by DDP (``train.ddp``, ``DDPSpec``), or sharded over the ranks by FSDP2 (``train.fsdp``, ``FSDPSpec``:
-trainer/sharding.py). Every part of the trainer that differs between the two asks it, never the
+trainer/parallel/sharding.py). Every part of the trainer that differs between the two asks it, never the
 model: the session (a process group even on one rank, a meta-device init), the Trainer (the model
 put on the device, what graphing's executor wraps it with, whether the compiled model takes its
 loss, whether the optimizer steps on shards), the checkpoint format (trainer/checkpoint/choice.py),
@@ -22,9 +22,8 @@ import torch
 from conf.schema import DDPConfig, FSDPConfig, changed_settings
 from graphing import GraphOptions
 from graphing.compat import ddp_buffer_sync_argument
-from trainer.errors import ConfigError
-from trainer.optim import OptimizerSpec
-from trainer.sharding import FSDPSpec, fsdp_spec, sharded_model
+from trainer.run.errors import ConfigError
+from trainer.parallel.sharding import FSDPSpec, fsdp_spec, sharded_model
 
 
 @dataclass(frozen=True)
@@ -72,10 +71,10 @@ class Parallelism:
         return graph.compile_model and not self.sharded
 
 
-def plan_parallelism(cfg, world_size: int, precision: str, graph: GraphOptions,
-                     optimizer: OptimizerSpec) -> Parallelism:
+def plan_parallelism(cfg, world_size: int, precision: str, graph: GraphOptions, optimizer_target: str,
+                     optimizer_cls: type) -> Parallelism:
     """``train.parallel`` and its settings, checked (called by trainer/plan.py): each parallel's settings are
-    refused under the other, then DDP's own checks (``ddp_spec``) or FSDP2's (trainer/sharding.py ``fsdp_spec``)."""
+    refused under the other, then DDP's own checks (``ddp_spec``) or FSDP2's (trainer/parallel/sharding.py ``fsdp_spec``)."""
     t = cfg.train
     parallel = t.parallel.value
     # The other parallel's settings group: (its key, the train.parallel it belongs to, what this run changed there)
@@ -90,7 +89,7 @@ def plan_parallelism(cfg, world_size: int, precision: str, graph: GraphOptions,
                           f"train.parallel={parallel}: drop train.{group}.{key}, or set train.parallel={owner}")
     if parallel == "ddp":
         return Parallelism(ddp_spec(cfg, world_size))
-    return Parallelism(fsdp_spec(cfg, precision, graph, optimizer))
+    return Parallelism(fsdp_spec(cfg, precision, graph, optimizer_target, optimizer_cls))
 
 
 def ddp_spec(cfg, world_size: int) -> DDPSpec:

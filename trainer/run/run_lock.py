@@ -3,7 +3,7 @@
 The same command started twice into one ``run_dir`` (two terminals, a requeued job whose
 first copy still runs) would otherwise train twice into one directory: both runs' rows in
 metrics.jsonl, checkpoints interleaved. ``acquire`` is called by rank 0 when the ranks agree
-on the run directory (trainer/runtime.py ``start``), before anything is written there; the
+on the run directory (trainer/run/runtime.py ``start``), before anything is written there; the
 other ranks learn the outcome in the same broadcast, so all ranks of one job are one owner.
 A second launch exits with ``RunDirInUse`` (exit 2, one message naming the owner's host, pid
 and start time), having written nothing into the directory.
@@ -45,8 +45,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from trainer.errors import RunDirInUse
-from trainer.process_clock import process_started_at
+from trainer.run.errors import RunDirInUse
+from trainer.run.process import process_started_at
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ key may be left out; any other value is refused when the plan checks the spec): 
 parameters and the learning rate as a device tensor, and on CUDA the options that let
 the step run inside a CUDA graph (``capturable``/``fused``, graphing/optimizers.py). A
 class or setting that cannot be captured is refused before training, naming the key.
-``recipe.schedule`` names a device-side schedule (trainer/schedules.py), completed with
+``recipe.schedule`` names a device-side schedule (trainer/step/schedules.py), completed with
 ``base_lr`` and ``total_steps`` the same way.
 """
 from __future__ import annotations
@@ -20,15 +20,15 @@ import torch
 from omegaconf import OmegaConf
 
 from graphing import closure_problem, graph_safe_optimizer_kwargs, optimizer_capture_problem
-from trainer.errors import ConfigError
-from trainer.schedules import LRSchedule
-from trainer.shard_optimizer import on_local_shards
-from trainer.targets import import_target
+from trainer.run.errors import ConfigError
+from trainer.step.schedules import LRSchedule
+from trainer.parallel.shard_optimizer import on_local_shards
+from trainer.run.targets import import_target
 
 # The optimizer classes with a fused step on FSDP2's DTensor shards (torch 2.11 to 2.15). DTensor has
 # rules for the foreach and fused kernels of Adam and AdamW (a tensor lr included), and for the foreach
 # kernels of SGD, but none for fused SGD, the only SGD step a graph can take (the others read a tensor
-# lr on the host): trainer/sharding.py check_optimizer refuses SGD under a whole-step graph.
+# lr on the host): trainer/parallel/sharding.py check_optimizer refuses SGD under a whole-step graph.
 FUSED_ON_SHARDS = ("torch.optim.adam.Adam", "torch.optim.adamw.AdamW")
 
 
@@ -111,14 +111,14 @@ def schedule_spec(cfg_schedule) -> ScheduleSpec:
     settings = plain_settings(cfg_schedule)
     take_partial(settings, "recipe.schedule", "base_lr and total_steps")
     target = settings.pop("_target_", None)
-    cls = import_target(target, "recipe.schedule._target_", "trainer.schedules.Cosine")
+    cls = import_target(target, "recipe.schedule._target_", "trainer.step.schedules.Cosine")
     if isinstance(cls, type) and issubclass(cls, torch.optim.lr_scheduler.LRScheduler):
         raise ConfigError(f"recipe.schedule._target_={target} is a host-side scheduler: it sets the lr as a Python "
-                          "number between steps, which a CUDA graph never sees. Use trainer.schedules.Cosine, "
-                          "trainer.schedules.Constant or a trainer.schedules.LRSchedule subclass")
+                          "number between steps, which a CUDA graph never sees. Use trainer.step.schedules.Cosine, "
+                          "trainer.step.schedules.Constant or a trainer.step.schedules.LRSchedule subclass")
     if not (isinstance(cls, type) and issubclass(cls, LRSchedule)):
-        raise ConfigError(f"recipe.schedule._target_={target!r} is not a trainer.schedules.LRSchedule: "
-                          "choose trainer.schedules.Constant or trainer.schedules.Cosine")
+        raise ConfigError(f"recipe.schedule._target_={target!r} is not a trainer.step.schedules.LRSchedule: "
+                          "choose trainer.step.schedules.Constant or trainer.step.schedules.Cosine")
     return ScheduleSpec(target=target, cls=cls, kwargs=settings)
 
 
@@ -141,7 +141,7 @@ def build_optimizer(spec: OptimizerSpec, params: Iterable[torch.nn.Parameter], d
     ``loss_scaled``: a GradScaler drives its step (train.precision=fp16).
     ``sharded``: the parameters are FSDP2's DTensor shards, on which only Adam and AdamW have a fused
     kernel (``FUSED_ON_SHARDS``): another class steps with its foreach kernels there, uncaptured. Adam
-    and AdamW step on each rank's local shards (trainer/shard_optimizer.py: bitwise the DTensor step,
+    and AdamW step on each rank's local shards (trainer/parallel/shard_optimizer.py: bitwise the DTensor step,
     without its dispatch).
     """
     lr = torch.tensor(spec.lr, dtype=torch.float32, device=device)  # schedules write it in place
