@@ -71,6 +71,13 @@ class GradReduce(Enum):
     bf16 = "bf16"
 
 
+class Float8(Enum):
+    """torchao's float8 recipes (docs/float8.md): the matmuls of the Linear layers inside a recipe's blocks."""
+    none = "none"  # every matmul in train.precision
+    tensorwise = "tensorwise"  # one scale per tensor; under fsdp2 its weights can be all-gathered in float8
+    rowwise = "rowwise"  # one scale per row: closer to bf16's numbers, a little slower
+
+
 class Parallel(Enum):
     ddp = "ddp"  # DistributedDataParallel: a whole replica of weights, gradients and optimizer state per rank
     # FSDP2 (fully_shard): weights, gradients and optimizer state sharded over all ranks, each block
@@ -189,6 +196,9 @@ class FSDPConfig:
     reshard_after_forward: bool = True
     reduce_dtype: ReduceDtype = ReduceDtype.fp32
     init: FSDPInit = FSDPInit.host
+    # true (train.float8=tensorwise): each weight is cast to float8 before its all-gather (half of bf16's bytes),
+    # its scale computed for all weights in one all-reduce at the start of each step
+    float8_all_gather: bool = False
 
 
 @dataclass
@@ -207,6 +217,10 @@ class TrainLoopConfig:
     # one more forward of compute. The recipe applies it (Recipe.activation_checkpointing) or is refused.
     activation_checkpointing: bool = False
     progress: bool = True  # progress bar on rank 0
+    # The matmuls of the Linear layers inside the recipe's blocks in float8 (torchao; compute capability 8.9+):
+    # faster where the GPU is busy, with compile (graph=full_compiled). docs/float8.md
+    float8: Float8 = Float8.none
+    float8_emulate: bool = False  # torchao's emulation of float8 (plain matmuls), for CPU tests; eager only
     parallel: Parallel = Parallel.ddp  # how ranks share the model: replicas (ddp) or shards (fsdp2)
     ddp: DDPConfig = field(default_factory=DDPConfig)  # train.parallel=ddp only (refused with fsdp2)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)  # train.parallel=fsdp2 only (refused with ddp)

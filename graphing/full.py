@@ -29,6 +29,8 @@ import torch.distributed as dist
 
 from graphing.capture import capture, pool_mib, reset_rng_capture_state, run_on_stream
 from graphing.executor import Executor, GraphRecord, Shape, StepRole, distributed
+from graphing.float8_scales import STALE_SCALES, ScaleWatch
+from graphing.options import literal
 from graphing.shapes import ShapeBook
 from graphing.sharded import is_sharded, sharded_units
 
@@ -98,10 +100,16 @@ class FullGraphExecutor(Executor):
             dist.barrier()
         reshard_units(self.eval_model)
         torch.cuda.synchronize()
-        graph, seconds, failure = capture(fn, self.side, self.pool, self.options.capture_error_mode)
+        with ScaleWatch(self.eval_model) as scales:  # float8 scales the step assigns itself (graphing/float8_scales.py)
+            graph, seconds, failure = capture(fn, self.side, self.pool, self.options.capture_error_mode)
+        find_the_line = lambda: self._find_the_line(fn)  # noqa: E731
+        if failure is None and scales.stale:  # captured, but its replays would read the warm-up's scales
+            graph.reset()
+            graph, failure, find_the_line = None, literal(STALE_SCALES), None
         if failure is not None:  # a rank whose own capture succeeded has nothing to repair
             reset_rng_capture_state(self.side)
-        if not self._agree_on_capture(failure, lambda: self._find_the_line(fn)):
+        if not self._agree_on_capture(failure, find_the_line):
+            scales.put_back()  # those the capture assigned were never computed: the eager steps read these
             self.fallen_back = True
             return False
         self.graphs[role, shape] = graph

@@ -101,7 +101,7 @@ def plan_run(cfg, device: torch.device, world_size: int) -> RunPlan:
     _check_loss_scale(cfg.train, precision)
     graph = graph_options(cfg, device, world_size)
     check_captured_optimizer(optimizer, captured=graph.mode is GraphMode.full)
-    parallelism = plan_parallelism(cfg, world_size, precision, graph, optimizer.target, optimizer.cls)
+    parallelism = plan_parallelism(cfg, device, world_size, precision, graph, optimizer.target, optimizer.cls)
     return RunPlan(cfg=cfg, device=device, world_size=world_size, graph=graph,
                    precision=precision, build_recipe=build_recipe, optimizer=optimizer,
                    schedule=schedule_spec(cfg.recipe.schedule), parallelism=parallelism,

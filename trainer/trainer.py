@@ -100,8 +100,8 @@ class Trainer:
             train_loader.start_epoch(0)
             return inputs
 
-        settings = StepSettings(device=device, grad_accum=train_cfg.grad_accum, grad_clip=train_cfg.grad_clip, autocast=autocast,
-                                world_size=rt.world_size)
+        settings = StepSettings(device=device, grad_accum=train_cfg.grad_accum, grad_clip=train_cfg.grad_clip,
+                                autocast=autocast, world_size=rt.world_size, before_step=parallelism.before_step(model))
         # What the step computes, chosen once: under graph.compile_model the model is compiled with its loss,
         # or, sharded, block by block with the loss apart (Parallelism.compile_with_loss).
         step_model = build_step_model(recipe, model, executor, settings,

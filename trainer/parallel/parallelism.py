@@ -6,8 +6,10 @@ trainer/parallel/sharding.py). Every part of the trainer that differs between th
 model: the session (a process group even on one rank, a meta-device init), the Trainer (the model
 put on the device, what graphing's executor wraps it with, whether the compiled model takes its
 loss, whether the optimizer steps on shards), the checkpoint format (trainer/checkpoint/choice.py),
-the config a run records. What comes next (float8's all-gather, a tensor-parallel mesh dimension) is
-a field here, read by the same parts.
+the config a run records. ``float8`` (``train.float8``, trainer/parallel/float8.py) is a field here
+too: the layers it converts are converted where the model is placed, and what the step runs first
+(the float8 scales of FSDP2's float8 all-gather) is asked here. What comes next (a tensor-parallel
+mesh dimension) is a field here, read by the same parts.
 
 graphing, a library for any loop, asks the model itself (graphing/sharded.py); the answers agree,
 since the model is sharded here (``place_model``).
@@ -23,6 +25,7 @@ from conf.schema import DDPConfig, FSDPConfig, changed_settings
 from graphing import GraphOptions
 from graphing.compat import ddp_buffer_sync_argument
 from trainer.run.errors import ConfigError
+from trainer.parallel.float8 import Float8Spec, float8_spec
 from trainer.parallel.sharding import FSDPSpec, fsdp_spec, sharded_model
 
 
@@ -39,6 +42,7 @@ class Parallelism:
     """``train.parallel``, resolved: ``data_parallel`` holds DDP's settings (the model replicated, wrapped in DDP
     when a process group is up) or FSDP2's (the model sharded over every rank)."""
     data_parallel: Union[DDPSpec, FSDPSpec]
+    float8: Optional[Float8Spec] = None  # train.float8: the Linear layers of the recipe's blocks in float8
 
     @property
     def sharded(self) -> bool:
@@ -53,7 +57,13 @@ class Parallelism:
 
     def place_model(self, recipe, device: torch.device, precision: str,
                     memory_format: torch.memory_format) -> torch.nn.Module:
-        """The recipe's model on ``device``: moved there whole, or each block and the root sharded over all ranks."""
+        """The recipe's model on ``device``: moved there whole, or each block and the root sharded over all ranks;
+        with float8, its layers converted first (before sharding, and before the optimizer is built)."""
+        if self.float8 is not None:
+            from trainer.run.runtime import print_once
+
+            converted = self.float8.convert(recipe.model, recipe.blocks, recipe.name)
+            print_once(self.float8.describe(len(converted), precision))
         if self.sharded:
             return sharded_model(recipe, device, self.data_parallel, precision)
         return recipe.model.to(device, memory_format=memory_format)
@@ -65,18 +75,24 @@ class Parallelism:
             return {}
         return {"ddp_kwargs": self.data_parallel.kwargs, "comm_hook": self.data_parallel.comm_hook}
 
+    def before_step(self, model: torch.nn.Module) -> Optional[Callable[[], None]]:
+        """What every step runs first, inside its graph (None: nothing): float8's weight scales for FSDP2's float8
+        all-gather (trainer/parallel/float8.py)."""
+        return None if self.float8 is None else self.float8.before_step(model)
+
     def compile_with_loss(self, graph: GraphOptions) -> bool:
         """Whether ``graph.compile_model`` compiles the model and its loss as one function. Not when sharded:
         graphing then compiles block by block (graphing/full.py ``compile_sharded_units``), the loss apart."""
         return graph.compile_model and not self.sharded
 
 
-def plan_parallelism(cfg, world_size: int, precision: str, graph: GraphOptions, optimizer_target: str,
-                     optimizer_cls: type) -> Parallelism:
+def plan_parallelism(cfg, device: torch.device, world_size: int, precision: str, graph: GraphOptions,
+                     optimizer_target: str, optimizer_cls: type) -> Parallelism:
     """``train.parallel`` and its settings, checked (called by trainer/plan.py): each parallel's settings are
     refused under the other, then DDP's own checks (``ddp_spec``) or FSDP2's (trainer/parallel/sharding.py ``fsdp_spec``)."""
     t = cfg.train
     parallel = t.parallel.value
+    float8 = float8_spec(cfg, device, precision, compiled=graph.compile_model)  # torchao's absence said first
     # The other parallel's settings group: (its key, the train.parallel it belongs to, what this run changed there)
     group, owner, changed = (("fsdp", "fsdp2", changed_settings(t.fsdp, FSDPConfig)) if parallel == "ddp" else
                              ("ddp", "ddp", changed_settings(t.ddp, DDPConfig)))
@@ -88,8 +104,8 @@ def plan_parallelism(cfg, world_size: int, precision: str, graph: GraphOptions, 
         raise ConfigError(f"train.{group}.{key}={shown} is a setting of train.parallel={owner}, but this run uses "
                           f"train.parallel={parallel}: drop train.{group}.{key}, or set train.parallel={owner}")
     if parallel == "ddp":
-        return Parallelism(ddp_spec(cfg, world_size))
-    return Parallelism(fsdp_spec(cfg, precision, graph, optimizer_target, optimizer_cls))
+        return Parallelism(ddp_spec(cfg, world_size), float8)
+    return Parallelism(fsdp_spec(cfg, precision, graph, optimizer_target, optimizer_cls), float8)
 
 
 def ddp_spec(cfg, world_size: int) -> DDPSpec:

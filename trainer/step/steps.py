@@ -121,6 +121,9 @@ class StepSettings:
     grad_clip: float = 0.0  # > 0: clip the global gradient norm (and record it)
     autocast: Callable[[], ContextManager] = contextlib.nullcontext
     world_size: int = 1
+    # Run first in every training and evaluation step, inside its graph: the float8 weight scales of FSDP2's
+    # float8 all-gather, from the weights as they are now (Parallelism.before_step)
+    before_step: Optional[Callable[[], None]] = None
 
 
 class _Recorded(Exception):
@@ -216,6 +219,8 @@ class TrainStep:
         grad_accum, grad_clip = self.settings.grad_accum, self.settings.grad_clip
         tail = shape is not None and shape.tail
         want_output = tail or self.correct is not None  # a full step that counts no accuracy takes the loss alone
+        if self.settings.before_step is not None:
+            self.settings.before_step()
         self.optimizer.zero_grad(set_to_none=True)  # nothing left over is summed into this step's gradients
         micro_batches = range(len(shape.rows) if shape is not None else grad_accum)
         for micro in no_sync_except_last(self.model.module, micro_batches):  # DDP all-reduces on the last only
@@ -337,6 +342,8 @@ class EvalStep:
 
     @torch.no_grad()
     def __call__(self) -> None:
+        if self.settings.before_step is not None:
+            self.settings.before_step()
         batch = self.recipe.preprocess(self.loader.next_batch(), False)
         with self.settings.autocast():
             output = self.model.evaluate(batch)

@@ -1,0 +1,91 @@
+"""float8 against bf16, side by side: the same train.py run with train.float8=none and with each float8 recipe,
+for each graph mode, alternating in one call (none, tensorwise, ..., then the next mode).
+
+    python scripts/bench_float8.py --nproc 1 -- recipe=gpt2_small recipe.data.batch_size=16
+    python scripts/bench_float8.py --nproc 2 --all-gather -- recipe=gpt_1b recipe.data.batch_size=8
+    python scripts/bench_float8.py --modes full_compiled --float8 tensorwise,rowwise --steps 300 -- recipe=gpt_1b
+
+Per run: tokens/s per GPU from the median step, peak reserved memory, and the mean training loss over the
+last 10 logged values. Per float8 run: its tokens/s and loss over bf16's in the same mode. ``--all-gather``
+adds train.fsdp.float8_all_gather=true to the tensorwise runs (FSDP2 only). Synthetic data, evaluation off.
+Prints a Markdown table; writes it and every run's results to --output (default
+scripts/results/float8_<recipe>_<nproc>gpu.json and .md).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from scripts.lib.launch import parse_list, run_or_exit, train_launcher  # noqa: E402
+from trainer.run.cli import script_config  # noqa: E402
+
+DEFAULTS = ["logger=none", "train.progress=false", "train.eval=false", "recipe.data.source=synthetic",
+            "train.log_every=10", "train.precision=bf16", "checkpoint.save=false"]
+MODES = ("eager", "full", "full_compiled")
+RECIPES = ("tensorwise", "rowwise")
+
+
+def last_losses(run_dir: Path, count: int = 10) -> float:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    losses = [row["train/loss"] for row in rows if "train/loss" in row]
+    return statistics.mean(losses[-count:])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nproc", type=int, default=1, help="GPUs (torchrun when > 1)")
+    parser.add_argument("--modes", type=lambda s: parse_list(s, MODES, "mode"), default=list(MODES))
+    parser.add_argument("--float8", type=lambda s: parse_list(s, RECIPES, "float8 recipe"), default=["tensorwise"])
+    parser.add_argument("--all-gather", action="store_true", help="tensorwise with FSDP2's float8 all-gather")
+    parser.add_argument("--emulate", action="store_true", help="torchao's emulation (a CPU smoke test; no speed)")
+    parser.add_argument("--steps", type=int, default=100, help="optimizer steps per run")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take")
+    parser.add_argument("--output", type=Path, default=None)
+    args, cfg = script_config(parser, defaults=DEFAULTS)
+    variants = {"bf16": ["train.float8=none"]}
+    for recipe in args.float8:
+        gather = args.all_gather and recipe == "tensorwise"
+        variants[recipe + (" + all-gather" if gather else "")] = [
+            f"train.float8={recipe}", *(["train.fsdp.float8_all_gather=true"] if gather else []),
+            *(["train.float8_emulate=true"] if args.emulate else [])]
+    runs = []
+    with tempfile.TemporaryDirectory() as scratch:
+        for mode in args.modes:
+            for name, extra in variants.items():
+                run_dir = Path(scratch) / str(len(runs))
+                command = [*train_launcher(args.nproc), *args.train_options, *DEFAULTS, *args.overrides,
+                           f"graph={mode}", f"train.max_steps={args.steps}", *extra, f"run_dir={run_dir}"]
+                wall = run_or_exit("bench_float8", f"{mode}, {name}", command, args.timeout)
+                results = json.loads((run_dir / "results.json").read_text())
+                runs.append({"mode": mode, "float8": name, "wall_s": wall, "loss_last10": last_losses(run_dir),
+                             "results": results})
+    rows = []
+    for run in runs:
+        base = next(r for r in runs if r["mode"] == run["mode"] and r["float8"] == "bf16")
+        res, bres = run["results"], base["results"]
+        rows.append(f"| {run['mode']} | {run['float8']} | {res['perf/tokens_per_s_per_gpu']:,.0f} | "
+                    f"{res['perf/tokens_per_s_per_gpu'] / bres['perf/tokens_per_s_per_gpu']:.3f}x | "
+                    f"{res['perf/step_ms_median']:.1f} | {res.get('perf/peak_reserved_mib', 0) / 1024:.1f} | "
+                    f"{run['loss_last10']:.4f} | {run['loss_last10'] / base['loss_last10']:.4f} |")
+    table = "\n".join([
+        "| graph | matmuls | tokens/s per GPU | over bf16 | step ms (median) | peak reserved GiB | loss (last 10) "
+        "| loss over bf16 |",
+        "|---|---|---|---|---|---|---|---|", *rows])
+    print(table)
+    output = args.output or REPO / "scripts" / "results" / f"float8_{cfg.recipe.name}_{args.nproc}gpu.json"
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps({"overrides": args.overrides, "steps": args.steps, "nproc": args.nproc,
+                                  "runs": runs}, indent=2) + "\n")
+    output.with_suffix(".md").write_text(table + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

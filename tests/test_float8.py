@@ -1,0 +1,189 @@
+"""train.float8 on the CPU, through torchao's emulation (train.float8_emulate=true: float8-rounded values
+in plain matmuls): which layers the rule converts, two gloo ranks training under DDP and under FSDP2 with
+its float8 all-gather, checkpoints that go from float8 runs to runs without it and back, and each setting
+that cannot work refused by name.
+
+torchao is an optional extra (`pip install -r requirements-float8.txt`): these tests skip without it, save
+the one that checks what a run says when it is missing. The graphed step on a GPU (real float8 matmuls,
+the scales each replay reads) is tests/test_float8_gpu.py.
+"""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import sys
+
+import pytest
+import torch
+
+from helpers.availability import needs_extra
+from helpers.launches import launch, launch_together
+from trainer.checkpoint import list_checkpoints
+
+# gpt_tiny's debug size, small enough for seconds on two CPU ranks: 8 steps of 2 x 8 windows of 32 tokens,
+# two blocks of width 64 (each: qkv 64->192, proj 64->64, fc 64->256, proj 256->64; all divide by 16).
+GPT = ["recipe=gpt_tiny", "recipe.model.n_layer=2", "recipe.model.n_head=2", "recipe.model.d_model=64",
+       "recipe.model.context=32", "recipe.data.source=synthetic", "recipe.data.train_size=256",
+       "recipe.data.test_size=64", "recipe.data.batch_size=8", "recipe.data.eval_batch_size=32",
+       "train.max_steps=8", "train.epochs=1", "train.log_every=1", "train.precision=fp32", "train.grad_clip=1.0",
+       "checkpoint.every_steps=4", "logger=none", "train.progress=false"]
+FLOAT8 = ["train.float8=tensorwise", "train.float8_emulate=true"]
+INSTALL = "pip install -r requirements-float8.txt"
+
+
+def losses(run_dir) -> list:
+    return [row["train/loss"] for row in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+            if "train/loss" in row]
+
+
+@pytest.mark.fast
+def test_without_torchao_a_float8_run_says_how_to_install_it_before_anything_else(train_here, monkeypatch):
+    # torchao made unimportable here, whether or not this machine has it; the run also asks for what float8
+    # refuses on its own (a CPU without emulation, the all-gather under DDP with rowwise): the install comes first.
+    for name in [m for m in sys.modules if m == "torchao" or m.startswith("torchao.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "torchao", None)
+    done = train_here([*GPT, "train.float8=rowwise", "train.fsdp.float8_all_gather=true"])
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.count(INSTALL) == 1 and "torchao, which is not installed" in done.stderr, done.stderr
+    assert "train.float8=none" in done.stderr and not list(done.output_root.rglob("metrics.jsonl"))
+
+
+@pytest.mark.extras
+@pytest.mark.fast
+def test_the_rule_converts_the_linear_layers_inside_blocks_that_divide_by_16_and_no_other():
+    needs_extra("torchao")
+    from torchao.float8.float8_linear import Float8Linear
+
+    from trainer.parallel.float8 import Float8Spec, float8_layers
+
+    class Block(torch.nn.Module):
+        def __init__(self, embedding):
+            super().__init__()
+            self.up, self.odd, self.down = torch.nn.Linear(64, 128), torch.nn.Linear(64, 40), torch.nn.Linear(128, 64)
+            self.tied = torch.nn.Linear(64, 96, bias=False)
+            self.tied.weight = embedding.weight  # shares its weight with a module outside: stays
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(96, 64)
+            self.blocks = torch.nn.ModuleList(Block(self.embed) for _ in range(2))
+            self.head = torch.nn.Linear(64, 96)  # outside the blocks: stays
+
+    model = Model()
+    taken = [name for name, _ in float8_layers(model, model.blocks)]
+    assert taken == ["blocks.0.up", "blocks.0.down", "blocks.1.up", "blocks.1.down"]
+    spec = Float8Spec(recipe="tensorwise", all_gather=False, emulate=True, compiled=False)
+    weights = {name: p for name, p in model.named_parameters()}
+    assert spec.convert(model, model.blocks, "handmade") == sorted(taken)
+    converted = sorted(name for name, m in model.named_modules() if isinstance(m, Float8Linear))
+    assert converted == sorted(taken) and model.blocks[0].tied.weight is model.embed.weight
+    assert all(p is weights[name] for name, p in model.named_parameters())  # the same weights, converted in place
+    from trainer.run.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="recipe 'plain' has no Linear layer float8 can take"):
+        spec.convert(torch.nn.Sequential(torch.nn.Linear(64, 64)), [], "plain")  # no blocks: nothing to take
+
+
+REFUSED = [
+    pytest.param(["train.float8=tensorwise"], "needs a CUDA GPU of compute capability 8.9 or newer", id="cpu"),
+    pytest.param(["recipe=mnist", *FLOAT8], "recipe 'mnist' has no Linear layer float8 can take", id="mnist"),
+    pytest.param(["recipe=cifar10_resnet18", *FLOAT8], "recipe 'cifar10_resnet18' has no Linear layer float8 can "
+                 "take", id="cifar10"),
+    pytest.param([*FLOAT8, "train.fsdp.float8_all_gather=true"], "train.fsdp.float8_all_gather=true is a setting of "
+                 "train.parallel=fsdp2, but this run uses train.parallel=ddp", id="all-gather-under-ddp"),
+    pytest.param(["train.float8=rowwise", "train.float8_emulate=true", "train.parallel=fsdp2",
+                  "train.fsdp.float8_all_gather=true"], "which train.float8=rowwise does not use", id="rowwise-gather"),
+    pytest.param(["train.parallel=fsdp2", "train.fsdp.float8_all_gather=true"], "but train.float8=none",
+                 id="gather-without-float8"),
+    pytest.param(["train.float8_emulate=true"], "train.float8_emulate=true emulates float8 matmuls, but "
+                 "train.float8=none", id="emulate-without-float8"),
+]
+
+
+@pytest.mark.extras
+@pytest.mark.fast
+@pytest.mark.parametrize("overrides, message", REFUSED)
+def test_what_float8_cannot_carry_is_refused_by_name_before_any_training(train_here, overrides, message):
+    needs_extra("torchao")
+    base = ["experiment=debug", "logger=none"] if any(o.startswith("recipe=") for o in overrides) else GPT
+    done = train_here([*base, *overrides])
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.count(message) == 1, done.stderr[-3000:]
+    assert not list(done.output_root.rglob("metrics.jsonl"))
+
+
+@pytest.mark.extras
+@pytest.mark.fast
+def test_emulation_with_compile_is_refused_for_the_gpu_runs_that_could_ask_for_it():
+    # graph.compile_model runs on a GPU only, where the plan asks the same function with compiled=True.
+    needs_extra("torchao")
+    from conf.schema import compose
+    from trainer.parallel.float8 import float8_spec
+    from trainer.run.errors import ConfigError
+
+    cfg = compose([*GPT, *FLOAT8])
+    assert float8_spec(cfg, torch.device("cpu"), "fp32", compiled=False).emulate
+    with pytest.raises(ConfigError, match="train.float8_emulate=true is torchao's emulation for tests, eager only"):
+        float8_spec(cfg, torch.device("cpu"), "fp32", compiled=True)
+
+
+@pytest.fixture(scope="module")
+def float8_runs(tmp_path_factory):
+    """The same GPT, two gloo ranks each: without float8 (DDP), with it under DDP, and under FSDP2 with its
+    float8 all-gather (weights gathered in float8, their scales computed at the start of each step)."""
+    needs_extra("torchao")
+    root = tmp_path_factory.mktemp("float8")
+    runs = launch_together({"plain": GPT, "ddp": [*GPT, *FLOAT8],
+                            "fsdp2": [*GPT, *FLOAT8, "train.parallel=fsdp2", "train.fsdp.float8_all_gather=true"]},
+                           root, nproc=2, timeout=240)
+    for run in runs.values():
+        assert run.returncode == 0, run.output[-3000:]
+    return runs
+
+
+@pytest.mark.extras
+def test_float8_trains_on_two_ranks_under_ddp_and_under_fsdp2_with_its_float8_all_gather(float8_runs):
+    plain, ddp, fsdp2 = float8_runs["plain"], float8_runs["ddp"], float8_runs["fsdp2"]
+    assert "float8 (tensorwise, emulated): 8 Linear layers of the recipe's blocks; the rest in fp32" in ddp.output
+    assert "float8 (tensorwise, emulated, float8 all-gather): 8 Linear layers" in fsdp2.output
+    for run in (ddp, fsdp2):
+        assert len(losses(run.run_dir)) == 8 and all(math.isfinite(x) for x in losses(run.run_dir))
+        assert losses(run.run_dir)[-1] < losses(run.run_dir)[0]
+    # The matmuls are float8's: not the run without it, step for step; yet close to it.
+    assert losses(ddp.run_dir) != losses(plain.run_dir)
+    assert losses(ddp.run_dir) == pytest.approx(losses(plain.run_dir), rel=0.05)
+    # FSDP2 gathers each weight cast with one scale from the whole weight's maximum (precomputed for all weights
+    # at the start of each step): the very cast DDP's layers make of their whole weights, so the two runs agree to
+    # fp32 rounding (reductions add in another order), as bf16's DDP and FSDP2 runs do (tests/test_fsdp_training.py).
+    assert losses(fsdp2.run_dir) == pytest.approx(losses(ddp.run_dir), rel=1e-4)
+
+
+@pytest.mark.extras
+def test_a_float8_checkpoint_resumes_bit_for_bit_and_its_weights_cross_to_runs_without_float8_and_back(
+        float8_runs, train_here, tmp_path):
+    plain, fsdp2 = float8_runs["plain"], float8_runs["fsdp2"]
+    # Resumed from its step-4 checkpoint at the same world size, the float8 FSDP2 run retraces steps 5-8 exactly.
+    run_dir = tmp_path / "resumed"
+    shutil.copytree(fsdp2.run_dir, run_dir)
+    shutil.rmtree(list_checkpoints(run_dir)[-1])  # step 8's: the run resumes at step 4
+    for name in ("results.json", "metrics.jsonl"):
+        (run_dir / name).unlink()
+    again = launch([*GPT, *FLOAT8, "train.parallel=fsdp2", "train.fsdp.float8_all_gather=true", f"run_dir={run_dir}"],
+                   nproc=2, timeout=180)
+    assert again.returncode == 0, again.output[-3000:]
+    assert "resumed from" in again.output and losses(run_dir) == losses(fsdp2.run_dir)[4:]
+    assert json.loads((run_dir / "results.json").read_text())["param_digests"] == fsdp2.results()["param_digests"]
+
+    # The weights are the same high-precision tensors with float8 or without: a float8 checkpoint starts a run
+    # without it (DDP, one rank) and a checkpoint without float8 starts a float8 run, each on the same weights.
+    for source, into, extra in ((fsdp2, "plain", []), (plain, "float8", [*FLOAT8, "train.parallel=fsdp2",
+                                                                          "train.fsdp.float8_all_gather=true"])):
+        evaluated = train_here([*GPT, *extra, "train.eval_only=true",
+                                f"checkpoint.init_from={list_checkpoints(source.run_dir)[-1]}"], tmp_path / into)
+        assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+        result = json.loads(next((tmp_path / into).rglob("eval.json")).read_text())
+        assert result["param_digests"][0] == source.results()["param_digests"][0]
+        assert result["final/eval_loss"] == pytest.approx(source.results()["final/eval_loss"], rel=0.05)
