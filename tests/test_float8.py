@@ -187,3 +187,56 @@ def test_a_float8_checkpoint_resumes_bit_for_bit_and_its_weights_cross_to_runs_w
         result = json.loads(next((tmp_path / into).rglob("eval.json")).read_text())
         assert result["param_digests"][0] == source.results()["param_digests"][0]
         assert result["final/eval_loss"] == pytest.approx(source.results()["final/eval_loss"], rel=0.05)
+
+
+@pytest.fixture
+def one_gloo_rank():
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.extras
+@pytest.mark.fast
+@pytest.mark.parametrize("precompute_at, named", [("end", True), ("start", False)])
+def test_the_doctor_names_float8_scales_a_users_step_sets_after_its_forward(one_gloo_rank, precompute_at, named):
+    # A user's own loop: blocks converted to float8 (emulated) with FSDP2's float8 all-gather, sharded over a group of
+    # one, torchao's scale precompute after the optimizer (torchtitan's place) or first in the step.
+    needs_extra("torchao")
+    from torch.distributed.fsdp import fully_shard
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp
+
+    from graphing.doctor import diagnose
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(),
+                                                      torch.nn.Linear(128, 64)) for _ in range(2)),
+                                torch.nn.Linear(64, 1))
+    convert_to_float8_training(model, module_filter_fn=lambda _m, fqn: fqn[:1] in "01",
+                               config=Float8LinearConfig(enable_fsdp_float8_all_gather=True, emulate=True))
+    for block in model[:2]:
+        fully_shard(block)
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def step(model, x, y):
+        if precompute_at == "start":
+            precompute_float8_dynamic_scale_for_fsdp(model)
+        optimizer.zero_grad(set_to_none=True)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+        if precompute_at == "end":
+            precompute_float8_dynamic_scale_for_fsdp(model)
+
+    report = diagnose(step, model, optimizer, (torch.randn(16, 64), torch.randn(16, 1)), warmup_iters=3,
+                      timing_steps=0, check_optimizer=False)
+    found = [f for f in report.findings if f.kind == "float8_scales"]
+    assert bool(found) == named, report.table()
+    if named:
+        assert found[0].effect == "wrong" and "precompute_float8_dynamic_scale_for_fsdp" in found[0].what
+        assert "before the forward" in found[0].fix

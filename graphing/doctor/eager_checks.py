@@ -8,13 +8,14 @@ from typing import Any, Callable, List, Sequence
 import torch
 
 from graphing.doctor.cuda_sync_watch import watch_cuda_syncs
-from graphing.doctor.findings import Findings
+from graphing.doctor.findings import WRONG, Findings
 from graphing.doctor.interception import CallInterceptor
 from graphing.doctor.lr_tracing import LearningRateWatch
 from graphing.doctor.memory import MemoryWatch
 from graphing.doctor.model_checks import ddp_finds_unused_parameters, watch_model
 from graphing.doctor.optimizer_checks import OptimizerWatch, optimizer_findings
 from graphing.doctor.step_diff import StepRecords
+from graphing.float8_scales import ScaleWatch
 from graphing.options import GraphOptions
 
 
@@ -30,6 +31,7 @@ class EagerChecks:
         self.optimizer_watch = OptimizerWatch(self.optimizers, self.findings, self.learning_rates)
         self.calls = CallInterceptor(device, self.findings, self.records, self.memory)
         self._model_hooks: List[Any] = []
+        self._scales = ScaleWatch(None)  # float8 scales the step assigns itself (graphing/float8_scales.py)
 
     def start(self) -> None:
         self._model_hooks = watch_model(self.model, self.findings)
@@ -45,6 +47,7 @@ class EagerChecks:
         self.findings.step = index
         self.records.begin_step(inputs)
         self.learning_rates.begin_step()
+        self._scales = ScaleWatch(self.model).__enter__()
 
     @contextlib.contextmanager
     def watching(self, cuda_syncs: bool):
@@ -55,6 +58,12 @@ class EagerChecks:
             yield
 
     def end_step(self) -> None:
+        self._scales.__exit__(None, None, None)
+        if self._scales.stale:
+            self.findings.add("float8_scales", WRONG, what=(
+                "the step assigns new float8 weight scales after its forward began (torchao's "
+                "precompute_float8_dynamic_scale_for_fsdp after the optimizer step): a captured forward would read "
+                "the last eager step's scales on every replay, while each replay's new ones go unread"))
         self.findings.step = -1
 
     def after_steps(self, step_fn: Callable[..., Any], check_optimizer: bool) -> None:
