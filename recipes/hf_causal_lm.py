@@ -23,7 +23,9 @@ classes its own ``_no_split_modules`` names. Under ``train.fsdp.init=meta`` a mo
 built on the meta device and, once sharded and allocated, drawn by transformers' own initialization
 (``initialize_weights``, rotary frequencies included: ``init_weights`` below), so no rank holds it
 whole; every parameter and buffer is checked to have been written, and one that was not stops the
-run naming it.
+run naming it. A model from ``path`` under ``train.fsdp.init=meta`` is built the same way from its
+config.json, then each rank reads only the parts of its shards from the directory's safetensors files
+(``load_pretrained_shards``): no rank holds it whole, in the files' dtype or the model's.
 
 transformers is optional: ``pip install -r requirements-hf.txt``.
 """
@@ -32,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import functools
 import inspect
 from dataclasses import dataclass
 from pathlib import Path
@@ -258,6 +261,56 @@ def init_weights(model: torch.nn.Module) -> None:
                           "train.fsdp.init=host")
 
 
+def pretrained_files(directory: Path, path: str) -> List[Path]:
+    """The safetensors files of a save_pretrained directory (one file, or the shards its index names), or a
+    ConfigError naming the path."""
+    files = sorted(directory.glob("*.safetensors")) if directory.is_dir() else []
+    if not files:
+        raise ConfigError(f"recipe.model.path={path!r} holds no *.safetensors weights, which train.fsdp.init=meta reads "
+                          "shard by shard: save the model with save_pretrained (safetensors is its default), or set "
+                          "train.fsdp.init=host (transformers then reads any format it can)")
+    return files
+
+
+def load_pretrained_shards(directory: Path, model: torch.nn.Module, settings_path: str) -> None:
+    """``Recipe.init_weights`` for ``recipe.model.path`` under train.fsdp.init=meta: the sharded, allocated model
+    drawn and checked as ``init_weights`` does (buffers the files do not hold, such as rotary frequencies, are
+    computed there), then every weight read from the directory's safetensors files, each rank reading only the
+    parts of its own shards (torch.distributed.checkpoint's HuggingFaceStorageReader), in the files' dtype
+    converted to the model's (bf16 files into fp32 weights). A weight tied to another (GPT-2's lm_head to its
+    token embedding) is read once; a weight the files lack, or one of another shape, is refused by name."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader, load
+
+    init_weights(model)
+    reader = HuggingFaceStorageReader(str(directory))
+    try:
+        in_files = reader.read_metadata().state_dict_metadata
+    except Exception as e:  # an index naming a missing file, a truncated header
+        raise ConfigError(f"recipe.model.path={settings_path!r}: its safetensors files cannot be read "
+                          f"({first_line(e)})") from None
+    seen, tied = set(), set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            tied.add(name)
+        seen.add(id(p))
+    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    state = {k: v for k, v in model.state_dict().items() if k not in tied}
+    lacking = sorted(k for k in state if k in params and k not in in_files)
+    if lacking:
+        raise ConfigError(f"recipe.model.path={settings_path!r} lacks {len(lacking)} of the model's weights "
+                          f"({', '.join(lacking[:3])}{', ...' if len(lacking) > 3 else ''}): its config.json and "
+                          "weights do not match; set train.fsdp.init=host to load it with transformers' own rules")
+    for k, v in state.items():
+        saved = in_files.get(k)
+        if saved is not None and tuple(saved.size) != tuple(v.shape):
+            raise ConfigError(f"recipe.model.path={settings_path!r}: {k} is {tuple(saved.size)} in its files but "
+                              f"{tuple(v.shape)} in the model its config.json describes")
+    try:
+        load({k: v for k, v in state.items() if k in in_files}, storage_reader=reader)
+    except Exception as e:  # a truncated file, bytes that do not match the header
+        raise ConfigError(f"recipe.model.path={settings_path!r}: its weights cannot be read ({first_line(e)})") from None
+
+
 def _mark(dtype: torch.dtype):
     return float("nan") if dtype.is_floating_point or dtype.is_complex else torch.iinfo(dtype).min
 
@@ -301,10 +354,12 @@ def build(cfg, rt: Runtime) -> Recipe:
                  else f"vocab_size (in recipe.model.path={settings.path!r})")
     data = language_data(cfg.recipe.data, cfg.seed, settings.context, config.vocab_size, vocab_key)
     meta = rt is not None and rt.init_device.type == "meta"
-    if meta and settings.path is not None:
-        raise ConfigError(f"train.fsdp.init=meta builds the model without its weights and draws them after sharding, "
-                          f"so the weights in recipe.model.path={settings.path!r} would be lost: set "
-                          "train.fsdp.init=host to load them")
+    draw = init_weights
+    if meta and settings.path is not None:  # built from its config, sharded, then each rank reads its own parts
+        directory = Path(settings.path).expanduser()
+        pretrained_files(directory, settings.path)  # refused now, before any rank builds, if there are none
+        settings = dataclasses.replace(settings, path=None)
+        draw = functools.partial(load_pretrained_shards, directory, settings_path=str(directory))
     with torch.device("meta") if meta else contextlib.nullcontext():  # meta: nothing allocated until sharded
         model = build_model(config, settings, transformers)
     return Recipe(name=cfg.recipe.name, model=model, data=data, preprocess=preprocess,
@@ -313,4 +368,4 @@ def build(cfg, rt: Runtime) -> Recipe:
                   flops_per_unit=training_flops_per_token(model, settings.context), forward=logits,
                   label_smoothing=cfg.recipe.label_smoothing,
                   blocks=blocks_named(model, model._no_split_modules),  # its own list: LlamaDecoderLayer, ...
-                  init_weights=init_weights)
+                  init_weights=draw)

@@ -6,6 +6,7 @@ README's pytest, and runs `pytest -m extras`). The GPU checks
 """
 from __future__ import annotations
 
+import json
 import math
 import sys
 
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from helpers.availability import needs_extra
-from helpers.launches import launch
+from helpers.launches import launch, launch_together
 
 pytestmark = pytest.mark.extras
 transformers = needs_extra("transformers")
@@ -202,13 +203,61 @@ def test_two_gloo_ranks_build_it_on_the_meta_device_shard_it_and_train(out):
     assert yaml.safe_load((done.run_dir / "config.yaml").read_text())["train"]["fsdp"]["init"] == "meta"
 
 
+TINY_GPT2 = dict(model_type="gpt2", n_embd=32, n_layer=2, n_head=4, vocab_size=256, n_positions=64)
+
+
+def pretrained(directory, config: dict, dtype=torch.bfloat16):
+    """A save_pretrained directory of ``config`` with weights no run of seed 0 draws itself, in ``dtype``."""
+    torch.manual_seed(1234)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config))
+    model.to(dtype).save_pretrained(directory)
+    return directory
+
+
+def test_a_pretrained_directory_loads_into_shards_under_meta_as_whole_on_the_host(out, train_here, tmp_path):
+    # Two gloo ranks build each model on the meta device, shard it, and read only their parts of its bf16
+    # safetensors files; a DDP run loads the same directory whole with transformers. Their evaluations agree.
+    dirs = {"llama": pretrained(tmp_path / "llama", TINY_LLAMA), "gpt2": pretrained(tmp_path / "gpt2", TINY_GPT2)}
+    common = [*DEBUG, "recipe.model.config=null", "train.precision=fp32", "train.eval_only=true"]
+    sharded = launch_together({name: [*common, f"recipe.model.path={d}", "train.parallel=fsdp2", "train.fsdp.init=meta"]
+                               for name, d in dirs.items()}, out, nproc=2, timeout=180)
+    for name, d in dirs.items():
+        assert sharded[name].returncode == 0, sharded[name].output[-3000:]
+        whole = train_here([*common, f"recipe.model.path={d}"], tmp_path / f"host_{name}")
+        assert whole.returncode == 0, whole.stderr[-3000:]
+        meta_eval = json.loads(next(sharded[name].output_root.rglob("eval.json")).read_text())
+        host_eval = json.loads(next((tmp_path / f"host_{name}").rglob("eval.json")).read_text())
+        assert math.isfinite(host_eval["final/eval_loss"]) and host_eval["final/eval_loss"] < math.log(256) + 1
+        assert meta_eval["final/eval_loss"] == pytest.approx(host_eval["final/eval_loss"], rel=1e-5), name
+        assert set(meta_eval["param_digests"]) == set(host_eval["param_digests"]), name  # the very same weights
+
+
 @pytest.mark.fast
-def test_a_meta_build_of_a_saved_model_is_refused(train_here, tmp_path):
-    transformers.AutoConfig.for_model(**TINY_LLAMA).save_pretrained(tmp_path)  # a config; weights never read
-    done = train_here([*DEBUG, "recipe.model.config=null", f"recipe.model.path={tmp_path}", "train.parallel=fsdp2",
-                       "train.fsdp.init=meta", "train.max_steps=1"])
-    assert done.returncode == 2
-    assert done.stderr.count("train.fsdp.init=meta builds the model without its weights") == 1, done.stderr[-3000:]
+def test_what_a_sharded_load_cannot_read_is_refused_naming_the_path(train_here, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    meta = [*DEBUG, "recipe.model.config=null", "train.parallel=fsdp2", "train.fsdp.init=meta", "train.max_steps=1"]
+
+    def refused(directory, message):
+        done = train_here([*meta, f"recipe.model.path={directory}"], tmp_path / "out" / directory.name)
+        assert done.returncode == 2, done.stderr[-3000:]
+        assert done.stderr.count(message) == 1 and str(directory) in done.stderr, done.stderr[-3000:]
+        assert not list((tmp_path / "out" / directory.name).rglob("metrics.jsonl"))
+
+    transformers.AutoConfig.for_model(**TINY_LLAMA).save_pretrained(tmp_path / "config_only")
+    refused(tmp_path / "config_only", "holds no *.safetensors weights")
+    lacking = pretrained(tmp_path / "lacking", TINY_LLAMA)
+    weights = load_file(lacking / "model.safetensors")
+    save_file({k: v for k, v in weights.items() if k != "model.norm.weight"}, lacking / "model.safetensors",
+              metadata={"format": "pt"})
+    refused(lacking, "lacks 1 of the model's weights (model.norm.weight)")
+    other_shape = pretrained(tmp_path / "other_shape", TINY_LLAMA)
+    transformers.AutoConfig.for_model(**{**TINY_LLAMA, "intermediate_size": 96}).save_pretrained(other_shape)
+    refused(other_shape, "in its files but (96, 32) in the model its config.json describes")
+    truncated = pretrained(tmp_path / "truncated", TINY_LLAMA)
+    data = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(data[:len(data) // 2])
+    refused(truncated, "cannot be read")
 
 
 # Small models whose mask is causal and nothing else, and one whose mask is more (a sliding window of 8).
