@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from helpers.availability import needs_extra
 from helpers.launches import launch, launch_together
+from helpers.paths import ROOT
 
 pytestmark = pytest.mark.extras
 transformers = needs_extra("transformers")
@@ -325,3 +326,61 @@ def test_a_model_whose_mask_is_more_than_causal_keeps_transformers_mask():
                                                              sliding_window=8, max_window_layers=1))
     assert not plain_causal_mask(qwen2_sliding)
     assert plain_causal_mask(transformers.AutoConfig.for_model(**dict(TINY_LLAMA, model_type="qwen2")))
+
+
+def export(run_dir, out) -> "subprocess.CompletedProcess":
+    import subprocess
+
+    return subprocess.run([sys.executable, "scripts/export_hf.py", str(run_dir), "--out", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_a_trained_model_exports_to_a_directory_transformers_reloads_with_the_same_weights(out, train_here, tmp_path):
+    # A tiny llama trained under DDP in one process (a one-file checkpoint) and a tiny gpt2 (its lm_head tied) under
+    # fsdp2 on two gloo ranks, built on the meta device (every rank's shards): each exported, then read back.
+    common = [*DEBUG, "train.precision=fp32", "train.max_steps=4", "train.eval=false"]
+    gpt2 = ["recipe.model.config=null", f"recipe.model.path={pretrained(tmp_path / 'gpt2_source', TINY_GPT2)}"]
+    llama = train_here(common, tmp_path / "llama")
+    assert llama.returncode == 0, llama.stderr[-3000:]
+    sharded = launch([*common, *gpt2, "train.parallel=fsdp2", "train.fsdp.init=meta"], out, nproc=2, timeout=180)
+    assert sharded.returncode == 0, sharded.output[-3000:]
+    (tmp_path / "gpt2_source" / "generation_config.json").write_text('{"max_new_tokens": 7}')
+    for name, run_dir in (("llama", llama.run_dir), ("gpt2", sharded.run_dir)):
+        exported = export(run_dir, tmp_path / f"{name}_hf")
+        assert exported.returncode == 0, exported.stderr[-3000:]
+        files = sorted(p.name for p in (tmp_path / f"{name}_hf").iterdir())
+        assert files == (["config.json", "generation_config.json", "model.safetensors"] if name == "gpt2" else
+                         ["config.json", "model.safetensors"]), files
+        # The checkpoint's weights evaluated, and the exported directory loaded by transformers and evaluated:
+        # the same digest of the weights and the same loss.
+        checkpoint = sorted((run_dir / "checkpoints").iterdir())[-1]
+        base = [*DEBUG, "train.precision=fp32", "train.eval_only=true"]
+        from_checkpoint = train_here([*base, *(gpt2 if name == "gpt2" else []), f"checkpoint.init_from={checkpoint}"],
+                                     tmp_path / f"{name}_ckpt_eval")
+        from_export = train_here([*base, "recipe.model.config=null", f"recipe.model.path={tmp_path / f'{name}_hf'}"],
+                                 tmp_path / f"{name}_hf_eval")
+        assert from_checkpoint.returncode == 0 and from_export.returncode == 0, from_export.stderr[-3000:]
+        a, b = (json.loads((run.run_dir / "eval.json").read_text()) for run in (from_checkpoint, from_export))
+        assert a["param_digests"] == b["param_digests"], name
+        assert b["final/eval_loss"] == pytest.approx(a["final/eval_loss"], rel=1e-6), name
+    # The one-file checkpoint's own tensors against transformers' reload: equal logits, bit for bit in fp32.
+    state = torch.load(sorted((llama.run_dir / "checkpoints").iterdir())[-1], weights_only=True)["model"]
+    config = transformers.AutoConfig.from_pretrained(tmp_path / "llama_hf")  # the debug llama's (conf/experiment_recipe)
+    mine = transformers.AutoModelForCausalLM.from_config(config).eval()
+    mine.load_state_dict(state)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "llama_hf").eval()
+    ids = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, mine(ids).logits)
+
+
+@pytest.mark.fast
+def test_what_an_export_cannot_write_is_refused_naming_the_path(train_here, tmp_path):
+    done = train_here([*DEBUG, "train.max_steps=1", "train.eval=false", "checkpoint.save=false"], tmp_path / "nockpt")
+    assert done.returncode == 0, done.stderr[-3000:]
+    for run_dir, out, message in ((done.run_dir, tmp_path / "new", "holds no checkpoint to export"),
+                                  (done.run_dir, tmp_path, "exists: give a new directory"),
+                                  (tmp_path, tmp_path / "new2", "is not a run directory")):
+        refused = export(run_dir, out)
+        assert refused.returncode == 2 and refused.stderr.count(message) == 1, refused.stderr[-3000:]
+        assert not (tmp_path / "new").exists()

@@ -1,0 +1,207 @@
+"""Writes a run's trained model as a save_pretrained directory that transformers, vLLM and the Hub read.
+
+    python scripts/export_hf.py RUN_DIR --out DIR                      # the run's newest checkpoint
+    python scripts/export_hf.py RUN_DIR --out DIR --checkpoint RUN_DIR/checkpoints/step_00000100.dcp
+    python scripts/export_hf.py RUN_DIR --out DIR --dtype bf16 --shard-gb 5
+
+For a run of recipe=hf_causal_lm, from any of its checkpoints, of any world size (one file, or every rank's
+shards): DIR gets config.json (the run's model config: recipe.model.config, or recipe.model.path's
+config.json), the weights as safetensors (one model.safetensors, or files of at most --shard-gb with
+model.safetensors.index.json), and the tokenizer and generation files the source directory had. A weight tied
+to another (GPT-2's lm_head) is written once, as save_pretrained writes it.
+
+How it runs: one process, no GPU, no process group. It reads one tensor at a time (a sharded checkpoint through
+torch.distributed.checkpoint, each tensor whole from every rank's shards; a one-file checkpoint memory-mapped)
+and writes each safetensors file once its tensors are read, so its peak host memory is about one output file
+(--shard-gb) plus one tensor, whatever the model's size. The directory is written under a temporary name beside
+DIR and renamed when whole: DIR never exists half-written. Refused with exit 2, naming the path: a DIR that
+exists, a run without a checkpoint or of another recipe (the repo's gpt recipes have no transformers class
+mapped here yet), a checkpoint that lacks a weight of the model.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import warnings
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Tuple
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from scripts.lib.refuse import refuse  # noqa: E402
+
+HF_RECIPE = "recipes.hf_causal_lm.build"
+# Files of a save_pretrained source directory that are not weights and go with the model (tokenizers, generation).
+COMPANIONS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+              "added_tokens.json", "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run_dir", type=Path, help="a run directory of recipe=hf_causal_lm (its config.yaml)")
+    parser.add_argument("--out", type=Path, required=True, help="the directory to write (must not exist)")
+    parser.add_argument("--checkpoint", type=Path, default=None, help="default: the run's newest checkpoint")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                        help="the files' dtype (default: the checkpoint's, fp32 for this trainer's weights)")
+    parser.add_argument("--shard-gb", type=float, default=5.0, help="largest safetensors file, in GB")
+    args = parser.parse_args(argv)
+    out = args.out.expanduser().resolve()
+    if out.exists():
+        refuse(f"--out {out} exists: give a new directory (an export never writes over one)")
+    import yaml
+
+    config_file = args.run_dir / "config.yaml"
+    if not config_file.is_file():
+        refuse(f"{args.run_dir} is not a run directory: it has no config.yaml")
+    cfg = yaml.safe_load(config_file.read_text())
+    target = cfg.get("recipe", {}).get("_target_")
+    if target != HF_RECIPE:
+        refuse(f"{args.run_dir} is a run of recipe._target_={target}; only recipe=hf_causal_lm ({HF_RECIPE}) has a "
+               "transformers class to export to (the gpt recipes' GPT-2 layout is not mapped yet)")
+    checkpoint = args.checkpoint or newest_checkpoint(args.run_dir)
+    import torch
+
+    hf_config, source = model_config(cfg["recipe"]["model"])
+    names, tied = weight_names(hf_config)
+    read, shapes = tensor_source(checkpoint, names)
+    dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
+    temp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(temp, ignore_errors=True)
+    temp.mkdir(parents=True)
+    try:
+        files = write_weights(temp, names, read, shapes, dtype, int(args.shard_gb * 1e9))
+        hf_config.save_pretrained(temp)
+        for name in COMPANIONS:
+            if source is not None and (source / name).is_file():
+                shutil.copy2(source / name, temp / name)
+        for path in temp.iterdir():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+        os.replace(temp, out)
+    except BaseException:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise
+    print(f"export_hf: {checkpoint} -> {out}: {len(names)} weights in {len(files)} safetensors file(s)"
+          f"{f' ({len(tied)} tied, written once: ' + ', '.join(sorted(tied)) + ')' if tied else ''}")
+    return 0
+
+
+def newest_checkpoint(run_dir: Path) -> Path:
+    from trainer.checkpoint import list_checkpoints
+
+    found = list_checkpoints(run_dir)
+    if not found:
+        refuse(f"{run_dir} holds no checkpoint to export (checkpoint.save=false, or the run wrote none yet)")
+    return found[-1]
+
+
+def model_config(model_cfg: Dict) -> Tuple[object, Optional[Path]]:
+    """The transformers config the run trained, and the source directory (recipe.model.path) if any."""
+    try:
+        import transformers
+    except ImportError:
+        refuse("export_hf needs transformers: pip install -r requirements-hf.txt")
+    if model_cfg.get("path"):
+        source = Path(model_cfg["path"]).expanduser()
+        return transformers.AutoConfig.from_pretrained(source, local_files_only=True), source
+    config = dict(model_cfg["config"])
+    return transformers.AutoConfig.for_model(config.pop("model_type"), **config), None
+
+
+def weight_names(hf_config) -> Tuple[List[str], List[str]]:
+    """The model's state-dict names in its own order, less the names of weights tied to an earlier one."""
+    import torch
+    import transformers
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf_config)
+    seen, tied = set(), []
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            tied.append(name)
+        seen.add(id(p))
+    # save_pretrained's names: the state dict (persistent buffers included), less tied duplicates
+    return [name for name in model.state_dict() if name not in tied], tied
+
+
+def tensor_source(checkpoint: Path, names: List[str]) -> Tuple[Callable[[str], "object"], Dict[str, Tuple]]:
+    """``read(name)``: one weight of ``checkpoint``, whole, on the host; and each weight's (shape, dtype), known
+    without reading it. Refused if the checkpoint lacks any of ``names``."""
+    import torch
+
+    if checkpoint.is_dir():  # every rank's shards (trainer/checkpoint/dcp_shards.py): "model.<name>" entries
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+        saved = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+        shapes = {key[len("model."):]: (tuple(meta.size), meta.properties.dtype) for key, meta in saved.items()
+                  if key.startswith("model.") and hasattr(meta, "size")}
+        check_holds(checkpoint, names, shapes)
+
+        def read(name: str):
+            shape, dtype = shapes[name]
+            tensor = torch.empty(shape, dtype=dtype)
+            with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+                warnings.simplefilter("ignore", UserWarning)
+                dcp.load({"model": {name: tensor}}, checkpoint_id=str(checkpoint), no_dist=True,
+                         planner=DefaultLoadPlanner(allow_partial_load=True))
+            return tensor
+        return read, shapes
+    state = torch.load(checkpoint, map_location="cpu", weights_only=True, mmap=True)["model"]  # mapped, not read
+    shapes = {name: (tuple(t.shape), t.dtype) for name, t in state.items()}
+    check_holds(checkpoint, names, shapes)
+    return (lambda name: state[name]), shapes
+
+
+def check_holds(checkpoint: Path, names: List[str], held) -> None:
+    lacking = [n for n in names if n not in held]
+    if lacking:
+        refuse(f"{checkpoint} lacks {len(lacking)} of the model's weights ({', '.join(lacking[:3])}"
+               f"{', ...' if len(lacking) > 3 else ''}): it is not a checkpoint of this run's model")
+
+
+def write_weights(folder: Path, names: List[str], read: Callable[[str], "object"], shapes: Dict[str, Tuple], dtype,
+                  shard_bytes: int) -> List[str]:
+    """Safetensors files of at most ``shard_bytes`` (one model.safetensors when all fit), planned from the shapes,
+    tensors read one at a time and each file written as soon as its tensors are in; the index when several."""
+    import math
+
+    from safetensors.torch import save_file
+
+    groups: List[List[str]] = [[]]
+    sizes: Dict[str, int] = {}
+    for name in names:
+        shape, saved_dtype = shapes[name]
+        sizes[name] = math.prod(shape) * _itemsize(dtype or saved_dtype)
+        if groups[-1] and sum(sizes[n] for n in groups[-1]) + sizes[name] > shard_bytes:
+            groups.append([])
+        groups[-1].append(name)
+    files = (["model.safetensors"] if len(groups) == 1 else
+             [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
+    for file, group in zip(files, groups):
+        tensors = {}
+        for name in group:
+            t = read(name)
+            tensors[name] = (t if dtype is None else t.to(dtype)).contiguous()
+        save_file(tensors, folder / file, metadata={"format": "pt"})
+        del tensors
+    if len(files) > 1:
+        index = {"metadata": {"total_size": sum(sizes.values())},
+                 "weight_map": {name: file for file, group in zip(files, groups) for name in group}}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return files
+
+
+def _itemsize(dtype) -> int:
+    import torch
+
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
