@@ -258,6 +258,9 @@ class CheckpointConfig:
     resume: str = "auto"  # auto | never | path to a checkpoint file
     init_from: Optional[str] = None  # a checkpoint whose weights start a fresh run (fine-tuning)
     best_metric: Optional[str] = None  # e.g. eval/accuracy (higher is better) or eval/loss (lower): best.pt
+    # A new directory the recipe writes its trained model to at the end of the run, in its library's format
+    # (hf_causal_lm: a save_pretrained directory; sharded runs write from their shards). Refused if it exists
+    export: Optional[str] = None
 
 
 @dataclass

@@ -46,6 +46,7 @@ from omegaconf import DictConfig, OmegaConf
 from recipes.gpt import language_data, next_token_criterion, preprocess
 from trainer.run.errors import ConfigError, first_line
 from trainer.recipe import Batch, Recipe, blocks_named, top1_correct
+from trainer.run.process import quiet_pytree_registrations
 from trainer.run.runtime import Runtime
 from trainer.parallel.shard_optimizer import local_tensor
 
@@ -65,7 +66,8 @@ class ModelSettings:
 def transformers_module(recipe: str = "hf_causal_lm"):
     """transformers, imported; a ConfigError that says what to install where it is missing or out of range."""
     try:
-        import transformers
+        with quiet_pytree_registrations():  # transformers imports torchao where it is installed
+            import transformers
     except ImportError as e:
         raise ConfigError(f"recipe {recipe!r} needs Hugging Face transformers ({REQUIREMENT}), which this Python "
                           f"cannot import ({e}): {INSTALL}") from None
@@ -169,11 +171,12 @@ def check_config(config, settings: ModelSettings) -> None:
 def build_model(config, settings: ModelSettings, transformers) -> torch.nn.Module:
     auto = transformers.AutoModelForCausalLM
     try:
-        if settings.path is None:
-            model = auto.from_config(config, dtype=torch.float32)
-        else:
-            model = auto.from_pretrained(Path(settings.path).expanduser(), config=config, local_files_only=True,
-                                         dtype=torch.float32)
+        with quiet_pytree_registrations():  # the model's module imports torchao where it is installed
+            if settings.path is None:
+                model = auto.from_config(config, dtype=torch.float32)
+            else:
+                model = auto.from_pretrained(Path(settings.path).expanduser(), config=config, local_files_only=True,
+                                             dtype=torch.float32)
     except ValueError as e:  # a config class that has no causal LM
         raise ConfigError(f"model_type {config.model_type} has no causal language model in transformers "
                           f"(AutoModelForCausalLM: {first_line(e)}): choose a decoder such as llama, qwen2 or gpt2"
@@ -288,11 +291,7 @@ def load_pretrained_shards(directory: Path, model: torch.nn.Module, settings_pat
     except Exception as e:  # an index naming a missing file, a truncated header
         raise ConfigError(f"recipe.model.path={settings_path!r}: its safetensors files cannot be read "
                           f"({first_line(e)})") from None
-    seen, tied = set(), set()
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in seen:
-            tied.add(name)
-        seen.add(id(p))
+    tied = set(tied_names(model))
     params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     state = {k: v for k, v in model.state_dict().items() if k not in tied}
     lacking = sorted(k for k in state if k in params and k not in in_files)
@@ -309,6 +308,51 @@ def load_pretrained_shards(directory: Path, model: torch.nn.Module, settings_pat
         load({k: v for k, v in state.items() if k in in_files}, storage_reader=reader)
     except Exception as e:  # a truncated file, bytes that do not match the header
         raise ConfigError(f"recipe.model.path={settings_path!r}: its weights cannot be read ({first_line(e)})") from None
+
+
+# Files of a save_pretrained directory that are not weights and go with the model (tokenizers, generation).
+COMPANIONS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+              "added_tokens.json", "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
+
+
+def tied_names(model: torch.nn.Module) -> List[str]:
+    """The names of weights that are another, earlier-named weight (GPT-2's lm_head.weight): written once."""
+    seen, tied = set(), []
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            tied.append(name)
+        seen.add(id(p))
+    return tied
+
+
+def export_pretrained(source: Optional[Path], model: torch.nn.Module, directory: Path) -> None:
+    """``Recipe.export`` (checkpoint.export): the trained model as a save_pretrained directory that transformers,
+    vLLM and the Hub read: its config.json, its weights as safetensors (a tied weight once), and the tokenizer and
+    generation files of ``source`` (recipe.model.path). Every rank writes its own shards through
+    torch.distributed.checkpoint's HuggingFaceStorageWriter, which then joins them into whole tensors file by
+    file: no rank gathers the whole model (under DDP each replicated tensor is written once)."""
+    import copy
+    import shutil
+
+    import torch.distributed as dist
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter, save
+
+    distributed = dist.is_available() and dist.is_initialized()
+    state = {k: v for k, v in model.state_dict().items() if k not in set(tied_names(model))}
+    # Under a process group each rank writes its part into sharded/, then they are joined into whole files; one
+    # process writes whole files directly (consolidation would leave them in sharded/).
+    writer = HuggingFaceStorageWriter(path=str(directory), save_distributed=distributed,
+                                      enable_consolidation=distributed)
+    save(state, storage_writer=writer, no_dist=not distributed)
+    if distributed and dist.get_rank() != 0:
+        return
+    shutil.rmtree(directory / "sharded", ignore_errors=True)  # each rank's part, joined into the files above
+    config = copy.deepcopy(model.config)
+    config.use_cache = True  # off while training only (build_model)
+    config.save_pretrained(directory)
+    for name in COMPANIONS:
+        if source is not None and (source / name).is_file():
+            shutil.copy2(source / name, directory / name)
 
 
 def _mark(dtype: torch.dtype):
@@ -355,6 +399,7 @@ def build(cfg, rt: Runtime) -> Recipe:
     data = language_data(cfg.recipe.data, cfg.seed, settings.context, config.vocab_size, vocab_key)
     meta = rt is not None and rt.init_device.type == "meta"
     draw = init_weights
+    source = None if settings.path is None else Path(settings.path).expanduser()
     if meta and settings.path is not None:  # built from its config, sharded, then each rank reads its own parts
         directory = Path(settings.path).expanduser()
         pretrained_files(directory, settings.path)  # refused now, before any rank builds, if there are none
@@ -368,4 +413,4 @@ def build(cfg, rt: Runtime) -> Recipe:
                   flops_per_unit=training_flops_per_token(model, settings.context), forward=logits,
                   label_smoothing=cfg.recipe.label_smoothing,
                   blocks=blocks_named(model, model._no_split_modules),  # its own list: LlamaDecoderLayer, ...
-                  init_weights=draw)
+                  init_weights=draw, export=functools.partial(export_pretrained, source))

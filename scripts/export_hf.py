@@ -34,9 +34,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from scripts.lib.refuse import refuse  # noqa: E402
 
 HF_RECIPE = "recipes.hf_causal_lm.build"
-# Files of a save_pretrained source directory that are not weights and go with the model (tokenizers, generation).
-COMPANIONS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
-              "added_tokens.json", "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
@@ -75,6 +72,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         files = write_weights(temp, names, read, shapes, dtype, int(args.shard_gb * 1e9))
         hf_config.save_pretrained(temp)
+        from recipes.hf_causal_lm import COMPANIONS
+
         for name in COMPANIONS:
             if source is not None and (source / name).is_file():
                 shutil.copy2(source / name, temp / name)
@@ -117,13 +116,12 @@ def weight_names(hf_config) -> Tuple[List[str], List[str]]:
     import torch
     import transformers
 
-    with torch.device("meta"):
+    from recipes.hf_causal_lm import tied_names
+    from trainer.run.process import quiet_pytree_registrations
+
+    with torch.device("meta"), quiet_pytree_registrations():
         model = transformers.AutoModelForCausalLM.from_config(hf_config)
-    seen, tied = set(), []
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in seen:
-            tied.append(name)
-        seen.add(id(p))
+    tied = tied_names(model)
     # save_pretrained's names: the state dict (persistent buffers included), less tied duplicates
     return [name for name in model.state_dict() if name not in tied], tied
 

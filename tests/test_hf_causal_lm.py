@@ -384,3 +384,42 @@ def test_what_an_export_cannot_write_is_refused_naming_the_path(train_here, tmp_
         refused = export(run_dir, out)
         assert refused.returncode == 2 and refused.stderr.count(message) == 1, refused.stderr[-3000:]
         assert not (tmp_path / "new").exists()
+
+
+def test_a_run_writes_its_trained_model_at_its_end_from_the_shards_without_a_checkpoint(out, train_here, tmp_path):
+    # checkpoint.export with checkpoint.save=false: two gloo ranks under fsdp2 (meta, a pretrained gpt2 with its
+    # lm_head tied and a generation config) write from their shards; one DDP process writes a tiny llama.
+    source = pretrained(tmp_path / "gpt2_source", TINY_GPT2)
+    (source / "generation_config.json").write_text('{"max_new_tokens": 7}')
+    common = [*DEBUG, "train.precision=fp32", "train.max_steps=3", "train.eval=false", "checkpoint.save=false"]
+    sharded = launch([*common, "recipe.model.config=null", f"recipe.model.path={source}", "train.parallel=fsdp2",
+                      "train.fsdp.init=meta", f"checkpoint.export={tmp_path / 'gpt2_hf'}"], out, nproc=2, timeout=180)
+    assert sharded.returncode == 0, sharded.output[-3000:]
+    whole = train_here([*common, f"checkpoint.export={tmp_path / 'llama_hf'}"], tmp_path / "llama")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    assert f"exported the trained model to {tmp_path / 'llama_hf'}" in whole.stdout
+    for name, run in (("gpt2", sharded), ("llama", whole)):
+        exported = tmp_path / f"{name}_hf"
+        kept = sorted(p.name for p in exported.iterdir())
+        assert "config.json" in kept and any(k.endswith(".safetensors") for k in kept) and "sharded" not in kept, kept
+        assert ("generation_config.json" in kept) == (name == "gpt2") and not list(exported.parent.glob(".*.tmp"))
+        assert not list(run.run_dir.glob("checkpoints/*"))  # checkpoint.save=false: the export alone
+        # transformers reads it, and it holds the run's final weights: their digest.
+        reloaded = transformers.AutoModelForCausalLM.from_pretrained(exported)
+        assert reloaded.config.use_cache and (name != "gpt2" or reloaded.lm_head.weight is
+                                              reloaded.transformer.wte.weight)
+        evaluated = train_here([*DEBUG, "train.precision=fp32", "train.eval_only=true", "recipe.model.config=null",
+                                f"recipe.model.path={exported}"], tmp_path / f"{name}_eval")
+        assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+        digest = json.loads((evaluated.run_dir / "eval.json").read_text())["param_digests"][0]
+        assert digest == run.results()["param_digests"][0], name
+
+
+@pytest.mark.fast
+def test_an_export_into_an_existing_directory_or_from_a_recipe_without_one_is_refused(train_here, tmp_path):
+    for overrides, message in (([*DEBUG, f"checkpoint.export={tmp_path}"], "exists: give a new directory"),
+                               (["recipe=mnist", "experiment=debug", "logger=none",
+                                 f"checkpoint.export={tmp_path / 'new'}"], "recipe 'mnist' cannot write its model")):
+        done = train_here([*overrides, "train.max_steps=1"], tmp_path / "out")
+        assert done.returncode == 2 and done.stderr.count(message) == 1, done.stderr[-3000:]
+    assert not (tmp_path / "new").exists()

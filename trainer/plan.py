@@ -31,6 +31,7 @@ import inspect
 import math
 from dataclasses import dataclass, replace
 from functools import partial
+from pathlib import Path
 from typing import Any, Callable, Dict
 
 import torch
@@ -143,6 +144,9 @@ def _check_values(cfg) -> None:
     if c.init_from is not None and not checkpoint_exists(c.init_from):
         raise ConfigError(f"checkpoint.init_from={c.init_from!r} is not a checkpoint: point it at one "
                           "(checkpoints/step_*.pt, step_*.dcp or best.pt of a run), or drop it")
+    if c.export is not None and Path(c.export).expanduser().exists():
+        raise ConfigError(f"checkpoint.export={c.export!r} exists: give a new directory (an export never writes over "
+                          "one)")
     if not c.save and c.best_metric is not None:
         raise ConfigError(f"checkpoint.best_metric={c.best_metric} writes best.pt, but checkpoint.save=false writes "
                           "no checkpoint: drop checkpoint.best_metric, or set checkpoint.save=true")
@@ -204,6 +208,10 @@ def _build_checked(build: Callable, cfg, rt) -> Recipe:
         raise ConfigError(f"recipe._target_={target} returned a {type(recipe).__name__}, not a "
                           "trainer.recipe.Recipe: see trainer/recipe.py for the contract")
     check_recipe_applies(cfg, recipe)
+    if cfg.checkpoint.export is not None and recipe.export is None:
+        raise ConfigError(f"checkpoint.export={cfg.checkpoint.export!r}: recipe {recipe.name!r} cannot write its model "
+                          "in a library's format (its Recipe gives no export; recipe=hf_causal_lm does): drop "
+                          "checkpoint.export, and use its checkpoints")
     recipe = apply_activation_checkpointing(cfg, recipe)
     if recipe.forward is not None and not callable(recipe.forward):
         raise ConfigError(f"recipe._target_={target} returned a Recipe whose forward is a "

@@ -36,6 +36,7 @@ refused with one ConfigError naming the setting, rather than trained without it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -128,6 +129,11 @@ class Recipe:
     # model, built on the meta device (``with torch.device(rt.init_device)``), is sharded and allocated.
     # None: the recipe builds on the host only (train.fsdp.init=meta is refused).
     init_weights: Optional[Callable[[torch.nn.Module], None]] = None
+    # Writes the trained model into a new directory in its library's own format (hf_causal_lm: a save_pretrained
+    # directory), at the end of a run with checkpoint.export=DIR: ``export(model, directory)``, called on every
+    # rank with the model as trained (sharded under fsdp2: a collective); ``directory`` exists, empty, and is
+    # renamed to DIR once the call returns on every rank. None: checkpoint.export is refused.
+    export: Optional[Callable[[torch.nn.Module, Path], None]] = None
 
 
 def blocks_named(model: torch.nn.Module, class_names) -> List[torch.nn.Module]:

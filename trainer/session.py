@@ -228,6 +228,8 @@ def fit_job(session: Session) -> int:
     announce(trainer)
     logger = session.open_logger(trainer.config, job_type=trainer.plan.mode, run_id=wandb_run_id)
     summary = trainer.fit(logger, start_step)
+    if cfg.checkpoint.export is not None:  # the trained model in its library's format (Recipe.export)
+        trainer.export(Path(cfg.checkpoint.export).expanduser().resolve())
     # Not on disk: no exit 0.
     trainer.state.on_rank0(lambda: write_results(trainer, logger, summary))
     return 0

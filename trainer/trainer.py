@@ -19,10 +19,13 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import shutil
 import time
 from collections import deque
 from dataclasses import replace
 from functools import partial
+from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -191,6 +194,23 @@ class Trainer:
         """For scripts: takes steps until the warm-up and the capture (graph modes) are done."""
         while self.phase() in ("warmup", "capture"):
             self.next_step()
+
+    def export(self, final: Path) -> Path:
+        """``checkpoint.export``: the recipe writes the trained model (``Recipe.export``, every rank: sharded, a
+        collective) into a temporary directory beside ``final``, renamed to ``final`` once whole."""
+        rt = self.rt
+        temp = final.parent / f".{final.name}.tmp"
+        if rt.is_main:
+            shutil.rmtree(temp, ignore_errors=True)  # an earlier attempt's, stopped mid-write
+            temp.mkdir(parents=True)
+        rt.barrier()
+        self.recipe.export(self.raw_model, temp)
+        rt.barrier()
+        if rt.is_main:
+            os.replace(temp, final)
+        rt.barrier()
+        print_once(f"exported the trained model to {final}")
+        return final
 
     def close(self) -> None:
         """Releases graphs (before the process group goes) and the loaders' workers."""

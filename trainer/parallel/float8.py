@@ -137,15 +137,9 @@ def float8_spec(cfg, device: torch.device, precision: str, compiled: bool) -> Op
 
 
 def _torchao(*names: str) -> tuple:
-    """``torchao.float8``'s ``names``. Its first import registers an Enum with torch's pytree, which torch 2.14
-    answers with a deprecation line on every rank: not this run's business, so not printed."""
-    import logging
+    """``torchao.float8``'s ``names``, imported without torch's pytree deprecation lines."""
+    from trainer.run.process import quiet_pytree_registrations
 
-    pytree_log = logging.getLogger("torch.utils._pytree")
-    level = pytree_log.level
-    pytree_log.setLevel(logging.ERROR)
-    try:
+    with quiet_pytree_registrations():
         import torchao.float8 as float8
-    finally:
-        pytree_log.setLevel(level)
     return tuple(getattr(float8, name) for name in names)

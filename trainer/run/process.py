@@ -12,11 +12,14 @@ level), because train.py calls it before Hydra parses the command line:
 - ``tell_torchrun``, ``peer_gone``: an error's message in torchrun's failure report, and whether a
   collective lost its peer (another rank's failure, not this one's).
 - ``multirun_job_dir``, ``hydra_overrides``: what Hydra says about this job.
+- ``quiet_pytree_registrations``: torch's deprecation line for each Enum that torchao registers (on import,
+  also through transformers), kept off every rank's console.
 - ``process_started_at``: when this process started, for the start-up timings and for a run
   directory owner's record (trainer/run/run_lock.py tells a live owner from a reused pid by it).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -132,3 +135,16 @@ def process_started_at() -> float:
         return boot + ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, StopIteration):
         return _LOADED_AT
+
+
+@contextlib.contextmanager
+def quiet_pytree_registrations():
+    """Around an import of torchao (or of transformers, which imports it where installed): torch 2.14 answers each
+    Enum that torchao registers with its pytree with a deprecation line, on every rank; not this run's business."""
+    pytree_log = logging.getLogger("torch.utils._pytree")
+    level = pytree_log.level
+    pytree_log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        pytree_log.setLevel(level)
