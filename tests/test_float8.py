@@ -240,3 +240,18 @@ def test_the_doctor_names_float8_scales_a_users_step_sets_after_its_forward(one_
     if named:
         assert found[0].effect == "wrong" and "precompute_float8_dynamic_scale_for_fsdp" in found[0].what
         assert "before the forward" in found[0].fix
+
+
+@pytest.mark.extras
+@pytest.mark.fast
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_a_hugging_face_model_converts_every_linear_layer_of_its_decoder_layers_and_trains(train_here, recipe):
+    needs_extra("torchao")
+    needs_extra("transformers")
+    done = train_here(["recipe=hf_causal_lm", "experiment=debug", "logger=none", "train.max_steps=3",
+                       "train.eval=false", "checkpoint.save=false", "train.precision=fp32",
+                       f"train.float8={recipe}", "train.float8_emulate=true"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    # The debug llama: 2 decoder layers of 7 projections each (every size divides by 16); embeddings and lm_head stay.
+    assert f"float8 ({recipe}, emulated): 14 Linear layers of the recipe's blocks; the rest in fp32" in done.stdout
+    assert all(math.isfinite(row["train/loss"]) for row in done.metrics() if "train/loss" in row)
