@@ -5,6 +5,7 @@ shape, in one table (issue 40).
     python scripts/bench_torchtitan.py --size 8b --nproc 4 --steps 30
     python scripts/bench_torchtitan.py --size 1b --ours full --theirs compiled --ac full
     python scripts/bench_torchtitan.py --size 8b --ours none --append  # one side now, the other in a later call
+    python scripts/bench_torchtitan.py --size 1b --float8              # float8 on both sides
     python scripts/bench_torchtitan.py --dry-run --nproc 2             # what both sides would run; no GPU needed
 
 For each size it runs torchtitan training its own Llama 3 model (``--theirs``: eager, compiled), then this
@@ -41,6 +42,11 @@ mode; ``train.activation_checkpointing=true``), ``none`` neither (default ``auto
 1b); fused AdamW (lr 3e-4, betas 0.9/0.95, eps 1e-8, weight decay 0.1: torchtitan's 8B preset), linear LR
 warm-up over 10 steps then constant, gradient clipping at 1.0; ``--warmup-steps`` untimed steps (this repo:
 11 eager steps, then the capture) and ``--steps`` timed ones, with the same timer (graphing.StepTimer).
+``--float8``: tensorwise float8 matmuls with FSDP2's float8 all-gather on both sides, each side's own way:
+torchtitan's float8 converter as its docs/float8.md gives it (``model.converters=quantize.linear.float8``,
+``enable_fsdp_float8_all_gather``, ``precompute_float8_dynamic_scale_for_fsdp`` after each optimizer step,
+``filter_fqns=["output"]``), against ``train.float8=tensorwise train.fsdp.float8_all_gather=true``
+(docs/float8.md: the decoder layers' Linear layers, lm_head left out; the scales computed first in each step).
 MFU uses one FLOP formula for both (scripts/lib/llama3.py ``training_flops_per_token``:
 6 x (parameters - token embedding) + 12 x layers x width x sequence length per token, what both trainers
 log) against trainer/metrics/perf.py's dense bf16 peak of the GPU.
@@ -157,6 +163,7 @@ class Plan:
     seed: int = 0
     alloc_conf: str = ""  # PYTORCH_CUDA_ALLOC_CONF of both sides' processes ("": torch's default allocator)
     reshard: str = RESHARDS[0]  # FSDP2's blocks resharded after forward on both sides, or "never"
+    float8: bool = False  # tensorwise float8 matmuls with FSDP2's float8 all-gather, on both sides (--float8)
 
     @property
     def total_steps(self) -> int:
@@ -175,7 +182,7 @@ def plans(args: argparse.Namespace, nproc: int) -> List[Plan]:
     sizes = list(SHAPES) if args.size == "both" else [args.size]
     return [Plan(SHAPES[size], nproc, args.seq_len, args.local_batch, args.warmup_steps, args.steps,
                  args.ac if args.ac != "auto" else ("full" if size == "8b" else "none"), args.seed, args.alloc_conf,
-                 args.reshard) for size in sizes]
+                 args.reshard, args.float8) for size in sizes]
 
 
 # ---- the commands of both sides --------------------------------------------------------
@@ -187,6 +194,7 @@ def theirs_command(plan: Plan, variant: str, output: Path, deadline_s: float, pr
             "--local-batch", str(plan.local_batch), "--warmup-steps", str(plan.warmup_steps),
             "--steps", str(plan.steps), "--ac", plan.ac, *(["--compile"] if variant == "compiled" else []),
             "--reshard", "never" if plan.reshard == "never" else "default",
+            *(["--float8"] if plan.float8 else []),
             "--seed", str(plan.seed), "--deadline-s", f"{deadline_s:g}", "--output", str(output),
             *(["--profile-steps", str(profile_steps)] if profile_steps else [])]
 
@@ -209,7 +217,8 @@ def ours_overrides(plan: Plan) -> List[str]:
             f"train.grad_clip={MAX_NORM!r}", "train.grad_accum=1", f"train.max_steps={plan.total_steps}",
             "train.epochs=1", "train.eval=false", "train.log_every=1", "train.progress=false",
             f"graph.warmup_iters={plan.warmup_steps - 1}", "checkpoint.save=false", "logger=none",
-            f"seed={plan.seed}"]
+            f"seed={plan.seed}",
+            *(["train.float8=tensorwise", "train.fsdp.float8_all_gather=true"] if plan.float8 else [])]
 
 
 def ours_args(plan: Plan, args: argparse.Namespace) -> List[str]:
@@ -269,6 +278,11 @@ def matched_settings(plan: Plan) -> List[Tuple[str, str, str]]:
         ("gradient clipping", f"max_norm {MAX_NORM}", f"train.grad_clip={MAX_NORM}"),
         ("steps", f"{plan.warmup_steps} untimed, {plan.steps} timed",
          f"{plan.warmup_steps - 1} eager + capture untimed, {plan.steps} timed (graph.warmup_iters)"),
+        ("float8", "model.converters=quantize.linear.float8 (tensorwise), enable_fsdp_float8_all_gather, "
+                   "precompute_float8_dynamic_scale_for_fsdp after each optimizer step, filter_fqns=[output]"
+         if plan.float8 else "off",
+         "train.float8=tensorwise, train.fsdp.float8_all_gather=true (the scales computed first in each step; the "
+         "rule: Linear layers of the decoder layers, lm_head left out)" if plan.float8 else "train.float8=none"),
         ("CUDA allocator", f"PYTORCH_CUDA_ALLOC_CONF={plan.alloc_conf or '(unset)'}"
          + (" (what torchtitan's run_train.sh sets)" if plan.alloc_conf == TORCHTITAN_ALLOC_CONF else ""), "the same"),
     ]
@@ -291,7 +305,7 @@ def make_row(plan: Plan, run: str, status: str, timed: Dict[str, Any], peaks: Tu
             "peak_allocated_mib": peaks[0], "peak_reserved_mib": peaks[1],
             "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
             "losses": list(losses), "status": status, "run_dir": run_dir,
-            "alloc_conf": plan.alloc_conf or None, "reshard": plan.reshard,
+            "alloc_conf": plan.alloc_conf or None, "reshard": plan.reshard, "float8": plan.float8,
             **({"profile": profile} if profile else {})}
 
 
@@ -328,6 +342,7 @@ def train_losses(run_dir: Optional[str], last_step: int) -> List[Optional[float]
 
 COLUMNS = [("size", "size", "{}"), ("run", "run", "{}"), ("tokens", "tokens per GPU per step", "{}"),
            ("ac", "AC", "{}"), ("alloc_conf", "allocator", "{}"), ("reshard", "FSDP2 reshard", "{}"),
+           ("float8", "matmuls", "{}"),
            ("tokens_per_s_per_gpu", "tokens/s per GPU", "{:,.0f}"), ("mfu_pct", "MFU", "{:.1f}%"),
            ("step_ms_median", "step ms median", "{:,.1f}"), ("step_ms_p90", "step ms p90", "{:,.1f}"),
            ("peak_allocated_mib", "peak allocated MiB per GPU", "{:,.0f}"),
@@ -340,9 +355,11 @@ COLUMNS = [("size", "size", "{}"), ("run", "run", "{}"), ("tokens", "tokens per 
 
 def shown(row: Dict[str, Any], key: str) -> Any:
     """What ``row`` shows in ``key``'s column: its own value, the tokens per GPU per step as sequence x sequences,
-    and for a row from before resharding was a setting, the default it ran with."""
+    the matmuls' precision, and for a row from before resharding was a setting, the default it ran with."""
     if key == "tokens":
         return f"{row['seq_len']} x {row['local_batch']}"
+    if key == "float8":  # a row from before --float8 ran in bf16
+        return "float8 (tensorwise)" if row.get("float8") else "bf16"
     return reshard_of(row) if key == "reshard" else row.get(key)
 
 
@@ -353,9 +370,9 @@ def reshard_of(row: Dict[str, Any]) -> str:
 
 def matched_key(row: Dict[str, Any]) -> Tuple:
     """The rows that ran the same thing: one size, GPU count, tokens per GPU, activation checkpointing, CUDA
-    allocator and FSDP2 resharding (a row from before a setting existed ran with what is now its default)."""
+    allocator, FSDP2 resharding and float8 (a row from before a setting existed ran with what is now its default)."""
     return (row["size"], row["nproc"], row["seq_len"], row["local_batch"], row["ac"], row.get("alloc_conf"),
-            reshard_of(row))
+            reshard_of(row), bool(row.get("float8", False)))
 
 
 def with_ratios(rows: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
@@ -461,7 +478,7 @@ def profile_report(rows: Sequence[Dict[str, Any]]) -> List[str]:
         if row.get("profile"):
             groups.setdefault(matched_key(row), []).append(row)
     lines: List[str] = []
-    for (size, nproc, seq_len, batch, ac, alloc, reshard), runs in groups.items():
+    for (size, nproc, seq_len, batch, ac, alloc, reshard, float8), runs in groups.items():
         kinds = [{k["kind"]: k["ms_per_step"] for k in run["profile"].get("kinds", [])} for run in runs]
         ms = lambda value: cell(value, "{:,.2f}")  # noqa: E731
         table = [["step (timed, no profiler)", *(ms(run.get("step_ms_mean")) for run in runs)],
@@ -478,7 +495,8 @@ def profile_report(rows: Sequence[Dict[str, Any]]) -> List[str]:
             table.append(["graph pool MiB: reserved / most live at once",
                           *(f"{p['reserved_mib']:,.0f} / {p['peak_live_mib']:,.0f}" if p else "—" for p in pools)])
         lines += ["", f"Where a step goes, {size}, AC {ac}, {nproc} GPUs, {seq_len} x {batch} tokens per GPU"
-                  f"{f', {alloc}' if alloc else ''}{', never resharded' if reshard == 'never' else ''}: ms per step "
+                  f"{f', {alloc}' if alloc else ''}{', never resharded' if reshard == 'never' else ''}"
+                  f"{', float8' if float8 else ''}: ms per step "
                   "on rank 0's GPU over "
                   f"{'/'.join(str(run['profile'].get('steps', '?')) for run in runs)} profiled steps (kernel kinds "
                   "by name, scripts/lib/kernel_profile.py; kinds overlap in time across streams, so they sum to more "
@@ -587,6 +605,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="FSDP2 on both sides: blocks resharded after forward (default: each side's default) "
                              "or never (weights stay gathered from forward to backward: less communication, more "
                              "memory)")
+    parser.add_argument("--float8", action="store_true",
+                        help="tensorwise float8 matmuls with FSDP2's float8 all-gather on both sides: torchtitan's "
+                             "float8 converter (its docs/float8.md settings, the output layer left out) against "
+                             "train.float8=tensorwise train.fsdp.float8_all_gather=true (docs/float8.md)")
     parser.add_argument("--alloc-conf", default=TORCHTITAN_ALLOC_CONF,
                         help="PYTORCH_CUDA_ALLOC_CONF for both sides (default: torchtitan's launcher's, "
                              f"{TORCHTITAN_ALLOC_CONF!r}; '' for torch's default allocator)")

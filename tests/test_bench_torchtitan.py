@@ -228,6 +228,14 @@ def test_torchtitans_job_config_holds_the_matched_settings(tmp_path):
     never = parse(["--size", "1b", "--seq-len", "8192", "--local-batch", "1", "--warmup-steps", "12", "--steps", "20",
                    "--ac", "none", "--reshard", "never", "--output", str(tmp_path / "r.json")])
     assert job_config(never, str(tmp_path), cuda=True).parallelism.fsdp_reshard_after_forward == "never"
+    # --float8: its docs/float8.md settings (its 8B toml's float8 block).
+    float8 = job_config(parse(["--size", "1b", "--seq-len", "8192", "--local-batch", "1", "--warmup-steps", "12",
+                               "--steps", "20", "--ac", "none", "--float8", "--output", str(tmp_path / "r.json")]),
+                        str(tmp_path), cuda=True)
+    q = float8.quantize.linear.float8
+    assert float8.model.converters == ["quantize.linear.float8"] and q.filter_fqns == ["output"]
+    assert q.enable_fsdp_float8_all_gather and q.precompute_float8_dynamic_scale_for_fsdp
+    assert job.model.converters == []  # without it: none
 
 
 @pytest.mark.skipif(not HAVE_TORCHTITAN, reason="needs torchtitan: pip install -r scripts/requirements-torchtitan.txt")
@@ -325,6 +333,23 @@ def test_dry_run_commands_hold_the_same_settings_on_both_sides(dry_run, size, ac
         assert argv[-4].startswith("output_root=") and argv[-6] == "graph.capture_error_mode=thread_local"  # the user's
 
 
+def test_dry_run_with_float8_asks_both_sides_for_tensorwise_float8_with_its_all_gather():
+    proc = launch(["--dry-run", "--nproc", "2", "--size", "1b", "--float8"], script=SCRIPT, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = re.findall(r"^1b (torchtitan \w+|this repo \w+): (.*)$", proc.stdout, flags=re.M)
+    assert len(lines) == 4, proc.stdout[-3000:]
+    for run, line in lines:
+        argv = shlex.split(line)
+        if run.startswith("torchtitan"):
+            assert options(argv)["--float8"] is True
+        else:
+            ours = overrides(argv)
+            assert (ours["train.float8"], ours["train.fsdp.float8_all_gather"]) == ("tensorwise", "true")
+    assert "| float8 | model.converters=quantize.linear.float8 (tensorwise)" in proc.stdout
+    plain = launch(["--dry-run", "--nproc", "2", "--size", "1b"], script=SCRIPT, timeout=60)
+    assert "--float8" not in plain.stdout and "train.float8=tensorwise" not in plain.stdout
+
+
 # ---- the table -------------------------------------------------------------------------------------
 
 def test_both_sides_rows_come_from_one_formula_and_the_table_says_so(tmp_path):
@@ -361,13 +386,13 @@ def test_both_sides_rows_come_from_one_formula_and_the_table_says_so(tmp_path):
     assert rows[2]["vs_torchtitan_best"] is None and rows[3]["vs_torchtitan_best"] is None
     text = bench.report(rows, [p], "NVIDIA H200", ("H200 SXM bf16 dense", 989.0))
     table = [line for line in text.splitlines() if line.startswith("| 8b |")]
-    assert table[0].startswith("| 8b | torchtitan eager | 8192 x 1 | full | — | after-forward | 4,096 | 24.0% | 1,990.0 | 2,050.0 | 90,000 | 95,000 "
+    assert table[0].startswith("| 8b | torchtitan eager | 8192 x 1 | full | — | after-forward | bf16 | 4,096 | 24.0% | 1,990.0 | 2,050.0 | 90,000 | 95,000 "
                                "| 1.000x | 1.00x | 12.250 | 7.500 | ok |")  # allocator —: torch's default
-    assert table[1].startswith("| 8b | this repo full | 8192 x 1 | full | — | after-forward | 5,000 | 29.3% | 1,600.0 | 1,610.0 | 80,000 | 81,000 "
+    assert table[1].startswith("| 8b | this repo full | 8192 x 1 | full | — | after-forward | bf16 | 5,000 | 29.3% | 1,600.0 | 1,610.0 | 80,000 | 81,000 "
                                "| 1.221x | 0.85x |")
-    assert table[2] == ("| 8b | this repo full_compiled | 8192 x 1 | full | — | after-forward | — | — | — | — | — | — | — | — | — | — | failed (exit 1): "
+    assert table[2] == ("| 8b | this repo full_compiled | 8192 x 1 | full | — | after-forward | bf16 | — | — | — | — | — | — | — | — | — | — | failed (exit 1): "
                         "torch.OutOfMemoryError: CUDA out of memory |")
-    assert table[3].startswith("| 8b | this repo full | 8192 x 1 | none | — | after-forward | 5,000 | 29.3% |") and "| — | — |" in table[3]
+    assert table[3].startswith("| 8b | this repo full | 8192 x 1 | none | — | after-forward | bf16 | 5,000 | 29.3% |") and "| — | — |" in table[3]
     # Another allocator is another setting: no yardstick but a torchtitan run with that allocator.
     expandable = bench.ours_row(dataclasses.replace(p, alloc_conf="expandable_segments:True"), "full", ours, 989.0)
     assert expandable["alloc_conf"] == "expandable_segments:True" and rows[0]["alloc_conf"] is None

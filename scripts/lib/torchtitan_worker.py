@@ -9,7 +9,9 @@ as torchtitan's trainer does, checks its parameter count and FLOPs per token aga
 hands it to torchtitan's ``parallelize_llama`` with a JobConfig holding torchtitan's Llama 3 settings:
 activation checkpointing (``full`` or ``none``), per-block ``torch.compile`` with the loss compiled too
 (``--compile``), FSDP2 over every rank with bf16 parameters and fp32 gradient reduction, resharding after
-forward (``--reshard default``, its default) or never (``--reshard never``). The weights are drawn by its
+forward (``--reshard default``, its default) or never (``--reshard never``); with ``--float8``, its float8
+converter (tensorwise, FSDP2 float8 all-gather, the output layer left out) swaps the Linear layers on the meta
+model before sharding, and the scales are precomputed after each optimizer step, as its trainer does. The weights are drawn by its
 ``init_weights`` on the GPU under its seeding (``set_determinism``); the optimizer (fused AdamW), the LR
 schedule and the loss come from its own builders.
 
@@ -58,6 +60,9 @@ def parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--ac", choices=("none", "full"), required=True)
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--float8", action="store_true",
+                        help="torchtitan's float8 converter: tensorwise, FSDP2 float8 all-gather, the scales "
+                             "precomputed after each optimizer step, the output layer left out")
     parser.add_argument("--reshard", choices=("default", "never"), default="default",
                         help="parallelism.fsdp_reshard_after_forward: default (blocks resharded after forward) or never")
     parser.add_argument("--seed", type=int, default=0)
@@ -95,6 +100,12 @@ def job_config(args: argparse.Namespace, dump_folder: str, cuda: bool):
     job.parallelism.data_parallel_shard_degree = -1  # FSDP over every rank
     job.parallelism.fsdp_reshard_after_forward = args.reshard
     job.debug.seed = args.seed
+    if args.float8:  # its docs/float8.md settings; its 8B toml's float8 block, uncommented
+        job.model.converters = ["quantize.linear.float8"]
+        f8 = job.quantize.linear.float8
+        f8.enable_fsdp_float8_all_gather = True
+        f8.precompute_float8_dynamic_scale_for_fsdp = True
+        f8.filter_fqns = ["output"]
     return job
 
 
@@ -213,6 +224,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from torchtitan.components.optimizer import build_optimizers
     from torchtitan.distributed import ParallelDims, utils as dist_utils
     from torchtitan.models.llama3 import Transformer, parallelize_llama
+    from torchtitan.protocols.model_converter import build_model_converters
     from torchtitan.tools import utils as tt_utils
 
     from scripts.lib.timing import time_steps
@@ -239,6 +251,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         raise SystemExit(f"torchtitan_worker: torchtitan's model has {n_params:,} parameters, feed-forward {ffn}, "
                          f"{flops:,} FLOPs per token; scripts/lib/llama3.py says {parameter_count(shape):,}, "
                          f"{shape.ffn_hidden}, {training_flops_per_token(shape, args.seq_len):,.0f}")
+    converters = build_model_converters(job, parallel_dims)  # float8's Linear swap (--float8), before sharding
+    converters.convert(model)
     loss_fn = build_cross_entropy_loss(job)
     model = parallelize_llama(model, parallel_dims, job)
     model.to_empty(device=device.type)
@@ -247,6 +261,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     model.train()
     optimizers = build_optimizers([model], job.optimizer, parallel_dims)
     lr_schedulers = build_lr_schedulers(optimizers, job.lr_scheduler, job.training.steps)
+    # As its trainer does: float8's scales for the next all-gather, after each optimizer step (no-op without it).
+    optimizers.register_step_post_hook(lambda *args, **kwargs: converters.post_optimizer_hook([model]))
     amp = dist_utils.maybe_enable_amp(parallel_dims, job.training.mixed_precision_param, device.type)
     steps = Steps(model, optimizers, lr_schedulers, loss_fn, amp, dist_utils.get_train_context(False), parallel_dims,
                   tt_utils.GarbageCollection(gc_freq=job.training.gc_freq),
@@ -262,6 +278,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         dist.all_reduce(losses)  # each rank's loss is its token sum over the global count: the sum is the mean
     result: Dict[str, Any] = {
         "side": "torchtitan", "variant": "compiled" if args.compile else "eager", "size": args.size,
+        "float8": args.float8,
         "torchtitan": _version("torchtitan"), "torch": torch.__version__,
         "device": torch.cuda.get_device_name(device) if cuda else "cpu", "world_size": world,
         "seq_len": args.seq_len, "local_batch": args.local_batch, "ac": args.ac, "compile": args.compile,
