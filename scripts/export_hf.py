@@ -4,9 +4,10 @@
     python scripts/export_hf.py RUN_DIR --out DIR --checkpoint RUN_DIR/checkpoints/step_00000100.dcp
     python scripts/export_hf.py RUN_DIR --out DIR --dtype bf16 --shard-gb 5
 
-For a run of recipe=hf_causal_lm, from any of its checkpoints, of any world size (one file, or every rank's
-shards): DIR gets config.json (the run's model config: recipe.model.config, or recipe.model.path's
-config.json), the weights as safetensors (one model.safetensors, or files of at most --shard-gb with
+For a run of recipe=hf_causal_lm or of a gpt recipe (gpt_tiny ... gpt_1b: GPT-2's layout, written as transformers'
+GPT2LMHeadModel), from any of its checkpoints, of any world size (one file, or every rank's shards): DIR gets
+config.json (the run's model config: recipe.model.config, recipe.model.path's config.json, or the GPT-2 config of
+the gpt recipe's shape), the weights as safetensors (one model.safetensors, or files of at most --shard-gb with
 model.safetensors.index.json), and the tokenizer and generation files the source directory had. A weight tied
 to another (GPT-2's lm_head) is written once, as save_pretrained writes it.
 
@@ -15,8 +16,8 @@ torch.distributed.checkpoint, each tensor whole from every rank's shards; a one-
 and writes each safetensors file once its tensors are read, so its peak host memory is about one output file
 (--shard-gb) plus one tensor, whatever the model's size. The directory is written under a temporary name beside
 DIR and renamed when whole: DIR never exists half-written. Refused with exit 2, naming the path: a DIR that
-exists, a run without a checkpoint or of another recipe (the repo's gpt recipes have no transformers class
-mapped here yet), a checkpoint that lacks a weight of the model.
+exists, a run without a checkpoint or of a recipe with no transformers class mapped here (mnist, cifar10), a
+checkpoint that lacks a weight of the model.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import os
 import shutil
 import sys
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -33,7 +35,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scripts.lib.refuse import refuse  # noqa: E402
 
-HF_RECIPE = "recipes.hf_causal_lm.build"
+
+
+@dataclass(frozen=True)
+class Weight:
+    """One tensor of the exported files: ``name`` there, from the checkpoint's ``source`` (transposed where the
+    transformers class keeps it the other way round), or zeros of ``shape`` where the class has a tensor the
+    trained model has not (GPT-2's biases, for a model trained without)."""
+    name: str
+    source: Optional[str]
+    transpose: bool = False
+    shape: Tuple[int, ...] = ()
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
@@ -56,21 +68,20 @@ def main(argv: Optional[List[str]] = None) -> int:
         refuse(f"{args.run_dir} is not a run directory: it has no config.yaml")
     cfg = yaml.safe_load(config_file.read_text())
     target = cfg.get("recipe", {}).get("_target_")
-    if target != HF_RECIPE:
-        refuse(f"{args.run_dir} is a run of recipe._target_={target}; only recipe=hf_causal_lm ({HF_RECIPE}) has a "
-               "transformers class to export to (the gpt recipes' GPT-2 layout is not mapped yet)")
+    if target not in LAYOUTS:
+        refuse(f"{args.run_dir} is a run of recipe._target_={target}, which has no transformers class mapped here: "
+               f"export_hf writes {' and '.join(LAYOUTS)} runs")
     checkpoint = args.checkpoint or newest_checkpoint(args.run_dir)
     import torch
 
-    hf_config, source = model_config(cfg["recipe"]["model"])
-    names, tied = weight_names(hf_config)
-    read, shapes = tensor_source(checkpoint, names)
+    hf_config, weights, tied, source = LAYOUTS[target](cfg["recipe"]["model"])
+    read, shapes = tensor_source(checkpoint, [w.source for w in weights if w.source is not None])
     dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
     temp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(temp, ignore_errors=True)
     temp.mkdir(parents=True)
     try:
-        files = write_weights(temp, names, read, shapes, dtype, int(args.shard_gb * 1e9))
+        files = write_weights(temp, weights, read, shapes, dtype, int(args.shard_gb * 1e9))
         hf_config.save_pretrained(temp)
         from recipes.hf_causal_lm import COMPANIONS
 
@@ -84,7 +95,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)
         raise
-    print(f"export_hf: {checkpoint} -> {out}: {len(names)} weights in {len(files)} safetensors file(s)"
+    print(f"export_hf: {checkpoint} -> {out}: {len(weights)} weights in {len(files)} safetensors file(s)"
           f"{f' ({len(tied)} tied, written once: ' + ', '.join(sorted(tied)) + ')' if tied else ''}")
     return 0
 
@@ -98,21 +109,69 @@ def newest_checkpoint(run_dir: Path) -> Path:
     return found[-1]
 
 
-def model_config(model_cfg: Dict) -> Tuple[object, Optional[Path]]:
-    """The transformers config the run trained, and the source directory (recipe.model.path) if any."""
+def hf_layout(model_cfg: Dict) -> Tuple[object, List[Weight], List[str], Optional[Path]]:
+    """recipe=hf_causal_lm: the transformers config the run trained (recipe.model.config, or recipe.model.path's
+    config.json), its weights under their own names (a tied one once), and the source directory if any."""
+    transformers = _transformers()
+    if model_cfg.get("path"):
+        source = Path(model_cfg["path"]).expanduser()
+        hf_config = transformers.AutoConfig.from_pretrained(source, local_files_only=True)
+    else:
+        config, source = dict(model_cfg["config"]), None
+        hf_config = transformers.AutoConfig.for_model(config.pop("model_type"), **config)
+    names, tied = weight_names(hf_config)
+    return hf_config, [Weight(name, name) for name in names], tied, source
+
+
+def gpt_layout(model_cfg: Dict) -> Tuple[object, List[Weight], List[str], Optional[Path]]:
+    """The gpt recipes (recipes/gpt.py): GPT-2's layout exactly, as transformers' GPT2LMHeadModel (exact GELU; its
+    Conv1D weights are the transposes of these Linear weights; the biases this model trains without are zeros)."""
+    transformers = _transformers()
+    from recipes.gpt import model_config as gpt_config
+
+    c = gpt_config(model_cfg)
+    hf_config = transformers.GPT2Config(vocab_size=c.vocab, n_positions=c.context, n_embd=c.d_model, n_layer=c.n_layer,
+                                        n_head=c.n_head, activation_function="gelu", resid_pdrop=c.dropout,
+                                        embd_pdrop=c.dropout, attn_pdrop=c.dropout, layer_norm_epsilon=1e-5,
+                                        tie_word_embeddings=True, bos_token_id=None, eos_token_id=None)
+    d = c.d_model
+
+    def norm(ours: str, theirs: str) -> List[Weight]:
+        bias = Weight(f"{theirs}.bias", f"{ours}.bias") if c.layer_norm_bias else Weight(f"{theirs}.bias", None,
+                                                                                          shape=(d,))
+        return [Weight(f"{theirs}.weight", f"{ours}.weight"), bias]
+
+    def linear(ours: str, theirs: str, out: int) -> List[Weight]:
+        return [Weight(f"{theirs}.weight", f"{ours}.weight", transpose=True), Weight(f"{theirs}.bias", None,
+                                                                                      shape=(out,))]
+
+    weights = [Weight("transformer.wte.weight", "tok_emb.weight"), Weight("transformer.wpe.weight", "pos_emb.weight")]
+    for i in range(c.n_layer):
+        h, b = f"transformer.h.{i}", f"blocks.{i}"
+        weights += [*norm(f"{b}.ln1", f"{h}.ln_1"), *linear(f"{b}.attn.qkv", f"{h}.attn.c_attn", 3 * d),
+                    *linear(f"{b}.attn.proj", f"{h}.attn.c_proj", d), *norm(f"{b}.ln2", f"{h}.ln_2"),
+                    *linear(f"{b}.mlp.0", f"{h}.mlp.c_fc", 4 * d), *linear(f"{b}.mlp.2", f"{h}.mlp.c_proj", d)]
+    weights += norm("ln_f", "transformer.ln_f")
+    names, tied = weight_names(hf_config)
+    missing = sorted(set(names) - {w.name for w in weights})
+    if missing:  # a transformers release whose GPT-2 holds more than this layout writes
+        refuse(f"transformers' GPT2LMHeadModel expects {', '.join(missing[:3])}, which this layout does not write")
+    return hf_config, weights, tied, None
+
+
+LAYOUTS = {"recipes.hf_causal_lm.build": hf_layout, "recipes.gpt.build": gpt_layout}
+
+
+def _transformers():
     try:
         import transformers
     except ImportError:
         refuse("export_hf needs transformers: pip install -r requirements-hf.txt")
-    if model_cfg.get("path"):
-        source = Path(model_cfg["path"]).expanduser()
-        return transformers.AutoConfig.from_pretrained(source, local_files_only=True), source
-    config = dict(model_cfg["config"])
-    return transformers.AutoConfig.for_model(config.pop("model_type"), **config), None
+    return transformers
 
 
 def weight_names(hf_config) -> Tuple[List[str], List[str]]:
-    """The model's state-dict names in its own order, less the names of weights tied to an earlier one."""
+    """The transformers model's state-dict names in its own order, less those of weights tied to an earlier one."""
     import torch
     import transformers
 
@@ -163,34 +222,43 @@ def check_holds(checkpoint: Path, names: List[str], held) -> None:
                f"{', ...' if len(lacking) > 3 else ''}): it is not a checkpoint of this run's model")
 
 
-def write_weights(folder: Path, names: List[str], read: Callable[[str], "object"], shapes: Dict[str, Tuple], dtype,
-                  shard_bytes: int) -> List[str]:
+def write_weights(folder: Path, weights: List[Weight], read: Callable[[str], "object"], shapes: Dict[str, Tuple],
+                  dtype, shard_bytes: int) -> List[str]:
     """Safetensors files of at most ``shard_bytes`` (one model.safetensors when all fit), planned from the shapes,
     tensors read one at a time and each file written as soon as its tensors are in; the index when several."""
     import math
 
+    import torch
     from safetensors.torch import save_file
 
-    groups: List[List[str]] = [[]]
+    def shape_and_dtype(w: Weight):
+        if w.source is None:
+            return w.shape, dtype or torch.float32
+        shape, saved = shapes[w.source]
+        return (shape[::-1] if w.transpose else shape), dtype or saved
+
+    def tensor(w: Weight):
+        shape, kind = shape_and_dtype(w)
+        if w.source is None:
+            return torch.zeros(shape, dtype=kind)
+        t = read(w.source)
+        return (t.t() if w.transpose else t).to(kind).contiguous()
+
+    groups: List[List[Weight]] = [[]]
     sizes: Dict[str, int] = {}
-    for name in names:
-        shape, saved_dtype = shapes[name]
-        sizes[name] = math.prod(shape) * _itemsize(dtype or saved_dtype)
-        if groups[-1] and sum(sizes[n] for n in groups[-1]) + sizes[name] > shard_bytes:
+    for w in weights:
+        shape, kind = shape_and_dtype(w)
+        sizes[w.name] = math.prod(shape) * _itemsize(kind)
+        if groups[-1] and sum(sizes[g.name] for g in groups[-1]) + sizes[w.name] > shard_bytes:
             groups.append([])
-        groups[-1].append(name)
+        groups[-1].append(w)
     files = (["model.safetensors"] if len(groups) == 1 else
              [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
     for file, group in zip(files, groups):
-        tensors = {}
-        for name in group:
-            t = read(name)
-            tensors[name] = (t if dtype is None else t.to(dtype)).contiguous()
-        save_file(tensors, folder / file, metadata={"format": "pt"})
-        del tensors
+        save_file({w.name: tensor(w) for w in group}, folder / file, metadata={"format": "pt"})
     if len(files) > 1:
         index = {"metadata": {"total_size": sum(sizes.values())},
-                 "weight_map": {name: file for file, group in zip(files, groups) for name in group}}
+                 "weight_map": {w.name: file for file, group in zip(files, groups) for w in group}}
         (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     return files
 

@@ -423,3 +423,29 @@ def test_an_export_into_an_existing_directory_or_from_a_recipe_without_one_is_re
         done = train_here([*overrides, "train.max_steps=1"], tmp_path / "out")
         assert done.returncode == 2 and done.stderr.count(message) == 1, done.stderr[-3000:]
     assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("layer_norm_bias", ["true", "false"])
+def test_a_gpt_recipe_run_exports_as_gpt2_with_the_same_logits(train_here, tmp_path, layer_norm_bias):
+    # The gpt recipes are GPT-2's layout: exported as transformers' GPT2LMHeadModel (Conv1D weights transposed,
+    # the biases this model trains without written as zeros), reloaded, the same logits to float rounding.
+    import yaml
+
+    from recipes.gpt import GPT, model_config
+
+    done = train_here(["recipe=gpt_tiny", "experiment=debug", "logger=none", "train.max_steps=2", "train.eval=false",
+                       "train.precision=fp32", f"+recipe.model.layer_norm_bias={layer_norm_bias}"], tmp_path / "gpt")
+    assert done.returncode == 0, done.stderr[-3000:]
+    exported = export(done.run_dir, tmp_path / "gpt2_hf")
+    assert exported.returncode == 0 and "(1 tied, written once: lm_head.weight)" in exported.stdout, exported.stderr
+    mine = GPT(model_config(yaml.safe_load((done.run_dir / "config.yaml").read_text())["recipe"]["model"])).eval()
+    mine.load_state_dict(torch.load(sorted((done.run_dir / "checkpoints").iterdir())[-1], weights_only=True)["model"])
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "gpt2_hf").eval()
+    assert type(reloaded).__name__ == "GPT2LMHeadModel" and reloaded.lm_head.weight is reloaded.transformer.wte.weight
+    ids = torch.randint(0, mine.config.vocab, (2, 32))
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, mine(ids), rtol=1e-5, atol=1e-5)
+    mnist = train_here(["recipe=mnist", "experiment=debug", "logger=none", "train.max_steps=1", "train.eval=false"],
+                       tmp_path / "mnist")
+    refused = export(mnist.run_dir, tmp_path / "mnist_hf")
+    assert refused.returncode == 2 and "has no transformers class mapped here" in refused.stderr, refused.stderr
