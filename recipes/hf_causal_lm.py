@@ -350,8 +350,17 @@ def export_pretrained(source: Optional[Path], model: torch.nn.Module, directory:
     config = copy.deepcopy(model.config)
     config.use_cache = True  # off while training only (build_model)
     config.save_pretrained(directory)
+    copy_companions(source, directory)
+
+
+def copy_companions(source: Optional[Path], directory: Path) -> None:
+    """The tokenizer and generation files of the source directory (recipe.model.path), beside exported weights."""
+    import shutil
+
+    if source is None:
+        return
     for name in COMPANIONS:
-        if source is not None and (source / name).is_file():
+        if (source / name).is_file():
             shutil.copy2(source / name, directory / name)
 
 

@@ -23,13 +23,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from conf.schema import Float8  # noqa: E402
 from scripts.lib.launch import parse_list, run_or_exit, train_launcher  # noqa: E402
 from trainer.run.cli import script_config  # noqa: E402
 
 DEFAULTS = ["logger=none", "train.progress=false", "train.eval=false", "recipe.data.source=synthetic",
             "train.log_every=10", "train.precision=bf16", "checkpoint.save=false"]
 MODES = ("eager", "full", "full_compiled")
-RECIPES = ("tensorwise", "rowwise")
+RECIPES = tuple(r.value for r in Float8 if r is not Float8.none)  # train.float8's own choices
 
 
 def last_losses(run_dir: Path, count: int = 10) -> float:

@@ -83,11 +83,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         files = write_weights(temp, weights, read, shapes, dtype, int(args.shard_gb * 1e9))
         hf_config.save_pretrained(temp)
-        from recipes.hf_causal_lm import COMPANIONS
+        from recipes.hf_causal_lm import copy_companions
 
-        for name in COMPANIONS:
-            if source is not None and (source / name).is_file():
-                shutil.copy2(source / name, temp / name)
+        copy_companions(source, temp)
         for path in temp.iterdir():
             with open(path, "rb") as f:
                 os.fsync(f.fileno())

@@ -19,6 +19,7 @@ import torch
 
 from helpers.availability import needs_extra
 from helpers.launches import launch, launch_together
+from helpers.one_rank import group_of_one
 from trainer.checkpoint import list_checkpoints
 
 # gpt_tiny's debug size, small enough for seconds on two CPU ranks: 8 steps of 2 x 8 windows of 32 tokens,
@@ -191,14 +192,8 @@ def test_a_float8_checkpoint_resumes_bit_for_bit_and_its_weights_cross_to_runs_w
 
 @pytest.fixture
 def one_gloo_rank():
-    import torch.distributed as dist
-
-    if dist.is_initialized():
+    with group_of_one("gloo"):
         yield
-        return
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.mark.extras

@@ -13,12 +13,12 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 import graphing
 from helpers.availability import cuda_count, needs_extra
 from helpers.launches import launch
+from helpers.one_rank import Net, group_of_one
 
 pytestmark = [pytest.mark.gpu, pytest.mark.extras,
               pytest.mark.skipif(cuda_count() < 1 or torch.cuda.get_device_capability() < (8, 9),
@@ -92,35 +92,8 @@ def test_a_float8_graph_trains_step_for_step_like_float8_eager(out, parallel, ex
 
 @pytest.fixture(scope="module")
 def one_rank_group():
-    if dist.is_initialized():
+    with group_of_one("nccl"):
         yield
-        return
-    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
-                            device_id=torch.device("cuda", torch.cuda.current_device()))
-    yield
-    dist.destroy_process_group()
-
-
-class Block(torch.nn.Module):
-    def __init__(self, width: int):
-        super().__init__()
-        self.norm, self.up, self.down = torch.nn.LayerNorm(width), torch.nn.Linear(width, 4 * width), \
-            torch.nn.Linear(4 * width, width)
-
-    def forward(self, x):
-        return x + self.down(F.gelu(self.up(self.norm(x))))
-
-
-class Net(torch.nn.Module):
-    def __init__(self, width: int = 128, depth: int = 2):
-        super().__init__()
-        self.blocks = torch.nn.ModuleList(Block(width) for _ in range(depth))
-        self.head = torch.nn.Linear(width, 1)
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
 
 
 def float8_sharded() -> torch.nn.Module:
@@ -128,7 +101,7 @@ def float8_sharded() -> torch.nn.Module:
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     torch.manual_seed(0)
-    model = Net().cuda()
+    model = Net(width=128, depth=2).cuda()
     convert_to_float8_training(model, module_filter_fn=lambda _m, fqn: fqn.startswith("blocks."),
                                config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 import graphing
+from helpers.one_rank import Net, group_of_one
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -22,42 +22,15 @@ STEPS = 20
 
 @pytest.fixture(scope="module")
 def one_rank_group():
-    if dist.is_initialized():
+    with group_of_one("nccl"):
         yield
-        return
-    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
-                            device_id=torch.device("cuda", torch.cuda.current_device()))
-    yield
-    dist.destroy_process_group()
-
-
-class Block(torch.nn.Module):
-    def __init__(self, width: int):
-        super().__init__()
-        self.norm, self.up, self.down = torch.nn.LayerNorm(width), torch.nn.Linear(width, 4 * width), \
-            torch.nn.Linear(4 * width, width)
-
-    def forward(self, x):
-        return x + self.down(F.gelu(self.up(self.norm(x))))
-
-
-class Net(torch.nn.Module):
-    def __init__(self, width: int = 64, depth: int = 3):
-        super().__init__()
-        self.blocks = torch.nn.ModuleList(Block(width) for _ in range(depth))
-        self.head = torch.nn.Linear(width, 1)
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
 
 
 def sharded(reshard_after_forward: bool) -> torch.nn.Module:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     torch.manual_seed(0)
-    model = Net().cuda()
+    model = Net(width=64, depth=3).cuda()
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in model.blocks:
         fully_shard(block, reshard_after_forward=reshard_after_forward, mp_policy=policy)

@@ -12,7 +12,7 @@ from trainer.step.schedules import Constant, Cosine
 from graphing import GraphOptions
 from graphing.executor import Executor
 from trainer.step.steps import (EvalStep, StepSettings, TrainStep, build_step_model, mean_loss, per_sample_loss,
-                          takes_reduction)
+                                takes_reduction)
 
 CPU = StepSettings(device=torch.device("cpu"))
 

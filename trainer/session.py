@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 from omegaconf import OmegaConf
 
 from trainer.run.errors import (EXIT_CAPTURE, EXIT_CONFIG, EXIT_CRASH, EXIT_NONFINITE, EXIT_PREEMPTED, EXIT_STORAGE,
-                            first_line)
+                                first_line)
 from trainer.run.log_files import log_to_file, start_logging, stop_logging
 from trainer.run.process import hydra_overrides, multirun_job_dir, peer_gone, tell_torchrun
 

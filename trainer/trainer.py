@@ -48,7 +48,7 @@ from trainer.metrics.progress import close_bar, progress_bar, show_on_bar
 from trainer.run.runtime import Runtime, print_once, seed_rank_streams
 from trainer.step.seq_len import seq_len_schedule
 from trainer.step.steps import (EvalStep, StepSettings, TrainStep, autocast_factory, build_step_model,
-                                 positional_model_inputs)
+                                positional_model_inputs)
 from trainer.run.stop import StopAgreement
 
 log = logging.getLogger("train")

@@ -1,7 +1,8 @@
 """The loaders that feed a training step with static shapes, one module per job: the epoch's
 shape (epochs), the device loader, the host loader, dataset items, and the choice between the
-loaders (choice), and real data or its synthetic stand-in (sources). Both loaders yield the same batches in the same order for a given seed, epoch
-and rank, so that choosing one never changes what a run learns.
+loaders (choice), and real data or its synthetic stand-in (sources). Both loaders yield the same
+batches in the same order for a given seed, epoch and rank, so that choosing one never changes what
+a run learns.
 """
 from trainer.data.choice import choose_loader, make_loader
 from trainer.data.device_loader import DeviceLoader

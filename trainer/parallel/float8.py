@@ -30,7 +30,6 @@ import torch
 
 from trainer.run.errors import ConfigError
 
-RECIPES = ("tensorwise", "rowwise")  # torchao's recipe names this trainer supports (docs/float8.md)
 INSTALL = "pip install -r requirements-float8.txt"
 # float8 matmuls (torch._scaled_mm) run on compute capability 8.9 and newer: H100, H200, L4, RTX 40xx
 LEAST_CAPABILITY = (8, 9)
