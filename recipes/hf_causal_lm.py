@@ -275,7 +275,7 @@ def pretrained_files(directory: Path, path: str) -> List[Path]:
     return files
 
 
-def load_pretrained_shards(directory: Path, model: torch.nn.Module, settings_path: str) -> None:
+def load_pretrained_shards(directory: Path, model: torch.nn.Module) -> None:
     """``Recipe.init_weights`` for ``recipe.model.path`` under train.fsdp.init=meta: the sharded, allocated model
     drawn and checked as ``init_weights`` does (buffers the files do not hold, such as rotary frequencies, are
     computed there), then every weight read from the directory's safetensors files, each rank reading only the
@@ -289,25 +289,25 @@ def load_pretrained_shards(directory: Path, model: torch.nn.Module, settings_pat
     try:
         in_files = reader.read_metadata().state_dict_metadata
     except Exception as e:  # an index naming a missing file, a truncated header
-        raise ConfigError(f"recipe.model.path={settings_path!r}: its safetensors files cannot be read "
+        raise ConfigError(f"recipe.model.path={str(directory)!r}: its safetensors files cannot be read "
                           f"({first_line(e)})") from None
     tied = set(tied_names(model))
     params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     state = {k: v for k, v in model.state_dict().items() if k not in tied}
     lacking = sorted(k for k in state if k in params and k not in in_files)
     if lacking:
-        raise ConfigError(f"recipe.model.path={settings_path!r} lacks {len(lacking)} of the model's weights "
+        raise ConfigError(f"recipe.model.path={str(directory)!r} lacks {len(lacking)} of the model's weights "
                           f"({', '.join(lacking[:3])}{', ...' if len(lacking) > 3 else ''}): its config.json and "
                           "weights do not match; set train.fsdp.init=host to load it with transformers' own rules")
     for k, v in state.items():
         saved = in_files.get(k)
         if saved is not None and tuple(saved.size) != tuple(v.shape):
-            raise ConfigError(f"recipe.model.path={settings_path!r}: {k} is {tuple(saved.size)} in its files but "
+            raise ConfigError(f"recipe.model.path={str(directory)!r}: {k} is {tuple(saved.size)} in its files but "
                               f"{tuple(v.shape)} in the model its config.json describes")
     try:
         load({k: v for k, v in state.items() if k in in_files}, storage_reader=reader)
     except Exception as e:  # a truncated file, bytes that do not match the header
-        raise ConfigError(f"recipe.model.path={settings_path!r}: its weights cannot be read ({first_line(e)})") from None
+        raise ConfigError(f"recipe.model.path={str(directory)!r}: its weights cannot be read ({first_line(e)})") from None
 
 
 # Files of a save_pretrained directory that are not weights and go with the model (tokenizers, generation).
@@ -409,11 +409,10 @@ def build(cfg, rt: Runtime) -> Recipe:
     meta = rt is not None and rt.init_device.type == "meta"
     draw = init_weights
     source = None if settings.path is None else Path(settings.path).expanduser()
-    if meta and settings.path is not None:  # built from its config, sharded, then each rank reads its own parts
-        directory = Path(settings.path).expanduser()
-        pretrained_files(directory, settings.path)  # refused now, before any rank builds, if there are none
+    if meta and source is not None:  # built from its config, sharded, then each rank reads its own parts
+        pretrained_files(source, settings.path)  # refused now, before any rank builds, if there are none
         settings = dataclasses.replace(settings, path=None)
-        draw = functools.partial(load_pretrained_shards, directory, settings_path=str(directory))
+        draw = functools.partial(load_pretrained_shards, source)
     with torch.device("meta") if meta else contextlib.nullcontext():  # meta: nothing allocated until sharded
         model = build_model(config, settings, transformers)
     return Recipe(name=cfg.recipe.name, model=model, data=data, preprocess=preprocess,

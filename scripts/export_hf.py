@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scripts.lib.refuse import refuse  # noqa: E402
 
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 @dataclass(frozen=True)
@@ -46,12 +47,11 @@ class Weight:
     source: Optional[str]
     transpose: bool = False
     shape: Tuple[int, ...] = ()
-DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("run_dir", type=Path, help="a run directory of recipe=hf_causal_lm (its config.yaml)")
+    parser.add_argument("run_dir", type=Path, help="a run directory of recipe=hf_causal_lm or a gpt recipe (its config.yaml)")
     parser.add_argument("--out", type=Path, required=True, help="the directory to write (must not exist)")
     parser.add_argument("--checkpoint", type=Path, default=None, help="default: the run's newest checkpoint")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
@@ -74,7 +74,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     checkpoint = args.checkpoint or newest_checkpoint(args.run_dir)
     import torch
 
-    hf_config, weights, tied, source = LAYOUTS[target](cfg["recipe"]["model"])
+    from trainer.run.errors import ConfigError
+
+    try:
+        hf_config, weights, tied, source = LAYOUTS[target](cfg["recipe"]["model"])
+    except ConfigError as e:  # the run's model settings, read as its recipe reads them
+        refuse(f"{config_file}: {e}")
     read, shapes = tensor_source(checkpoint, [w.source for w in weights if w.source is not None])
     dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
     temp = out.parent / f".{out.name}.tmp-{os.getpid()}"
@@ -108,24 +113,25 @@ def newest_checkpoint(run_dir: Path) -> Path:
 
 
 def hf_layout(model_cfg: Dict) -> Tuple[object, List[Weight], List[str], Optional[Path]]:
-    """recipe=hf_causal_lm: the transformers config the run trained (recipe.model.config, or recipe.model.path's
-    config.json), its weights under their own names (a tied one once), and the source directory if any."""
-    transformers = _transformers()
-    if model_cfg.get("path"):
-        source = Path(model_cfg["path"]).expanduser()
-        hf_config = transformers.AutoConfig.from_pretrained(source, local_files_only=True)
-    else:
-        config, source = dict(model_cfg["config"]), None
-        hf_config = transformers.AutoConfig.for_model(config.pop("model_type"), **config)
+    """recipe=hf_causal_lm: the transformers config the run trained, read as the recipe reads it (recipe.model.config,
+    or recipe.model.path's config.json), its weights under their own names (a tied one once), and the source
+    directory if any."""
+    from recipes.hf_causal_lm import model_config, model_settings, transformers_module
+
+    settings = model_settings(model_cfg)
+    hf_config = model_config(settings, transformers_module())
     names, tied = weight_names(hf_config)
+    source = None if settings.path is None else Path(settings.path).expanduser()
     return hf_config, [Weight(name, name) for name in names], tied, source
 
 
 def gpt_layout(model_cfg: Dict) -> Tuple[object, List[Weight], List[str], Optional[Path]]:
     """The gpt recipes (recipes/gpt.py): GPT-2's layout exactly, as transformers' GPT2LMHeadModel (exact GELU; its
     Conv1D weights are the transposes of these Linear weights; the biases this model trains without are zeros)."""
-    transformers = _transformers()
     from recipes.gpt import model_config as gpt_config
+    from recipes.hf_causal_lm import transformers_module
+
+    transformers = transformers_module("gpt")
 
     c = gpt_config(model_cfg)
     hf_config = transformers.GPT2Config(vocab_size=c.vocab, n_positions=c.context, n_embd=c.d_model, n_layer=c.n_layer,
@@ -158,14 +164,6 @@ def gpt_layout(model_cfg: Dict) -> Tuple[object, List[Weight], List[str], Option
 
 
 LAYOUTS = {"recipes.hf_causal_lm.build": hf_layout, "recipes.gpt.build": gpt_layout}
-
-
-def _transformers():
-    try:
-        import transformers
-    except ImportError:
-        refuse("export_hf needs transformers: pip install -r requirements-hf.txt")
-    return transformers
 
 
 def weight_names(hf_config) -> Tuple[List[str], List[str]]:
