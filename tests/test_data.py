@@ -476,3 +476,34 @@ def test_a_stuck_reading_worker_ends_the_wait_with_a_message_naming_it(worker_ti
     while any(is_live(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not [pid for pid in pids if is_live(pid)], "a worker outlived the error by 10 s"
+
+
+class DiesAt(torch.utils.data.Dataset):
+    """Items (i, 0), plain numbers (no tensor's file descriptor to fetch from a worker that is gone); the
+    worker that reads item ``dies`` ends at once, as one killed from outside does."""
+
+    def __init__(self, n: int, dies: int):
+        self.n, self.dies = n, dies
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if i == self.dies:
+            os._exit(1)
+        return float(i), 0
+
+
+def test_a_dead_worker_ends_the_wait_within_seconds_not_after_the_whole_timeout():
+    """The wait for a batch is sliced (trainer/data/workers.py LIVENESS_CHECK_S): a worker that died is named
+    within a slice, although the run's worker_timeout_s (300 s by default) is far longer."""
+    from trainer.data import read_every_item
+    from trainer.data.workers import LIVENESS_CHECK_S, LoaderStuck
+
+    began = time.monotonic()
+    with pytest.raises(RuntimeError) as died:
+        read_every_item(DiesAt(64, dies=40), num_workers=2, batch=8)
+    waited = time.monotonic() - began
+    assert not isinstance(died.value, LoaderStuck), died.value
+    assert "exited unexpectedly" in str(died.value), died.value
+    assert waited < 2 * LIVENESS_CHECK_S + 5, f"the rank waited {waited:.1f} s for a dead worker"

@@ -12,7 +12,8 @@ loader), each later loader about 0.1 s. It is started as soon as a loader is mad
 overlaps the rest of the build. ``fork`` stays available for datasets that cannot be pickled.
 
 Wait (``recipe.data.worker_timeout_s``): a loader whose workers send nothing for that long ends
-the rank's wait with ``LoaderStuck``, naming the workers, instead of waiting forever.
+the rank's wait with ``LoaderStuck``, naming the workers, instead of waiting forever; a worker that
+died ends it within ``LIVENESS_CHECK_S``, named by DataLoader.
 
 End: a worker ends when its rank says so (DataLoader's shutdown; multiprocessing's exit handler,
 which terminates the workers still alive when the rank exits), or when its rank is gone, however
@@ -61,6 +62,9 @@ def use_worker_settings(settings: WorkerSettings, *, start_now_for: Optional[str
         _context(start_now_for)
 
 
+LIVENESS_CHECK_S = 5.0  # how often a waiting rank asks whether its workers are alive (batches)
+
+
 class LoaderStuck(RuntimeError):
     """A loader's workers sent no batch for ``recipe.data.worker_timeout_s``."""
 
@@ -70,7 +74,8 @@ def worker_options(num_workers: int, dataset: object) -> Dict[str, Any]:
     if num_workers == 0:
         return {"num_workers": 0}
     return {"num_workers": num_workers, "multiprocessing_context": _context(type(dataset).__module__),
-            "worker_init_fn": functools.partial(_worker_init, os.getpid()), "timeout": _settings.timeout_s}
+            "worker_init_fn": functools.partial(_worker_init, os.getpid()),
+            "timeout": min(_settings.timeout_s, LIVENESS_CHECK_S)}
 
 
 def _context(dataset_module: str):
@@ -98,31 +103,44 @@ def _start_helpers(start: str) -> None:
     sys.warnoptions.append("ignore:resource_tracker:UserWarning")
     try:
         resource_tracker.ensure_running()
-        if start == "forkserver":
-            forkserver.ensure_running()  # returns at once; the server imports while the rank goes on
     finally:
         sys.warnoptions[:] = options
         if mask is not None:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    if start == "forkserver":
+        # Started with the rank's mask back in place: a server that took the process group's SIGTERM would die
+        # (its workers with it) while the rank still reads from them, and the rank's orderly stop would wait on
+        # batches that never come. It ends when the rank does (its pipe from the rank closes).
+        forkserver.ensure_running()  # returns at once; the server imports while the rank goes on
 
 
 def batches(loader: torch.utils.data.DataLoader, iterator: Optional[Iterator] = None, *, what: str) -> Iterator:
-    """The batches of ``loader`` (or of its ``iterator``), a timed-out wait raised as ``LoaderStuck``
-    naming ``what`` the workers read and their pids."""
+    """The batches of ``loader`` (or of its ``iterator``), a wait of ``recipe.data.worker_timeout_s`` raised as
+    ``LoaderStuck`` naming ``what`` the workers read and their pids.
+
+    The loader's own timeout is a slice of that wait (``LIVENESS_CHECK_S``): at the end of each slice DataLoader
+    looks for dead workers and raises naming them, so that a worker killed from outside ends the wait in
+    seconds rather than after the whole timeout. A timed-out wait changes nothing in the iterator; it waits again."""
     iterator = iter(loader) if iterator is None else iterator
     while True:
-        try:
-            yield next(iterator)
-        except StopIteration:
-            return
-        except RuntimeError as e:
-            if not str(e).startswith("DataLoader timed out"):  # torch's words for a wait past ``timeout``
-                raise
-            pids = ", ".join(str(w.pid) for w in getattr(iterator, "_workers", []))
-            raise LoaderStuck(
-                f"the DataLoader workers reading {what} (pids {pids}) sent no batch for {loader.timeout:g} s: one is "
-                "stuck or far too slow. Set recipe.data.num_workers=0 to read in the rank itself and see where it "
-                "stops, or raise recipe.data.worker_timeout_s for items that take that long") from e
+        began = time.monotonic()
+        while True:
+            try:
+                item = next(iterator)
+                break
+            except StopIteration:
+                return
+            except RuntimeError as e:
+                if not str(e).startswith("DataLoader timed out"):  # torch's words for a wait past ``timeout``
+                    raise
+                if time.monotonic() - began < _settings.timeout_s:
+                    continue
+                pids = ", ".join(str(w.pid) for w in getattr(iterator, "_workers", []))
+                raise LoaderStuck(
+                    f"the DataLoader workers reading {what} (pids {pids}) sent no batch for {_settings.timeout_s:g} s: one is "
+                    "stuck or far too slow. Set recipe.data.num_workers=0 to read in the rank itself and see where "
+                    "it stops, or raise recipe.data.worker_timeout_s for items that take that long") from e
+        yield item
 
 
 def _worker_init(rank_pid: int, _worker_id: int) -> None:

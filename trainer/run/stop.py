@@ -103,7 +103,12 @@ def _take_signals(signals) -> None:
 
 def _exit_after_grace() -> None:
     time.sleep(TERM_GRACE_S)
-    _say(f"SIGTERM: not stopped after {TERM_GRACE_S:.0f} s; exiting without a new checkpoint")
+    _say(f"SIGTERM: not stopped after {TERM_GRACE_S:.0f} s; exiting without a new checkpoint; where each "
+         "thread was:")
+    try:
+        faulthandler.dump_traceback(all_threads=True)
+    except (ValueError, RuntimeError, OSError):
+        pass
     _exit_now(EXIT_PREEMPTED)
 
 
