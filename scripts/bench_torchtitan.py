@@ -6,13 +6,15 @@ shape, in one table (issue 40).
     python scripts/bench_torchtitan.py --size 1b --ours full --theirs compiled --ac full
     python scripts/bench_torchtitan.py --size 8b --ours none --append  # one side now, the other in a later call
     python scripts/bench_torchtitan.py --size 1b --float8              # float8 on both sides
+    python scripts/bench_torchtitan.py --size 1b --repeats 3 --matched-init  # 3 alternating runs a side, one init
+    python scripts/bench_torchtitan.py --size 1b --strong-scaling --global-batch 4  # 4 x 8192 tokens on 1, 2, 4 GPUs
     python scripts/bench_torchtitan.py --dry-run --nproc 2             # what both sides would run; no GPU needed
 
 For each size it runs torchtitan training its own Llama 3 model (``--theirs``: eager, compiled), then this
 repo training the same architecture (``--ours``: ``graph=full``, ``graph=full_compiled``), one run after
 another on ``--nproc`` GPUs, and prints one table: tokens/s per GPU, MFU, step ms median and p90, peak
 allocated and reserved memory per GPU, and the loss at the first and the last step (both start from random
-weights: about ln(128256) = 11.8 at step 1).
+weights: about ln(128256) = 11.8 at step 1). tokens/s per GPU come from the median step.
 
 torchtitan's side: its own model, sharding and optimizer, in this repo's small loop (not its trainer).
 scripts/lib/torchtitan_worker.py, under torchrun, builds torchtitan 0.2.2's Llama 3 model
@@ -64,6 +66,16 @@ or more H100s (about 78 GiB); ``--ac none`` wants 4 or more H200s. 1B fits one G
 side builds the model on the meta device as torchtitan does (``train.fsdp.init=meta``: sharded, then
 each rank draws its own shards), so no rank holds the 8B model whole. A run that fails (out of memory, say) stays in the table with its status; the script then exits 1.
 
+``--repeats N``: each side's runs N times, alternating (torchtitan's, this repo's, torchtitan's, ...); a row
+is the median of its runs and the ratio gets its range over the pairs (repeat i against torchtitan's best of
+repeat i). ``--matched-init``: torchtitan's model is drawn again as transformers' Llama draws this repo's (every
+Linear and embedding weight from N(0, 0.02), the norms 1), so that the two loss curves can be laid side by side.
+Every table gets the curves in a PNG beside it (scripts/lib/loss_plot.py) and a time to loss: from the launch,
+start-up, compile and capture included, to the first step at which the last 10 steps' mean loss is at or below
+the higher of the sides' final 10-step means. ``--strong-scaling``: one global batch (``--global-batch``
+sequences a step, 4 by default) on 1, 2, 4, ... GPUs up to ``--nproc``, both sides, with each run's scaling
+efficiency (its tokens/s per GPU over the same run's on one GPU).
+
 Prints the table; writes it to ``--output`` (default scripts/results/torchtitan_<N>gpu.json, with the
 Markdown beside it as .md) and every run's directory and logs under ``--runs``. ``--append`` keeps the rows of
 an existing ``--output`` that this call does not rerun, so several calls (one per size or side) make one table.
@@ -79,6 +91,7 @@ import math
 import os
 import shlex
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -164,6 +177,7 @@ class Plan:
     alloc_conf: str = ""  # PYTORCH_CUDA_ALLOC_CONF of both sides' processes ("": torch's default allocator)
     reshard: str = RESHARDS[0]  # FSDP2's blocks resharded after forward on both sides, or "never"
     float8: bool = False  # tensorwise float8 matmuls with FSDP2's float8 all-gather, on both sides (--float8)
+    matched_init: bool = False  # torchtitan's weights drawn as transformers' Llama draws this repo's (--matched-init)
 
     @property
     def total_steps(self) -> int:
@@ -179,10 +193,22 @@ class Plan:
 
 
 def plans(args: argparse.Namespace, nproc: int) -> List[Plan]:
+    """Each size's plan on ``nproc`` GPUs; with ``--strong-scaling``, one per GPU count of ``scaling_counts``, each
+    with the same global batch (``--global-batch`` sequences a step, split over the GPUs)."""
     sizes = list(SHAPES) if args.size == "both" else [args.size]
-    return [Plan(SHAPES[size], nproc, args.seq_len, args.local_batch, args.warmup_steps, args.steps,
+    global_batch = args.global_batch or 4
+    layouts = ([(n, global_batch // n) for n in scaling_counts(global_batch, nproc)]
+               if args.strong_scaling else [(nproc, args.local_batch)])
+    return [Plan(SHAPES[size], n, args.seq_len, local_batch, args.warmup_steps, args.steps,
                  args.ac if args.ac != "auto" else ("full" if size == "8b" else "none"), args.seed, args.alloc_conf,
-                 args.reshard, args.float8) for size in sizes]
+                 args.reshard, args.float8, args.matched_init) for size in sizes for n, local_batch in layouts]
+
+
+def scaling_counts(global_batch: int, most: int) -> List[int]:
+    """The GPU counts of a strong-scaling series up to ``most``: 1, 2, 4, 8, ... and ``most`` itself, those that
+    split ``global_batch`` sequences evenly."""
+    counts = sorted({n for n in (1, 2, 4, 8, 16, 32, most) if n <= most})
+    return [n for n in counts if global_batch % n == 0]
 
 
 # ---- the commands of both sides --------------------------------------------------------
@@ -194,7 +220,7 @@ def theirs_command(plan: Plan, variant: str, output: Path, deadline_s: float, pr
             "--local-batch", str(plan.local_batch), "--warmup-steps", str(plan.warmup_steps),
             "--steps", str(plan.steps), "--ac", plan.ac, *(["--compile"] if variant == "compiled" else []),
             "--reshard", "never" if plan.reshard == "never" else "default",
-            *(["--float8"] if plan.float8 else []),
+            *(["--float8"] if plan.float8 else []), *(["--init", "normal"] if plan.matched_init else []),
             "--seed", str(plan.seed), "--deadline-s", f"{deadline_s:g}", "--output", str(output),
             *(["--profile-steps", str(profile_steps)] if profile_steps else [])]
 
@@ -254,9 +280,13 @@ def matched_settings(plan: Plan) -> List[Tuple[str, str, str]]:
         ("RoPE", f"theta {s.rope_theta:g}, Llama 3.1 scaling (factor 8)", "rope_parameters: rope_type llama3, the same"),
         ("attention (not matched)", "SDPA, causal, cuDNN's kernel first (torchtitan's wrapper)",
          "SDPA, causal, as transformers calls it (torch's kernel order)"),
+        ("initial weights", "init_weights, then every Linear and embedding weight redrawn from N(0, 0.02) and the "
+         "norms set to 1 (--matched-init: the worker's --init normal)",
+         "transformers' LlamaForCausalLM init: N(0, initializer_range 0.02) for every Linear and embedding weight, "
+         "norms 1 (the same scheme; each side draws its own values)") if plan.matched_init else
         ("initial weights (not matched)", "torchtitan's init_weights (depth-scaled; the token embedding std 1)",
          "transformers' (normal, std 0.02, the token embedding too): the losses differ by tenths at step 1 and by "
-         "more later; torchtitan's model drawn this way follows this side's losses (checked at a tiny shape)"),
+         "more later (--matched-init draws torchtitan's model the same way)"),
         ("tokens per GPU per step", f"{plan.seq_len} x {plan.local_batch}",
          f"recipe.model.context={plan.seq_len}, recipe.data.batch_size={plan.local_batch}"),
         ("data", f"the same windows of the synthetic language (recipes.gpt), seed {plan.seed}",
@@ -292,11 +322,13 @@ def matched_settings(plan: Plan) -> List[Tuple[str, str, str]]:
 
 def make_row(plan: Plan, run: str, status: str, timed: Dict[str, Any], peaks: Tuple[Any, Any],
              losses: Sequence[Optional[float]], peak_tflops: Optional[float],
-             run_dir: Optional[str], profile: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
-    """One run's row. tokens/s per GPU = tokens per GPU per step / mean step time, MFU from the one FLOP
-    formula (scripts/lib/llama3.py), for both sides alike."""
-    mean = timed.get("step_ms_mean")
-    tokens = plan.tokens_per_gpu_step * 1e3 / mean if mean else None
+             run_dir: Optional[str], profile: Optional[Dict[str, Any]] = None, *, repeat: int = 0,
+             launched_at: Optional[float] = None, ended_at: Sequence[Optional[float]] = ()) -> Dict[str, Any]:
+    """One run's row. tokens/s per GPU = tokens per GPU per step / median step time, MFU from the one FLOP
+    formula (scripts/lib/llama3.py), for both sides alike. ``launched_at`` and ``ended_at`` (the host's clock at
+    the launch and at each step's end) give the time to loss (``with_time_to_loss``)."""
+    mean, median = timed.get("step_ms_mean"), timed.get("step_ms_median")
+    tokens = plan.tokens_per_gpu_step * 1e3 / median if median else None
     mfu = mfu_pct(tokens, plan.flops_per_token, peak_tflops) if tokens and peak_tflops else None
     return {"size": plan.shape.name, "run": run, "nproc": plan.nproc, "seq_len": plan.seq_len,
             "local_batch": plan.local_batch, "ac": plan.ac, "tokens_per_s_per_gpu": tokens, "mfu_pct": mfu,
@@ -306,37 +338,43 @@ def make_row(plan: Plan, run: str, status: str, timed: Dict[str, Any], peaks: Tu
             "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
             "losses": list(losses), "status": status, "run_dir": run_dir,
             "alloc_conf": plan.alloc_conf or None, "reshard": plan.reshard, "float8": plan.float8,
-            **({"profile": profile} if profile else {})}
+            "matched_init": plan.matched_init, "repeat": repeat, "launched_at": launched_at,
+            "step_ended_at": list(ended_at), **({"profile": profile} if profile else {})}
 
 
 def theirs_row(plan: Plan, variant: str, result: Optional[Dict[str, Any]], status: str,
-               peak_tflops: Optional[float], run_dir: Optional[str]) -> Dict[str, Any]:
+               peak_tflops: Optional[float], run_dir: Optional[str], *, repeat: int = 0,
+               launched_at: Optional[float] = None) -> Dict[str, Any]:
     r = result or {}
     return make_row(plan, f"torchtitan {variant}", status, r, (r.get("peak_allocated_mib"), r.get("peak_reserved_mib")),
-                    r.get("losses") or [], peak_tflops, run_dir, r.get("profile"))
+                    r.get("losses") or [], peak_tflops, run_dir, r.get("profile"), repeat=repeat,
+                    launched_at=launched_at, ended_at=r.get("step_ended_at") or [])
 
 
 def ours_row(plan: Plan, mode: str, outcome: Dict[str, Any], peak_tflops: Optional[float],
-             profile: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+             profile: Optional[Dict[str, Any]] = None, *, repeat: int = 0,
+             launched_at: Optional[float] = None) -> Dict[str, Any]:
     r = outcome.get("results") or {}
     status = comparison_rows([outcome])[0]["status"]  # flags a fallback to eager, or only warm-up steps timed
     timed = {k.removeprefix("perf/"): r.get(k) for k in ("perf/step_ms_median", "perf/step_ms_p90",
                                                           "perf/step_ms_mean", "perf/steps_timed")}
     return make_row(plan, f"this repo {mode}", status, timed, (r.get("perf/peak_allocated_mib"),
-                    r.get("perf/peak_reserved_mib")), train_losses(outcome.get("run_dir"), plan.total_steps),
-                    peak_tflops, outcome.get("run_dir"), profile)
+                    r.get("perf/peak_reserved_mib")), train_logged(outcome.get("run_dir"), plan.total_steps),
+                    peak_tflops, outcome.get("run_dir"), profile, repeat=repeat, launched_at=launched_at,
+                    ended_at=train_logged(outcome.get("run_dir"), plan.total_steps, "time"))
 
 
-def train_losses(run_dir: Optional[str], last_step: int) -> List[Optional[float]]:
-    """The train loss logged at each step from 1 to ``last_step`` in the run's metrics.jsonl (train.log_every=1;
-    None for a step it lacks), as torchtitan's side gives every step's: two runs' curves can be laid side by side."""
+def train_logged(run_dir: Optional[str], last_step: int, key: str = "train/loss") -> List[Optional[float]]:
+    """``key`` of the training rows at each step from 1 to ``last_step`` in the run's metrics.jsonl
+    (train.log_every=1; None for a step it lacks): the loss, as torchtitan's side gives every step's, so that two
+    runs' curves lie side by side; or ``time``, the host's clock when the step's metrics were read (a sync)."""
     if not run_dir or not (Path(run_dir) / "metrics.jsonl").is_file():
         return []
     by_step = {}
     for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
         row = json.loads(line) if line.strip() else {}
         if "train/loss" in row:
-            by_step[row["step"]] = row["train/loss"]
+            by_step[row["step"]] = row.get(key)
     return [by_step.get(step) for step in range(1, last_step + 1)]
 
 
@@ -348,9 +386,14 @@ COLUMNS = [("size", "size", "{}"), ("run", "run", "{}"), ("tokens", "tokens per 
            ("peak_allocated_mib", "peak allocated MiB per GPU", "{:,.0f}"),
            ("peak_reserved_mib", "peak reserved MiB per GPU", "{:,.0f}"),
            ("vs_torchtitan_best", "tokens/s vs torchtitan's best", "{:.3f}x"),
+           ("vs_range", "over the pairs", "{}"),
            ("reserved_vs_torchtitan_best", "reserved vs its", "{:.2f}x"),
+           ("scaling_efficiency", "scaling efficiency", "{:.0%}"),
            ("loss_first", "loss, step 1", "{:.3f}"), ("loss_last", "loss, last step", "{:.3f}"),
+           ("time_to_loss_s", "time to loss s", "{:,.0f}"),
            ("status", "status", "{}")]
+# Shown only where some row has a value: repeats, a strong-scaling series, time to loss.
+OPTIONAL_COLUMNS = ("vs_range", "scaling_efficiency", "time_to_loss_s")
 
 
 def shown(row: Dict[str, Any], key: str) -> Any:
@@ -360,6 +403,9 @@ def shown(row: Dict[str, Any], key: str) -> Any:
         return f"{row['seq_len']} x {row['local_batch']}"
     if key == "float8":  # a row from before --float8 ran in bf16
         return "float8 (tensorwise)" if row.get("float8") else "bf16"
+    if key == "vs_range":
+        low_high = row.get("vs_range")
+        return f"{low_high[0]:.3f}-{low_high[1]:.3f}x ({row.get('pairs')} pairs)" if low_high else None
     return reshard_of(row) if key == "reshard" else row.get(key)
 
 
@@ -370,27 +416,122 @@ def reshard_of(row: Dict[str, Any]) -> str:
 
 def matched_key(row: Dict[str, Any]) -> Tuple:
     """The rows that ran the same thing: one size, GPU count, tokens per GPU, activation checkpointing, CUDA
-    allocator, FSDP2 resharding and float8 (a row from before a setting existed ran with what is now its default)."""
+    allocator, FSDP2 resharding, float8 and initial weights (a row from before a setting existed ran with what is
+    now its default)."""
     return (row["size"], row["nproc"], row["seq_len"], row["local_batch"], row["ac"], row.get("alloc_conf"),
-            reshard_of(row), bool(row.get("float8", False)))
+            reshard_of(row), bool(row.get("float8", False)), bool(row.get("matched_init", False)))
+
+
+def _median(values: Sequence[float]) -> Optional[float]:
+    values = sorted(v for v in values if v is not None)
+    if not values:
+        return None
+    middle = len(values) // 2
+    return values[middle] if len(values) % 2 else (values[middle - 1] + values[middle]) / 2
+
+
+def _final_mean(losses: Sequence[Optional[float]], window: int = 10) -> Optional[float]:
+    tail = [v for v in losses[-window:] if v is not None]
+    return sum(tail) / len(tail) if len(tail) == window else None
+
+
+def with_time_to_loss(runs: Sequence[Dict[str, Any]], window: int = 10) -> List[Dict[str, Any]]:
+    """Each run with ``time_to_loss_s``: from its launch to the end of the first step at which the mean loss of
+    the last ``window`` steps is at or below the target of its matched runs (``matched_key``, every side and
+    repeat): the highest of their final ``window``-step means, so that every run gets there. Start-up, compile
+    and capture count. None without a clock for each step or without a run to compare with."""
+    finals: Dict[Tuple, List[float]] = {}
+    for row in runs:
+        final = _final_mean(row.get("losses") or [], window)
+        if final is not None:
+            finals.setdefault(matched_key(row), []).append(final)
+    out = []
+    for row in runs:
+        target = max(finals.get(matched_key(row), []), default=None)
+        losses, ended, began = row.get("losses") or [], row.get("step_ended_at") or [], row.get("launched_at")
+        seconds = None
+        if target is not None and began is not None and len(finals[matched_key(row)]) > 1:
+            for step in range(window, min(len(losses), len(ended)) + 1):
+                recent = losses[step - window:step]
+                if None not in recent and ended[step - 1] is not None and sum(recent) / window <= target:
+                    seconds = ended[step - 1] - began
+                    break
+        out.append({**row, "time_to_loss_s": seconds, "loss_target": target})
+    return out
+
+
+def combined(runs: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """One row per run and settings out of its ``--repeats``: the median of the repeats' tokens/s, step times and
+    time to loss, the highest peak memory, the first repeat's losses, and every repeat's own numbers under
+    ``repeats`` (the pairs' ratios come from those). A single run stays as it is."""
+    groups: Dict[Tuple, List[Dict[str, Any]]] = {}
+    for row in runs:
+        groups.setdefault((row["run"], *matched_key(row)), []).append(row)
+    out = []
+    for group in groups.values():
+        if len(group) == 1:
+            out.append(group[0])
+            continue
+        group = sorted(group, key=lambda r: r.get("repeat", 0))
+        ok = [r for r in group if r["status"].startswith("ok")]
+        row = dict(ok[0] if ok else group[0])
+        for key in ("tokens_per_s_per_gpu", "mfu_pct", "step_ms_median", "step_ms_p90", "step_ms_mean",
+                    "time_to_loss_s"):
+            row[key] = _median([r.get(key) for r in ok])
+        for key in ("peak_allocated_mib", "peak_reserved_mib"):
+            row[key] = max((r[key] for r in ok if r.get(key) is not None), default=None)
+        failed = [r for r in group if not r["status"].startswith("ok")]
+        row["status"] = "ok" if not failed else f"{len(ok)} of {len(group)} ok; {failed[0]['status']}"
+        row["repeats"] = [{k: r.get(k) for k in ("repeat", "tokens_per_s_per_gpu", "step_ms_median",
+                                                 "peak_reserved_mib", "loss_last", "time_to_loss_s", "status",
+                                                 "run_dir")} for r in group]
+        out.append(row)
+    return out
 
 
 def with_ratios(rows: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
     """``rows`` with each run's tokens/s and peak reserved memory over those of torchtitan's fastest run at the
-    same settings (``matched_key``), the issue's yardstick; None where there is no such run or no number."""
+    same settings (``matched_key``), the issue's yardstick; None where there is no such run or no number. Rows
+    of ``--repeats`` also get the range of the ratio over the pairs: repeat i's tokens/s over the best of
+    torchtitan's runs of repeat i (they ran next to each other)."""
     best: Dict[Tuple, Dict[str, Any]] = {}
+    best_of_repeat: Dict[Tuple, float] = {}
     for row in rows:
         if row["run"].startswith("torchtitan") and row.get("tokens_per_s_per_gpu"):
             key = matched_key(row)
             if key not in best or row["tokens_per_s_per_gpu"] > best[key]["tokens_per_s_per_gpu"]:
                 best[key] = row
+            for r in row.get("repeats") or []:
+                if r.get("tokens_per_s_per_gpu"):
+                    pair = (*key, r["repeat"])
+                    best_of_repeat[pair] = max(best_of_repeat.get(pair, 0.0), r["tokens_per_s_per_gpu"])
     out = []
     for row in rows:
         top = best.get(matched_key(row))
         ratio = lambda k: (row[k] / top[k]) if top and row.get(k) and top.get(k) else None  # noqa: E731
+        pairs = [r["tokens_per_s_per_gpu"] / best_of_repeat[(*matched_key(row), r["repeat"])]
+                 for r in row.get("repeats") or []
+                 if r.get("tokens_per_s_per_gpu") and (*matched_key(row), r["repeat"]) in best_of_repeat]
         out.append({**row, "vs_torchtitan_best": ratio("tokens_per_s_per_gpu"),
-                    "reserved_vs_torchtitan_best": ratio("peak_reserved_mib")})
+                    "reserved_vs_torchtitan_best": ratio("peak_reserved_mib"),
+                    "vs_range": [min(pairs), max(pairs)] if pairs and not row["run"].startswith("torchtitan") else None,
+                    "pairs": len(pairs)})
     return out
+
+
+def with_scaling(rows: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Each row of a strong-scaling series with its efficiency: its tokens/s per GPU over the same run's on one
+    GPU at the same global batch (sequences per step over all GPUs) and otherwise the same settings."""
+    def series(row: Dict[str, Any]) -> Tuple:
+        key = list(matched_key(row))
+        key[1:4] = [row["seq_len"], row["nproc"] * row["local_batch"]]  # GPUs and split out: the global batch stays
+        return (row["run"], *key)
+
+    one_gpu = {series(r): r["tokens_per_s_per_gpu"] for r in rows if r["nproc"] == 1 and r.get("tokens_per_s_per_gpu")}
+    return [{**row, "scaling_efficiency": (row["tokens_per_s_per_gpu"] / one_gpu[series(row)]
+                                           if row.get("tokens_per_s_per_gpu") and series(row) in one_gpu
+                                           and any(r["nproc"] > 1 and series(r) == series(row) for r in rows)
+                                           else None)} for row in rows]
 
 
 def table_order(row: Dict[str, Any]) -> Tuple:
@@ -412,9 +553,10 @@ def report(rows: Sequence[Dict[str, Any]], run_plans: Sequence[Plan], device: st
            peak: Optional[Tuple[str, float]]) -> str:
     """The Markdown that is printed and saved: the table, then what its numbers are."""
     nprocs = sorted({row["nproc"] for row in rows}) or [p.nproc for p in run_plans[:1]]
+    columns = [c for c in COLUMNS if c[0] not in OPTIONAL_COLUMNS or any(shown(row, c[0]) is not None for row in rows)]
     lines = [f"## torchtitan {TORCHTITAN} against this repo: Llama 3 on {'/'.join(map(str, nprocs))} x {device}", "",
-             markdown_table([header for _, header, _ in COLUMNS],
-                            [[cell(shown(row, key), form) for key, _, form in COLUMNS] for row in rows]), ""]
+             markdown_table([header for _, header, _ in columns],
+                            [[cell(shown(row, key), form) for key, _, form in columns] for row in rows]), ""]
     described = []
     for row in rows:  # one line per shape and tokens per step in the table (an --append'ed table holds several)
         what = (row["size"], row["seq_len"], row["local_batch"])
@@ -432,12 +574,21 @@ def report(rows: Sequence[Dict[str, Any]], run_plans: Sequence[Plan], device: st
     peak_text = f"{peak[0]}, {peak[1]:g} TFLOP/s (trainer/metrics/perf.py)" if peak else "no known peak for this GPU: no MFU"
     lines += ["", "FLOPs per token = 6 x (parameters - token embedding) + 12 x layers x width x sequence length, "
               f"one formula for both sides (scripts/lib/llama3.py); MFU against {peak_text}. tokens/s per GPU = "
-              "tokens per GPU per step / mean step time. Step times: the interval between step ends "
+              "tokens per GPU per step / median step time. Step times: the interval between step ends "
               "(graphing.StepTimer) over the timed steps. Memory: rank 0's GPU, the peak over the whole run. "
               "The two ratios: this row's tokens/s and peak reserved memory over those of torchtitan's fastest run "
               "with the same size, GPUs, tokens, activation checkpointing, allocator and resharding. allocator: "
               "PYTORCH_CUDA_ALLOC_CONF of both sides' processes (—: torch's default). FSDP2 reshard: after-forward "
-              "(each side's default) or never. Losses: the mean over all GPUs' tokens.", ""]
+              "(each side's default) or never. Losses: the mean over all GPUs' tokens."
+              + (" Repeats: each row is the median of its runs (the sides' runs alternating: torchtitan's, then this "
+                 "repo's, then again); over the pairs: the lowest and highest of repeat i's tokens/s over torchtitan's "
+                 "best of repeat i; peak memory: the highest of the runs." if any(r.get("repeats") for r in rows) else "")
+              + (" Time to loss: from the launch (start-up, compile and capture included) to the end of the first "
+                 "step at which the mean loss of the last 10 steps is at or below the highest of the matched runs' "
+                 "final 10-step means; each step's end on the host's clock (both sides read the host each step)."
+                 if any(r.get("time_to_loss_s") is not None for r in rows) else "")
+              + (" Scaling efficiency: tokens/s per GPU over the same run's on one GPU at the same global batch "
+                 "(--strong-scaling)." if any(r.get("scaling_efficiency") is not None for r in rows) else ""), ""]
     for plan in run_plans[:1]:
         matched = [list(m) for m in matched_settings(plan)]
         if len({row["size"] for row in rows}) > 1:  # an --append'ed table: the sizes' lines above say each shape
@@ -456,6 +607,9 @@ def report(rows: Sequence[Dict[str, Any]], run_plans: Sequence[Plan], device: st
                        "each size's, above", "the same (11 eager + capture of them untimed)"]),
                    "CUDA allocator": (lambda r: r.get("alloc_conf"), [
                        "the allocator column: PYTORCH_CUDA_ALLOC_CONF", "the same"]),
+                   "initial weights": (lambda r: bool(r.get("matched_init")), [
+                       "init_weights, or with --matched-init redrawn as transformers draws (N(0, 0.02), norms 1)",
+                       "transformers' LlamaForCausalLM init (N(0, 0.02), norms 1)"]),
                    "sharding": (reshard_of, [
                        "parallelize_llama: FSDP2 over every GPU, resharded as the FSDP2 reshard column says; built on "
                        "the meta device, each rank drawing its shards",
@@ -463,7 +617,7 @@ def report(rows: Sequence[Dict[str, Any]], run_plans: Sequence[Plan], device: st
                        "train.fsdp.init=meta"])}
         for setting, (of_row, words) in per_row.items():
             if len({of_row(row) for row in rows if row.get("steps_timed") or setting != "steps"}) > 1:
-                matched = [m if m[0] != setting else [setting, *words] for m in matched]
+                matched = [m if not m[0].startswith(setting) else [setting, *words] for m in matched]
         lines += [markdown_table(["matched", "torchtitan", "this repo"], matched)]
     return "\n".join(lines + profile_report(rows)) + "\n"
 
@@ -478,7 +632,7 @@ def profile_report(rows: Sequence[Dict[str, Any]]) -> List[str]:
         if row.get("profile"):
             groups.setdefault(matched_key(row), []).append(row)
     lines: List[str] = []
-    for (size, nproc, seq_len, batch, ac, alloc, reshard, float8), runs in groups.items():
+    for (size, nproc, seq_len, batch, ac, alloc, reshard, float8, _), runs in groups.items():
         kinds = [{k["kind"]: k["ms_per_step"] for k in run["profile"].get("kinds", [])} for run in runs]
         ms = lambda value: cell(value, "{:,.2f}")  # noqa: E731
         table = [["step (timed, no profiler)", *(ms(run.get("step_ms_mean")) for run in runs)],
@@ -507,10 +661,18 @@ def profile_report(rows: Sequence[Dict[str, Any]]) -> List[str]:
 
 # ---- running ---------------------------------------------------------------------------
 
-def run_theirs(plan: Plan, variant: str, runs: Path, timeout: float,
+def plan_folder(plan: Plan, runs: Path, repeat: int, repeats: int) -> Path:
+    """Where one run of ``plan`` goes: by size, then by GPU count and tokens where a series holds several, then
+    by repeat."""
+    folder = runs / plan.shape.name
+    folder = folder / f"{plan.nproc}gpu_{plan.seq_len}x{plan.local_batch}"
+    return folder / f"repeat{repeat + 1}" if repeats > 1 else folder
+
+
+def run_theirs(plan: Plan, variant: str, folder: Path, timeout: float,
                profile_steps: int = 0) -> Tuple[Optional[Dict[str, Any]], str, str]:
-    """One torchtitan run: (its result, status, its directory)."""
-    folder = runs / plan.shape.name / f"torchtitan_{variant}"
+    """One torchtitan run under ``folder``: (its result, status, its directory)."""
+    folder = folder / f"torchtitan_{variant}"
     folder.mkdir(parents=True, exist_ok=True)
     result_file = folder / "result.json"
     cmd = theirs_command(plan, variant, result_file, deadline_s=timeout, profile_steps=profile_steps)
@@ -525,10 +687,10 @@ def run_theirs(plan: Plan, variant: str, runs: Path, timeout: float,
     return json.loads(result_file.read_text()), "ok", str(folder)
 
 
-def profile_ours(plan: Plan, mode: str, args: argparse.Namespace, runs: Path) -> Optional[Dict[str, Any]]:
+def profile_ours(plan: Plan, mode: str, args: argparse.Namespace, folder: Path) -> Optional[Dict[str, Any]]:
     """This repo's side in ``mode``, profiled (``profile_command``): what scripts/profile_step.py found, or None
     (said, with the reason) when the run failed: a profile is an extra, the table's row stands without it."""
-    folder = runs / plan.shape.name / "profiles" / mode
+    folder = folder / "profiles" / mode
     folder.mkdir(parents=True, exist_ok=True)
     cmd = profile_command(plan, mode, args, folder)
     (folder / "command.txt").write_text(shlex.join(cmd) + "\n")
@@ -609,6 +771,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="tensorwise float8 matmuls with FSDP2's float8 all-gather on both sides: torchtitan's "
                              "float8 converter (its docs/float8.md settings, the output layer left out) against "
                              "train.float8=tensorwise train.fsdp.float8_all_gather=true (docs/float8.md)")
+    parser.add_argument("--repeats", type=positive_int, default=1,
+                        help="runs per side and setting, alternating (torchtitan's, this repo's, again): each row the "
+                             "median of its runs, the ratio with its range over the pairs (default 1)")
+    parser.add_argument("--matched-init", action="store_true",
+                        help="torchtitan's weights drawn as transformers' Llama draws this repo's (every Linear and "
+                             "embedding weight N(0, 0.02), norms 1), so that the two loss curves can be compared")
+    parser.add_argument("--strong-scaling", action="store_true",
+                        help="one global batch (--global-batch sequences a step) on 1, 2, 4, ... GPUs up to --nproc, "
+                             "both sides: tokens/s per GPU and scaling efficiency")
+    parser.add_argument("--global-batch", type=positive_int, default=None,
+                        help="sequences a step over all GPUs, with --strong-scaling (default 4)")
     parser.add_argument("--alloc-conf", default=TORCHTITAN_ALLOC_CONF,
                         help="PYTORCH_CUDA_ALLOC_CONF for both sides (default: torchtitan's launcher's, "
                              f"{TORCHTITAN_ALLOC_CONF!r}; '' for torch's default allocator)")
@@ -644,6 +817,15 @@ def check(parser: Parser, args: argparse.Namespace) -> None:
         parser.error("--ours none and --theirs none: nothing to run")
     if args.profile < 0:
         parser.error(f"--profile {args.profile}: a number of steps, 0 for no profile")
+    if args.global_batch is not None and not args.strong_scaling:
+        parser.error("--global-batch is the batch of a --strong-scaling series: add --strong-scaling, or set "
+                     "--local-batch for one GPU count")
+    if args.strong_scaling:
+        args.global_batch = args.global_batch or 4
+        if args.local_batch != 1:
+            parser.error("--strong-scaling splits --global-batch over the GPUs: drop --local-batch")
+        if args.nproc == 1:
+            parser.error("--strong-scaling with --nproc 1 is a single run: give --nproc 2 or more")
     for override in args.overrides:
         key = override_key(override)
         if key in SETS or any(key == s or key.startswith(s + ".") for s in SETS_UNDER):
@@ -660,18 +842,22 @@ def dry_run(args: argparse.Namespace) -> int:
         s = plan.shape
         print(f"[{s.name}] {s.layers} x {s.dim}, {s.heads}/{s.kv_heads} heads, FFN {s.ffn_hidden}, vocab {s.vocab}: "
               f"{parameter_count(s):,} parameters, {plan.flops_per_token:,.0f} FLOPs per token at {plan.seq_len}; "
-              f"activation checkpointing {plan.ac}")
-        for variant in args.theirs:
-            cmd = theirs_command(plan, variant, runs / s.name / f"torchtitan_{variant}" / "result.json", args.timeout,
-                                 args.profile)
-            print(f"{s.name} torchtitan {variant}: {shlex.join(cmd)}")
-        for mode in args.ours:
-            cmd = command(mode, plan.nproc, ours_args(plan, args), runs / s.name / "runs" / mode, group_of(plan),
-                          group_of(plan))
-            print(f"{s.name} this repo {mode}: {shlex.join(cmd)}")
-            if args.profile:
-                cmd = profile_command(plan, mode, args, runs / s.name / "profiles" / mode)
-                print(f"{s.name} this repo {mode}, profiled: {shlex.join(cmd)}")
+              f"activation checkpointing {plan.ac}; {plan.nproc} GPU{'s' * (plan.nproc > 1)}, "
+              f"{plan.seq_len} x {plan.local_batch} tokens per GPU per step")
+        for repeat in range(args.repeats):
+            folder = plan_folder(plan, runs, repeat, args.repeats)
+            again = f" (repeat {repeat + 1} of {args.repeats})" if args.repeats > 1 else ""
+            for variant in args.theirs:
+                cmd = theirs_command(plan, variant, folder / f"torchtitan_{variant}" / "result.json", args.timeout,
+                                     args.profile)
+                print(f"{s.name} torchtitan {variant}{again}: {shlex.join(cmd)}")
+            for mode in args.ours:
+                cmd = command(mode, plan.nproc, ours_args(plan, args), folder / "runs" / mode, group_of(plan),
+                              group_of(plan))
+                print(f"{s.name} this repo {mode}{again}: {shlex.join(cmd)}")
+                if args.profile and repeat == 0:
+                    cmd = profile_command(plan, mode, args, folder / "profiles" / mode)
+                    print(f"{s.name} this repo {mode}, profiled: {shlex.join(cmd)}")
         print()
     print(markdown_table(["matched", "torchtitan", "this repo"], [list(m) for m in matched_settings(run_plans[0])]))
     return 0
@@ -695,20 +881,29 @@ def run(args: argparse.Namespace, run_plans: List[Plan], version: Optional[str])
     print(f"{SCRIPT}: {nproc} x {device}, torch {torch.__version__}, torchtitan {version or '(not run)'}; "
           f"runs under {runs}", flush=True)
     rows: List[Dict[str, Any]] = []
+    tflops = peak[1] if peak else None
     for plan in run_plans:
-        for variant in args.theirs:
-            result, status, folder = run_theirs(plan, variant, runs, args.timeout, args.profile)
-            rows.append(theirs_row(plan, variant, result, status, peak[1] if peak else None, folder))
-            say(rows[-1])
-        for mode in args.ours:
-            print(f"{SCRIPT}: [{plan.shape.name}] this repo {mode}: running", flush=True)
-            outcome = launch_mode(mode, plan.nproc, ours_args(plan, args), runs / plan.shape.name, group=group_of(plan),
-                                  run_name=group_of(plan), timeout=args.timeout, cuda=True)
-            profile = profile_ours(plan, mode, args, runs) if args.profile else None
-            rows.append(ours_row(plan, mode, outcome, peak[1] if peak else None, profile))
-            say(rows[-1])
-    table_rows = sorted(with_ratios(merged(rows, output) if args.append else rows), key=table_order)
+        for repeat in range(args.repeats):  # alternating: theirs, ours, theirs, ours, ...
+            folder = plan_folder(plan, runs, repeat, args.repeats)
+            for variant in args.theirs:
+                launched_at = time.time()
+                result, status, where = run_theirs(plan, variant, folder, args.timeout,
+                                                   args.profile if repeat == 0 else 0)
+                rows.append(theirs_row(plan, variant, result, status, tflops, where, repeat=repeat,
+                                       launched_at=launched_at))
+                say(rows[-1])
+            for mode in args.ours:
+                print(f"{SCRIPT}: [{plan.shape.name}] this repo {mode}: running", flush=True)
+                launched_at = time.time()
+                outcome = launch_mode(mode, plan.nproc, ours_args(plan, args), folder, group=group_of(plan),
+                                      run_name=group_of(plan), timeout=args.timeout, cuda=True)
+                profile = profile_ours(plan, mode, args, folder) if args.profile and repeat == 0 else None
+                rows.append(ours_row(plan, mode, outcome, tflops, profile, repeat=repeat, launched_at=launched_at))
+                say(rows[-1])
+    fresh = combined(with_time_to_loss(rows))
+    table_rows = sorted(with_scaling(with_ratios(merged(fresh, output) if args.append else fresh)), key=table_order)
     text = report(table_rows, run_plans, device, peak)
+    text += loss_plots(table_rows, output)
     print("\n" + text)
     output.parent.mkdir(parents=True, exist_ok=True)
     sizes = json.loads(output.read_text()).get("sizes", {}) if args.append and output.is_file() else {}
@@ -722,6 +917,33 @@ def run(args: argparse.Namespace, run_plans: List[Plan], version: Optional[str])
     output.with_suffix(".md").write_text(text)
     print(f"wrote {output} and {output.with_suffix('.md').name}; runs in {runs}")
     return 1 if any(not row["status"].startswith("ok") for row in rows) else 0
+
+
+def loss_plots(rows: Sequence[Dict[str, Any]], output: Path) -> str:
+    """One PNG per matched set of runs (``matched_key``) with more than one curve, beside ``output``: every run's
+    loss at each step, laid over each other (scripts/lib/loss_plot.py); the Markdown lines that name them and say
+    which colour is which run."""
+    from scripts.lib.loss_plot import write_loss_plot
+
+    groups: Dict[Tuple, List[Dict[str, Any]]] = {}
+    for row in rows:
+        if any(v is not None for v in row.get("losses") or []):
+            groups.setdefault(matched_key(row), []).append(row)
+    lines = []
+    for key, group in groups.items():
+        if len(group) < 2:
+            continue
+        size, nproc, seq_len, local_batch = key[:4]
+        name = (f"{output.stem}_loss_{size}_{nproc}gpu_{seq_len}x{local_batch}_{group[0]['ac']}"
+                f"{'_float8' if key[7] else ''}{'_matched_init' if key[8] else ''}.png")
+        drawn = write_loss_plot(output.with_name(name), [(row["run"], row["losses"]) for row in group])
+        colours = ", ".join(f"{colour}: {run}" for run, colour in drawn["colours"].items())
+        lines.append(f"- `{name}`: {size} on {nproc} GPUs, {seq_len} x {local_batch} tokens per GPU"
+                     f"{', float8' if key[7] else ''}{', matched initial weights' if key[8] else ''}; {colours}; "
+                     f"steps {drawn['steps'][0]}-{drawn['steps'][1]}, loss {drawn['loss'][0]:.2f} (bottom) to "
+                     f"{drawn['loss'][1]:.2f} (top)")
+    return ("\nLoss curves (every step of each run; with --repeats, its first):\n\n" + "\n".join(lines) + "\n"
+            if lines else "")
 
 
 def say(row: Dict[str, Any]) -> None:

@@ -57,6 +57,10 @@ BAD = [  # (arguments, words of the one line)
     (["--", "train.fsdp.reshard_after_forward=false"], "'train.fsdp.reshard_after_forward=false' is set by this script"),
     (["--reshard", "sometimes"], "argument --reshard: invalid choice: 'sometimes'"),
     (["--", "train.epochz=3"], "Key 'epochz' not in 'TrainLoopConfig'"),
+    (["--repeats", "0"], "argument --repeats: '0' is not a positive integer"),
+    (["--global-batch", "8"], "--global-batch is the batch of a --strong-scaling series"),
+    (["--strong-scaling", "--local-batch", "2"], "--strong-scaling splits --global-batch over the GPUs"),
+    (["--strong-scaling", "--nproc", "1"], "--strong-scaling with --nproc 1 is a single run"),
 ]
 
 
@@ -350,6 +354,38 @@ def test_dry_run_with_float8_asks_both_sides_for_tensorwise_float8_with_its_all_
     assert "--float8" not in plain.stdout and "train.float8=tensorwise" not in plain.stdout
 
 
+def gpus(argv):
+    """The processes a command line starts: torchrun's --nproc_per_node, or 1 for python alone."""
+    return next((int(a.split("=")[1]) for a in argv if a.startswith("--nproc_per_node=")), 1)
+
+
+def test_dry_run_of_repeats_matched_init_and_strong_scaling_runs_the_sides_alternately_at_one_global_batch():
+    proc = launch(["--dry-run", "--nproc", "4", "--size", "1b", "--repeats", "3", "--matched-init", "--strong-scaling",
+                   "--global-batch", "8", "--theirs", "compiled", "--ours", "full_compiled"], script=SCRIPT, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = re.findall(r"^1b (torchtitan \w+|this repo \w+)(?: \(repeat (\d) of 3\))?: (.*)$", proc.stdout, flags=re.M)
+    # Per GPU count: theirs, ours, theirs, ours, theirs, ours.
+    assert [(run.split()[0], int(repeat)) for run, repeat, _ in lines] == \
+        [(side, r) for _ in range(3) for r in (1, 2, 3) for side in ("torchtitan", "this")], proc.stdout[-3000:]
+    seen = []
+    for run, _, line in lines:
+        argv = shlex.split(line)
+        if run.startswith("torchtitan"):
+            o = options(argv)
+            assert o["--init"] == "normal"  # redrawn as transformers' Llama draws this repo's side
+            seen.append((gpus(argv), int(o["--local-batch"])))
+        else:
+            ours = overrides(argv)
+            assert "initializer_range:0.02" in ours["+recipe.model.config"]
+            seen.append((gpus(argv), int(ours["recipe.data.batch_size"])))
+    assert sorted(set(seen)) == [(1, 8), (2, 4), (4, 2)]  # 8 sequences a step on 1, 2 and 4 GPUs, both sides
+    assert "| initial weights | init_weights, then every Linear and embedding weight redrawn from N(0, 0.02)" \
+        in proc.stdout
+    plain = launch(["--dry-run", "--nproc", "2", "--size", "1b"], script=SCRIPT, timeout=60)
+    assert "--init" not in plain.stdout and "(repeat" not in plain.stdout
+    assert "| initial weights (not matched) |" in plain.stdout
+
+
 # ---- the table -------------------------------------------------------------------------------------
 
 def test_both_sides_rows_come_from_one_formula_and_the_table_says_so(tmp_path):
@@ -368,8 +404,8 @@ def test_both_sides_rows_come_from_one_formula_and_the_table_says_so(tmp_path):
     rows = [bench.theirs_row(p, "eager", theirs, "ok", 989.0, "tt"), bench.ours_row(p, "full", ours, 989.0),
             bench.ours_row(p, "full_compiled", failed, 989.0)]
     flops = 57_914_449_920
-    assert rows[0]["tokens_per_s_per_gpu"] == pytest.approx(8192 / 2.0)
-    assert rows[1]["tokens_per_s_per_gpu"] == pytest.approx(8192 / 1.6384) == 5000.0
+    assert rows[0]["tokens_per_s_per_gpu"] == pytest.approx(8192 / 1.99)  # from the median step (issue 50)
+    assert rows[1]["tokens_per_s_per_gpu"] == pytest.approx(8192 / 1.6) == 5120.0
     for row in rows[:2]:  # one formula, both sides
         assert row["mfu_pct"] == pytest.approx(100 * row["tokens_per_s_per_gpu"] * flops / 989e12)
     assert (rows[0]["loss_first"], rows[0]["loss_last"]) == (12.25, 7.5)
@@ -381,18 +417,18 @@ def test_both_sides_rows_come_from_one_formula_and_the_table_says_so(tmp_path):
     # Each run against torchtitan's fastest at the same settings; a run at other settings has no yardstick.
     other = dict(rows[1], ac="none")
     rows = bench.with_ratios([*rows, other])
-    assert rows[1]["vs_torchtitan_best"] == pytest.approx(5000 / 4096)
+    assert rows[1]["vs_torchtitan_best"] == pytest.approx(1.99 / 1.6)
     assert rows[1]["reserved_vs_torchtitan_best"] == pytest.approx(81_000 / 95_000)
     assert rows[2]["vs_torchtitan_best"] is None and rows[3]["vs_torchtitan_best"] is None
     text = bench.report(rows, [p], "NVIDIA H200", ("H200 SXM bf16 dense", 989.0))
     table = [line for line in text.splitlines() if line.startswith("| 8b |")]
-    assert table[0].startswith("| 8b | torchtitan eager | 8192 x 1 | full | — | after-forward | bf16 | 4,096 | 24.0% | 1,990.0 | 2,050.0 | 90,000 | 95,000 "
+    assert table[0].startswith("| 8b | torchtitan eager | 8192 x 1 | full | — | after-forward | bf16 | 4,117 | 24.1% | 1,990.0 | 2,050.0 | 90,000 | 95,000 "
                                "| 1.000x | 1.00x | 12.250 | 7.500 | ok |")  # allocator —: torch's default
-    assert table[1].startswith("| 8b | this repo full | 8192 x 1 | full | — | after-forward | bf16 | 5,000 | 29.3% | 1,600.0 | 1,610.0 | 80,000 | 81,000 "
-                               "| 1.221x | 0.85x |")
+    assert table[1].startswith("| 8b | this repo full | 8192 x 1 | full | — | after-forward | bf16 | 5,120 | 30.0% | 1,600.0 | 1,610.0 | 80,000 | 81,000 "
+                               "| 1.244x | 0.85x |")
     assert table[2] == ("| 8b | this repo full_compiled | 8192 x 1 | full | — | after-forward | bf16 | — | — | — | — | — | — | — | — | — | — | failed (exit 1): "
                         "torch.OutOfMemoryError: CUDA out of memory |")
-    assert table[3].startswith("| 8b | this repo full | 8192 x 1 | none | — | after-forward | bf16 | 5,000 | 29.3% |") and "| — | — |" in table[3]
+    assert table[3].startswith("| 8b | this repo full | 8192 x 1 | none | — | after-forward | bf16 | 5,120 | 30.0% |") and "| — | — |" in table[3]
     # Another allocator is another setting: no yardstick but a torchtitan run with that allocator.
     expandable = bench.ours_row(dataclasses.replace(p, alloc_conf="expandable_segments:True"), "full", ours, 989.0)
     assert expandable["alloc_conf"] == "expandable_segments:True" and rows[0]["alloc_conf"] is None
@@ -525,3 +561,73 @@ def test_the_worker_is_a_module_of_scripts_lib_and_no_script_imports_another():
     requirements = (ROOT / "scripts" / "requirements-torchtitan.txt").read_text()
     assert re.search(r"^torchtitan==0\.2\.2$", requirements, flags=re.M)
     assert not (ROOT / "requirements-torchtitan.txt").exists()  # never needed to train: not at the root
+
+
+@pytest.mark.fast
+def test_repeats_give_medians_and_the_ratio_over_the_pairs_with_time_to_loss_and_a_loss_plot(tmp_path):
+    """Two repeats of each side: each row the median of its runs, the ratio's range over the pairs (repeat i
+    against torchtitan's repeat i), the time from launch until the 10-step mean loss reaches the higher of the
+    final means, and the curves drawn into a PNG beside the table."""
+    p = dataclasses.replace(plan("1b", nproc=2, ac="none", steps=8), matched_init=True)  # 12 + 8 = 20 steps
+    rows = []
+    for repeat, (theirs_ms, ours_ms) in enumerate([(100.0, 80.0), (110.0, 85.0)]):
+        theirs = {"step_ms_median": theirs_ms, "step_ms_p90": theirs_ms, "step_ms_mean": theirs_ms, "steps_timed": 8,
+                  "losses": [10.0 - 0.4 * s for s in range(20)], "peak_reserved_mib": 1000.0 + repeat,
+                  "step_ended_at": [1000.0 + 30 + s for s in range(20)]}  # launched at 1000: 30 s of start-up
+        rows.append(bench.theirs_row(p, "compiled", theirs, "ok", 989.0, "tt", repeat=repeat, launched_at=1000.0))
+        run_dir = tmp_path / f"ours{repeat}"
+        run_dir.mkdir()
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(
+            {"step": s, "train/loss": 10.0 - 0.5 * (s - 1), "time": 2000.0 + 20 + s}) + "\n" for s in range(1, 21)))
+        ours = {"mode": "full_compiled", "status": "ok", "run_dir": str(run_dir), "results": {
+            "perf/step_ms_median": ours_ms, "perf/step_ms_p90": ours_ms, "perf/step_ms_mean": ours_ms,
+            "perf/steps_timed": 8, "perf/peak_reserved_mib": 900.0}}
+        rows.append(bench.ours_row(p, "full_compiled", ours, 989.0, repeat=repeat, launched_at=2000.0))
+    timed = bench.with_time_to_loss(rows)
+    # Final 10-step means: theirs 10 - 0.4 * 14.5 = 4.2, ours 10 - 0.5 * 14.5 = 2.75: the target is 4.2.
+    assert [r["loss_target"] for r in timed] == pytest.approx([4.2] * 4)
+    assert timed[0]["time_to_loss_s"] == pytest.approx(30 + 19)  # theirs reaches it at its last step (step 20)
+    # Ours: the mean of steps k-9..k is 10 - 0.5 * (k - 5.5) <= 4.2 from step k = 18, which ended 20 + 18 s in.
+    assert timed[1]["time_to_loss_s"] == pytest.approx(38)
+    table = bench.with_ratios(bench.combined(timed))
+    theirs_row, ours_row = table
+    theirs_tokens, ours_tokens = (8192 / 0.100 + 8192 / 0.110) / 2, (8192 / 0.080 + 8192 / 0.085) / 2  # medians
+    assert theirs_row["tokens_per_s_per_gpu"] == pytest.approx(theirs_tokens)
+    assert ours_row["tokens_per_s_per_gpu"] == pytest.approx(ours_tokens)
+    assert ours_row["vs_torchtitan_best"] == pytest.approx(ours_tokens / theirs_tokens)
+    assert ours_row["vs_range"] == pytest.approx([100 / 80, 110 / 85])  # repeat 1's pair, then repeat 2's
+    assert ours_row["pairs"] == 2 and theirs_row["vs_range"] is None
+    assert theirs_row["peak_reserved_mib"] == 1001.0  # the highest of the repeats
+    assert [r["repeat"] for r in ours_row["repeats"]] == [0, 1]
+    text = bench.report(table, [p], "NVIDIA H200", None)
+    line = next(line for line in text.splitlines() if line.startswith("| 1b | this repo full_compiled"))
+    assert "| 1.250-1.294x (2 pairs) |" in line and "| 38 |" in line, line
+    assert "Repeats: each row is the median of its runs" in text and "Time to loss: from the launch" in text
+    assert "| initial weights | init_weights, then every Linear and embedding weight redrawn" in text
+    output = tmp_path / "torchtitan_2gpu.json"
+    plots = bench.loss_plots(table, output)
+    png = tmp_path / "torchtitan_2gpu_loss_1b_2gpu_8192x1_none_matched_init.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"`{png.name}`" in plots
+    assert "blue: torchtitan compiled, orange: this repo full_compiled" in plots
+    # One run alone has nothing to reach: no time to loss, and no ratio range without repeats.
+    alone = bench.with_time_to_loss(rows[:1])
+    assert alone[0]["time_to_loss_s"] is None
+    single = bench.with_ratios(bench.combined(bench.with_time_to_loss(rows[:2])))
+    assert single[1]["vs_range"] is None and "over the pairs" not in bench.report(single, [p], "GPU", None)
+
+
+@pytest.mark.fast
+def test_strong_scaling_efficiency_is_tokens_per_gpu_over_one_gpus_at_the_same_global_batch():
+    rows = []
+    for nproc, ms in ((1, 400.0), (2, 220.0), (4, 125.0)):  # 8 sequences a step over all GPUs
+        p = dataclasses.replace(plan("1b", nproc=nproc, ac="none"), local_batch=8 // nproc)
+        timed = {"step_ms_median": ms, "step_ms_p90": ms, "step_ms_mean": ms, "steps_timed": 20}
+        rows.append(bench.theirs_row(p, "compiled", timed, "ok", None, "tt"))
+    rows.append(dict(rows[2], local_batch=1, tokens_per_s_per_gpu=1.0))  # another global batch: no series
+    out = bench.with_scaling(rows)
+    per_gpu = [8192 * 8 / n / (ms / 1e3) for n, ms in ((1, 400.0), (2, 220.0), (4, 125.0))]
+    assert [r["scaling_efficiency"] for r in out[:3]] == pytest.approx([1.0, per_gpu[1] / per_gpu[0],
+                                                                        per_gpu[2] / per_gpu[0]])
+    assert out[3]["scaling_efficiency"] is None
+    assert bench.scaling_counts(8, 4) == [1, 2, 4] and bench.scaling_counts(4, 8) == [1, 2, 4]
+    assert bench.scaling_counts(6, 3) == [1, 2, 3]

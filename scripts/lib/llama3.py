@@ -110,6 +110,11 @@ def mfu_pct(tokens_per_s_per_gpu: float, flops_per_token: float, peak_tflops: fl
     return 100.0 * tokens_per_s_per_gpu * flops_per_token / (peak_tflops * 1e12)
 
 
+# transformers' Llama draws every Linear and embedding weight from N(0, initializer_range) and sets the norms to 1;
+# with --matched-init torchtitan's side redraws its model the same way (scripts/lib/torchtitan_worker.py).
+INIT_STD = 0.02
+
+
 def hf_config(shape: LlamaShape) -> Dict[str, Any]:
     """The transformers LlamaConfig (``recipe.model.config`` of ``recipe=hf_causal_lm``) of ``shape``: the same
     matrices, norms and RoPE (Llama 3.1's scaled frequencies, transformers' ``rope_type: llama3``) as torchtitan's
@@ -124,6 +129,7 @@ def hf_config(shape: LlamaShape) -> Dict[str, Any]:
         "intermediate_size": shape.ffn_hidden,
         "vocab_size": shape.vocab,
         "rms_norm_eps": shape.norm_eps,
+        "initializer_range": INIT_STD,
         "max_position_embeddings": MAX_POSITIONS,
         "tie_word_embeddings": False,
         "attention_bias": False,

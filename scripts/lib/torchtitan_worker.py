@@ -12,7 +12,8 @@ activation checkpointing (``full`` or ``none``), per-block ``torch.compile`` wit
 forward (``--reshard default``, its default) or never (``--reshard never``); with ``--float8``, its float8
 converter (tensorwise, FSDP2 float8 all-gather, the output layer left out) swaps the Linear layers on the meta
 model before sharding, and the scales are precomputed after each optimizer step, as its trainer does. The weights are drawn by its
-``init_weights`` on the GPU under its seeding (``set_determinism``); the optimizer (fused AdamW), the LR
+``init_weights`` on the GPU under its seeding (``set_determinism``) (with ``--init normal``, drawn again as
+transformers' Llama draws this repo's side: N(0, 0.02), the norms 1); the optimizer (fused AdamW), the LR
 schedule and the loss come from its own builders.
 
 Each step is what torchtitan's ``Trainer.train_step`` does with one micro-batch and no pipeline: zero the
@@ -41,11 +42,12 @@ import json
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from scripts.lib.llama3 import (
-    BETAS, EPS, LR, LR_WARMUP_STEPS, MAX_NORM, SHAPES, WEIGHT_DECAY, LlamaShape, parameter_count,
+    BETAS, EPS, INIT_STD, LR, LR_WARMUP_STEPS, MAX_NORM, SHAPES, WEIGHT_DECAY, LlamaShape, parameter_count,
     training_flops_per_token,
 )
 
@@ -65,6 +67,10 @@ def parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                              "precomputed after each optimizer step, the output layer left out")
     parser.add_argument("--reshard", choices=("default", "never"), default="default",
                         help="parallelism.fsdp_reshard_after_forward: default (blocks resharded after forward) or never")
+    parser.add_argument("--init", choices=("torchtitan", "normal"), default="torchtitan",
+                        help="torchtitan: its init_weights (depth-scaled, the token embedding std 1); normal: every "
+                             "Linear and embedding weight from N(0, 0.02), the norms 1, as transformers' Llama draws "
+                             "this repo's side (bench_torchtitan.py --matched-init)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile-steps", type=int, default=0,
                         help="after the timed steps, profile this many more (the warm-up's batches again)")
@@ -155,6 +161,9 @@ class Steps:
         self.amp, self.train_context, self.parallel_dims, self.gc = amp, train_context, parallel_dims, gc_handler
         self.data, self.device = data, device
         self.losses: List[Any] = []  # device tensors: read once, after the last step
+        # The host's clock at each step's end: its step reads the global token count on the host (a sync), so
+        # this is within a step of the GPU's end of it (time to loss in bench_torchtitan.py).
+        self.ended_at: List[float] = []
 
     def run_step(self) -> None:
         from torchtitan.components.loss import IGNORE_INDEX
@@ -181,6 +190,22 @@ class Steps:
         self.optimizers.step()
         self.lr_schedulers.step()
         self.losses.append(loss.detach())
+        self.ended_at.append(time.time())
+
+
+def redraw_as_transformers_does(model) -> None:
+    """Every weight drawn as transformers' Llama draws this repo's side (``--init normal``): N(0, INIT_STD) for the
+    Linear and embedding weights (token embedding and output too), 1 for the RMSNorm weights; the rotary
+    frequencies (a buffer) stay init_weights'. trunc_normal_ with its default bounds (+-2, 100 standard deviations
+    out) is that normal, and is the op torchtitan's own init_weights applies to these (sharded, possibly float8)
+    weights."""
+    import torch
+
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        else:
+            torch.nn.init.trunc_normal_(param, mean=0.0, std=INIT_STD)
 
 
 def profile_steps(steps: Steps, count: int, device) -> dict:
@@ -258,6 +283,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     model.to_empty(device=device.type)
     with torch.no_grad():
         model.init_weights(buffer_device=None)
+        if args.init == "normal":
+            redraw_as_transformers_does(model)
     model.train()
     optimizers = build_optimizers([model], job.optimizer, parallel_dims)
     lr_schedulers = build_lr_schedulers(optimizers, job.lr_scheduler, job.training.steps)
@@ -282,10 +309,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "torchtitan": _version("torchtitan"), "torch": torch.__version__,
         "device": torch.cuda.get_device_name(device) if cuda else "cpu", "world_size": world,
         "seq_len": args.seq_len, "local_batch": args.local_batch, "ac": args.ac, "compile": args.compile,
-        "reshard": args.reshard,
+        "reshard": args.reshard, "init": args.init,
         "warmup_steps": args.warmup_steps, "parameters": n_params, "flops_per_token": flops,
         "data": f"the synthetic language of recipes.gpt (seed {args.seed}), not job_config.training.dataset",
-        **timed, "losses": losses.tolist(),
+        **timed, "losses": losses.tolist(), "step_ended_at": steps.ended_at[:args.warmup_steps + args.steps],
         "peak_allocated_mib": torch.cuda.max_memory_allocated(device) / 2**20 if cuda else None,
         "peak_reserved_mib": torch.cuda.max_memory_reserved(device) / 2**20 if cuda else None,
         "profile": profiled,
