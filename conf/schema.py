@@ -90,6 +90,19 @@ class ReduceDtype(Enum):
     bf16 = "bf16"  # in bf16 (with train.precision=bf16): half the bytes, each rank's gradient rounded first
 
 
+class FSDPRoot(Enum):
+    """How FSDP2 holds what the recipe's blocks leave (embeddings, final norm, head) between forward and backward,
+    with train.fsdp.reshard_after_forward=true (false keeps every unit gathered)."""
+    # one root unit, resharded after forward like the blocks: gathered again first thing in backward
+    resharded = "resharded"
+    # one root unit kept gathered from forward to backward (FSDP2's own default for a root): one all-gather a step
+    # instead of two, for the root's weights held through the step
+    gathered = "gathered"
+    # torchtitan's layout: each embedding outside the blocks a unit of its own (resharded after forward), the
+    # root (final norm, head) kept gathered
+    split = "split"
+
+
 class FSDPInit(Enum):
     # built on the host by the recipe, as under DDP, then sharded: the same weights as DDP from the same seed
     host = "host"
@@ -194,6 +207,8 @@ class FSDPConfig:
     # true: each block's full weights are freed after its forward and all-gathered again for backward
     # (less memory, one more all-gather per block); false: kept from forward to backward
     reshard_after_forward: bool = True
+    # what the blocks leave (embeddings, final norm, head): resharded | gathered | split (FSDPRoot)
+    root: FSDPRoot = FSDPRoot.resharded
     reduce_dtype: ReduceDtype = ReduceDtype.fp32
     init: FSDPInit = FSDPInit.host
     # true (train.float8=tensorwise): each weight is cast to float8 before its all-gather (half of bf16's bytes),

@@ -117,7 +117,8 @@ from trainer.metrics.results import markdown_table, write_json  # noqa: E402
 SCRIPT = "bench_torchtitan.py"
 TORCHTITAN = "0.2.2"  # the release read for the shapes and settings; scripts/requirements-torchtitan.txt pins it
 THEIRS, OURS = ("eager", "compiled"), ("full", "full_compiled")
-RESHARDS = ("after-forward", "never")  # FSDP2 on both sides: each side's default, or weights kept gathered
+RESHARDS = ("after-forward", "never")
+ROOTS = ("resharded", "gathered", "split")  # train.fsdp.root: this repo's side only (--root)  # FSDP2 on both sides: each side's default, or weights kept gathered
 TORCHTITAN_ALLOC_CONF = "expandable_segments:True"  # torchtitan's launcher (run_train.sh) runs its trainer with it
 INSTALL = (f"install it: pip install -r scripts/requirements-torchtitan.txt (torchtitan=={TORCHTITAN} and its "
            "requirements). On a machine without a package index, bring them as wheels: on one with pip, "
@@ -130,6 +131,7 @@ SETS = (*RESERVED, "recipe", "logger", "seed")
 SETS_UNDER = ("recipe.model", "recipe.optim", "recipe.schedule", "recipe.data.source", "recipe.data.batch_size",
               "recipe.data.train_size", "recipe.data.test_size", "recipe.data.drop_last", "recipe.accuracy",
               "train.parallel", "train.precision", "train.fsdp.reduce_dtype", "train.fsdp.reshard_after_forward",
+              "train.fsdp.root",
               "train.activation_checkpointing",
               "train.grad_clip", "train.grad_accum", "train.max_steps", "train.epochs", "train.eval",
               "train.log_every", "graph.warmup_iters")
@@ -178,6 +180,7 @@ class Plan:
     reshard: str = RESHARDS[0]  # FSDP2's blocks resharded after forward on both sides, or "never"
     float8: bool = False  # tensorwise float8 matmuls with FSDP2's float8 all-gather, on both sides (--float8)
     matched_init: bool = False  # torchtitan's weights drawn as transformers' Llama draws this repo's (--matched-init)
+    root: str = ROOTS[0]  # this repo's train.fsdp.root (--root); torchtitan's side keeps its own layout
 
     @property
     def total_steps(self) -> int:
@@ -201,7 +204,8 @@ def plans(args: argparse.Namespace, nproc: int) -> List[Plan]:
                if args.strong_scaling else [(nproc, args.local_batch)])
     return [Plan(SHAPES[size], n, args.seq_len, local_batch, args.warmup_steps, args.steps,
                  args.ac if args.ac != "auto" else ("full" if size == "8b" else "none"), args.seed, args.alloc_conf,
-                 args.reshard, args.float8, args.matched_init) for size in sizes for n, local_batch in layouts]
+                 args.reshard, args.float8, args.matched_init, args.root) for size in sizes
+            for n, local_batch in layouts]
 
 
 def scaling_counts(global_batch: int, most: int) -> List[int]:
@@ -239,6 +243,7 @@ def ours_overrides(plan: Plan) -> List[str]:
             "~recipe.schedule.min_lr_ratio",
             "train.parallel=fsdp2", "train.fsdp.init=meta", "train.precision=bf16", "train.fsdp.reduce_dtype=fp32",
             f"train.fsdp.reshard_after_forward={'false' if plan.reshard == 'never' else 'true'}",
+            f"train.fsdp.root={plan.root}",
             f"train.activation_checkpointing={'true' if plan.ac == 'full' else 'false'}",
             f"train.grad_clip={MAX_NORM!r}", "train.grad_accum=1", f"train.max_steps={plan.total_steps}",
             "train.epochs=1", "train.eval=false", "train.log_every=1", "train.progress=false",
@@ -296,7 +301,7 @@ def matched_settings(plan: Plan) -> List[Tuple[str, str, str]]:
             "blocks resharded after forward (fsdp_reshard_after_forward=default)")
          + "; built on the meta device, each rank drawing its shards",
          f"train.parallel=fsdp2, train.fsdp.reshard_after_forward={'false' if plan.reshard == 'never' else 'true'}, "
-         "train.fsdp.init=meta"),
+         f"train.fsdp.root={plan.root}, train.fsdp.init=meta"),
         ("precision", "fp32 weights; FSDP2 bf16 parameters, fp32 reduce",
          "train.precision=bf16 (FSDP2 bf16 parameters), train.fsdp.reduce_dtype=fp32"),
         ("activation checkpointing", *ac),
@@ -358,7 +363,8 @@ def ours_row(plan: Plan, mode: str, outcome: Dict[str, Any], peak_tflops: Option
     status = comparison_rows([outcome])[0]["status"]  # flags a fallback to eager, or only warm-up steps timed
     timed = {k.removeprefix("perf/"): r.get(k) for k in ("perf/step_ms_median", "perf/step_ms_p90",
                                                           "perf/step_ms_mean", "perf/steps_timed")}
-    return make_row(plan, f"this repo {mode}", status, timed, (r.get("perf/peak_allocated_mib"),
+    named = f"this repo {mode}" + (f" (root {plan.root})" if plan.root != ROOTS[0] else "")  # --root's rows apart
+    return make_row(plan, named, status, timed, (r.get("perf/peak_allocated_mib"),
                     r.get("perf/peak_reserved_mib")), train_logged(outcome.get("run_dir"), plan.total_steps),
                     peak_tflops, outcome.get("run_dir"), profile, repeat=repeat, launched_at=launched_at,
                     ended_at=train_logged(outcome.get("run_dir"), plan.total_steps, "time"))
@@ -771,6 +777,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="tensorwise float8 matmuls with FSDP2's float8 all-gather on both sides: torchtitan's "
                              "float8 converter (its docs/float8.md settings, the output layer left out) against "
                              "train.float8=tensorwise train.fsdp.float8_all_gather=true (docs/float8.md)")
+    parser.add_argument("--root", choices=ROOTS, default=ROOTS[0],
+                        help="this repo's train.fsdp.root: the embeddings, final norm and head resharded after forward "
+                             "(default), kept gathered, or split as torchtitan does (the embedding apart, resharded; "
+                             "the rest gathered); its rows are named by it and compared with the same torchtitan runs")
     parser.add_argument("--repeats", type=positive_int, default=1,
                         help="runs per side and setting, alternating (torchtitan's, this repo's, again): each row the "
                              "median of its runs, the ratio with its range over the pairs (default 1)")

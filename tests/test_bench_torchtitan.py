@@ -55,6 +55,7 @@ BAD = [  # (arguments, words of the one line)
     (["--", "recipe.model.config.hidden_size=8"], "'recipe.model.config.hidden_size=8' is set by this script"),
     (["--", "recipe=gpt_tiny"], "'recipe=gpt_tiny' is set by this script"),
     (["--", "train.fsdp.reshard_after_forward=false"], "'train.fsdp.reshard_after_forward=false' is set by this script"),
+    (["--", "train.fsdp.root=split"], "'train.fsdp.root=split' is set by this script"),
     (["--reshard", "sometimes"], "argument --reshard: invalid choice: 'sometimes'"),
     (["--", "train.epochz=3"], "Key 'epochz' not in 'TrainLoopConfig'"),
     (["--repeats", "0"], "argument --repeats: '0' is not a positive integer"),
@@ -384,6 +385,23 @@ def test_dry_run_of_repeats_matched_init_and_strong_scaling_runs_the_sides_alter
     plain = launch(["--dry-run", "--nproc", "2", "--size", "1b"], script=SCRIPT, timeout=60)
     assert "--init" not in plain.stdout and "(repeat" not in plain.stdout
     assert "| initial weights (not matched) |" in plain.stdout
+
+
+@pytest.mark.fast
+def test_root_sets_this_repos_fsdp_root_alone_and_names_its_rows(capsys, tmp_path):
+    assert bench.main(["--dry-run", "--nproc", "2", "--size", "1b", "--root", "split"]) == 0
+    text = capsys.readouterr().out
+    lines = re.findall(r"^1b (torchtitan \w+|this repo \w+): (.*)$", text, flags=re.M)
+    for run, line in lines:
+        argv = shlex.split(line)
+        assert ("train.fsdp.root=split" in argv) == run.startswith("this repo")
+    assert "train.fsdp.root=split, train.fsdp.init=meta" in text
+    p = dataclasses.replace(plan("1b"), root="gathered")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    row = bench.ours_row(p, "full", {"mode": "full", "status": "ok", "run_dir": str(run_dir), "results": {}}, None)
+    assert row["run"] == "this repo full (root gathered)"  # beside the default's row, against the same torchtitan
+    assert bench.matched_key(row) == bench.matched_key(bench.ours_row(plan("1b"), "full", {"mode": "full", "status": "ok"}, None))
 
 
 # ---- the table -------------------------------------------------------------------------------------

@@ -125,3 +125,77 @@ def test_a_capture_starts_from_shards_even_after_an_evaluation_left_units_gather
     reshard_units(torch.nn.Linear(2, 2))  # not sharded at all
     reshard_units(None)
     assert isinstance(model[0].weight, DTensor)
+
+
+class TinyLM(torch.nn.Module):
+    """Token embedding, two blocks, final norm and head, the head tied to the embedding or not."""
+
+    def __init__(self, tied: bool = False):
+        super().__init__()
+        from helpers.one_rank import Block
+
+        self.embed = torch.nn.Embedding(32, 16)
+        self.blocks = torch.nn.ModuleList(Block(16) for _ in range(2))
+        self.norm, self.head = torch.nn.LayerNorm(16), torch.nn.Linear(16, 32, bias=False)
+        if tied:
+            self.head.weight = self.embed.weight
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def train_tiny_lm(root: str, steps: int = 3):
+    from torch.distributed.tensor import DTensor
+
+    from trainer.parallel.sharding import shard_model
+
+    torch.manual_seed(0)
+    model = TinyLM()
+    shard_model(model, model.blocks, torch.device("cpu"), precision="fp32", reshard_after_forward=True,
+                reduce_dtype="fp32", root=root, recipe="tiny")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    tokens = torch.randint(0, 32, (4, 8), generator=torch.Generator().manual_seed(1))
+    losses, held = [], None
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
+        # Between forward and backward: which weights are still gathered (FSDP2 registers plain tensors then).
+        held = {name: not isinstance(getattr(model, name).weight, DTensor) for name in ("embed", "norm", "head")}
+        held["block"] = not isinstance(model.blocks[0].up.weight, DTensor)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert all(isinstance(p, DTensor) for p in model.parameters())  # every unit resharded after backward
+    return losses, held
+
+
+@pytest.mark.fast
+def test_train_fsdp_root_keeps_the_root_gathered_or_splits_the_embedding_off_and_trains_the_same(one_rank_group):
+    resharded, held_resharded = train_tiny_lm("resharded")
+    gathered, held_gathered = train_tiny_lm("gathered")
+    split, held_split = train_tiny_lm("split")
+    assert held_resharded == {"embed": False, "norm": False, "head": False, "block": False}
+    assert held_gathered == {"embed": True, "norm": True, "head": True, "block": False}
+    assert held_split == {"embed": False, "norm": True, "head": True, "block": False}  # torchtitan's layout
+    assert gathered == resharded and split == resharded  # where the weights wait changes no number
+
+
+@pytest.mark.fast
+def test_train_fsdp_root_split_refuses_a_tied_head_and_a_model_without_an_embedding(one_rank_group):
+    from trainer.parallel.sharding import shard_model
+    from trainer.run.errors import ConfigError
+
+    tied = TinyLM(tied=True)
+    with pytest.raises(ConfigError, match=r"train.fsdp.root=split: recipe 'tiny' ties its embedding's weight to "
+                                          r"head .*set train.fsdp.root=gathered"):
+        shard_model(tied, tied.blocks, torch.device("cpu"), precision="fp32", reshard_after_forward=True,
+                    reduce_dtype="fp32", root="split", recipe="tiny")
+    from helpers.one_rank import Net
+
+    net = Net(width=8, depth=2)
+    with pytest.raises(ConfigError, match="has no nn.Embedding outside its blocks"):
+        shard_model(net, net.blocks, torch.device("cpu"), precision="fp32", reshard_after_forward=True,
+                    reduce_dtype="fp32", root="split", recipe="tiny")

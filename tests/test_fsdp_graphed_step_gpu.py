@@ -26,7 +26,9 @@ def one_rank_group():
         yield
 
 
-def sharded(reshard_after_forward: bool) -> torch.nn.Module:
+def sharded(reshard_after_forward: bool, root_gathered: bool = False) -> torch.nn.Module:
+    """Net with each block a unit; the root (the head) resharded as the blocks are, or kept gathered from forward
+    to backward (``root_gathered``: train.fsdp.root=gathered's layout)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     torch.manual_seed(0)
@@ -34,12 +36,13 @@ def sharded(reshard_after_forward: bool) -> torch.nn.Module:
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in model.blocks:
         fully_shard(block, reshard_after_forward=reshard_after_forward, mp_policy=policy)
-    fully_shard(model, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    fully_shard(model, reshard_after_forward=reshard_after_forward and not root_gathered, mp_policy=policy)
     return model
 
 
-def train(mode: str, reshard_after_forward: bool, micro: int, evaluate_before_call: int = -1):
-    model = sharded(reshard_after_forward)
+def train(mode: str, reshard_after_forward: bool, micro: int, evaluate_before_call: int = -1,
+          root_gathered: bool = False):
+    model = sharded(reshard_after_forward, root_gathered)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)  # made capturable by GraphedStep
 
     def train_step(model, x, y):
@@ -80,13 +83,18 @@ def test_a_users_fully_shard_model_graphs_whole_step_equal_to_eager(one_rank_gro
     assert not torch.equal(eager_params[0], sharded(reshard_after_forward).blocks[0].norm.weight.full_tensor())
 
 
-@pytest.mark.parametrize("reshard_after_forward", [True, False])
-def test_an_evaluation_right_before_the_capture_leaves_the_graph_equal_to_eager(one_rank_group, reshard_after_forward):
+@pytest.mark.parametrize("reshard_after_forward, root_gathered", [(True, False), (False, False), (True, True)],
+                         ids=["resharded", "gathered", "root-gathered"])
+def test_an_evaluation_right_before_the_capture_leaves_the_graph_equal_to_eager(one_rank_group, reshard_after_forward,
+                                                                                root_gathered):
     # Call 11 (0-based) is the capture. The evaluation before it leaves units built with reshard_after_forward=False
-    # gathered; captured so, the graph would gather nothing and read those weights, frozen, at every replay.
+    # gathered (every unit, or the root alone: train.fsdp.root=gathered); captured so, the graph would gather
+    # nothing and read those weights, frozen, at every replay.
     capture_call = 11
-    eager_norms, eager_params, _ = train("eager", reshard_after_forward, 1, evaluate_before_call=capture_call)
-    full_norms, full_params, full_phase = train("full", reshard_after_forward, 1, evaluate_before_call=capture_call)
+    eager_norms, eager_params, _ = train("eager", reshard_after_forward, 1, evaluate_before_call=capture_call,
+                                         root_gathered=root_gathered)
+    full_norms, full_params, full_phase = train("full", reshard_after_forward, 1, evaluate_before_call=capture_call,
+                                                root_gathered=root_gathered)
     assert full_phase == "graph"
     torch.testing.assert_close(full_norms, eager_norms, rtol=1e-3, atol=1e-5)
     for a, b in zip(eager_params, full_params):

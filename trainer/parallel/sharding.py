@@ -2,7 +2,8 @@
 
 Each of the recipe's blocks (``Recipe.blocks``: transformer layers, residual stages) is sharded
 on its own, then the root holds what is left (embeddings, head, final norm), on a 1-D mesh over
-all ranks. A block's parameters are all-gathered just before its forward (and again before its
+all ranks; ``train.fsdp.root`` says whether the root is resharded after forward like the blocks,
+kept gathered to backward, or split as torchtitan does (embeddings apart, resharded; the rest gathered). A block's parameters are all-gathered just before its forward (and again before its
 backward with ``train.fsdp.reshard_after_forward=true``) and its gradients reduce-scattered
 after its backward, on FSDP2's own streams, which overlap the neighbouring blocks' compute.
 The optimizer then steps on each rank's shards only (DTensors): a rank holds 1/N of the
@@ -45,6 +46,7 @@ class FSDPSpec:
     reshard_after_forward: bool
     reduce_dtype: str  # fp32 | bf16
     init: str  # host | meta
+    root: str = "resharded"  # resharded | gathered | split (conf/schema.py FSDPRoot)
 
 
 def fsdp_spec(cfg, precision: str, graph: GraphOptions, optimizer_target: str, optimizer_cls: type) -> FSDPSpec:
@@ -67,7 +69,7 @@ def fsdp_spec(cfg, precision: str, graph: GraphOptions, optimizer_target: str, o
                           f"{precision}: set train.precision=bf16, or train.fsdp.reduce_dtype=fp32")
     check_optimizer(optimizer_target, optimizer_cls, captured=graph.mode is GraphMode.full)
     return FSDPSpec(reshard_after_forward=t.fsdp.reshard_after_forward, reduce_dtype=t.fsdp.reduce_dtype.value,
-                    init=t.fsdp.init.value)
+                    init=t.fsdp.init.value, root=t.fsdp.root.value)
 
 
 def mixed_precision_policy(precision: str, reduce_dtype: str):
@@ -82,17 +84,46 @@ def mixed_precision_policy(precision: str, reduce_dtype: str):
 
 
 def shard_model(model: torch.nn.Module, blocks: Iterable[torch.nn.Module], device: torch.device, *,
-                precision: str, reshard_after_forward: bool, reduce_dtype: str) -> torch.nn.Module:
-    """``model`` sharded in place: each of ``blocks`` on its own, then the root, on a 1-D mesh of every rank."""
+                precision: str, reshard_after_forward: bool, reduce_dtype: str, root: str = "resharded",
+                recipe: str = "") -> torch.nn.Module:
+    """``model`` sharded in place: each of ``blocks`` on its own, then what they leave as ``root`` says
+    (``train.fsdp.root``), on a 1-D mesh of every rank."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     policy = mixed_precision_policy(precision, reduce_dtype)
+    blocks = list(blocks)
     for block in blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)  # the rest
+    if root == "split":
+        for embedding in embeddings_outside(model, blocks, recipe):
+            fully_shard(embedding, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    # The root's weights are the last gathered in forward and the first needed in backward: kept gathered, its
+    # all-gather runs once a step (FSDP2's default for a root; the capture guard reshards it before a capture:
+    # graphing/full.py reshard_units).
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward and root == "resharded",
+                mp_policy=policy)
     return model
+
+
+def embeddings_outside(model: torch.nn.Module, blocks: List[torch.nn.Module], recipe: str) -> List[torch.nn.Module]:
+    """The ``nn.Embedding`` modules of ``model`` outside ``blocks`` (``train.fsdp.root=split`` shards each on its
+    own); one whose weight another module also holds (a head tied to the embedding, as GPT-2's) is refused: FSDP2
+    cannot shard one parameter in two units."""
+    inside = {id(m) for block in blocks for m in block.modules()}
+    found = [m for m in model.modules() if isinstance(m, torch.nn.Embedding) and id(m) not in inside]
+    if not found:
+        raise ConfigError(f"train.fsdp.root=split: recipe {recipe!r} has no nn.Embedding outside its blocks to shard "
+                          "on its own: set train.fsdp.root=gathered (the root kept gathered) or resharded")
+    for embedding in found:
+        for name, module in model.named_modules():
+            if module is embedding or id(module) in {id(m) for m in embedding.modules()}:
+                continue
+            if any(p is embedding.weight for p in module.parameters(recurse=False)):
+                raise ConfigError(f"train.fsdp.root=split: recipe {recipe!r} ties its embedding's weight to {name} "
+                                  "(one parameter in two FSDP2 units): set train.fsdp.root=gathered, or untie them")
+    return found
 
 
 def materialize(model: torch.nn.Module, device: torch.device, init_weights, recipe: str) -> None:
@@ -168,7 +199,7 @@ def sharded_model(recipe, device: torch.device, spec, precision: str) -> torch.n
     if not on_meta:
         model = model.to(device)
     shard_model(model, blocks, device, precision=precision, reshard_after_forward=spec.reshard_after_forward,
-                reduce_dtype=spec.reduce_dtype)
+                reduce_dtype=spec.reduce_dtype, root=spec.root, recipe=recipe.name)
     if on_meta:
         materialize(model, device, recipe.init_weights, recipe.name)
     return model
