@@ -478,32 +478,51 @@ def test_a_stuck_reading_worker_ends_the_wait_with_a_message_naming_it(worker_ti
     assert not [pid for pid in pids if is_live(pid)], "a worker outlived the error by 10 s"
 
 
-class DiesAt(torch.utils.data.Dataset):
-    """Items (i, 0), plain numbers (no tensor's file descriptor to fetch from a worker that is gone); the
-    worker that reads item ``dies`` ends at once, as one killed from outside does."""
+class StuckAndSaysWhere(torch.utils.data.Dataset):
+    """Items (x, 0); the worker that reads item ``stuck`` writes its pid to ``pid_file``, then sleeps."""
 
-    def __init__(self, n: int, dies: int):
-        self.n, self.dies = n, dies
+    def __init__(self, n: int, stuck: int, pid_file: str):
+        self.n, self.stuck, self.pid_file = n, stuck, pid_file
 
     def __len__(self):
         return self.n
 
     def __getitem__(self, i):
-        if i == self.dies:
-            os._exit(1)
-        return float(i), 0
+        if i == self.stuck:
+            with open(self.pid_file + ".tmp", "w") as f:
+                f.write(str(os.getpid()))
+            os.rename(self.pid_file + ".tmp", self.pid_file)
+            time.sleep(600)
+        return torch.tensor([float(i)]), 0
 
 
-def test_a_dead_worker_ends_the_wait_within_seconds_not_after_the_whole_timeout():
-    """The wait for a batch is sliced (trainer/data/workers.py LIVENESS_CHECK_S): a worker that died is named
-    within a slice, although the run's worker_timeout_s (300 s by default) is far longer."""
+def test_a_dead_worker_ends_the_wait_within_seconds_not_after_the_whole_timeout(tmp_path):
+    """The wait for a batch is sliced (trainer/data/workers.py LIVENESS_CHECK_S): a worker killed from outside while
+    the rank waits for its batch is named within a slice, although the run's worker_timeout_s (300 s by default)
+    is far longer."""
+    import threading
+
     from trainer.data import read_every_item
     from trainer.data.workers import LIVENESS_CHECK_S, LoaderStuck
 
-    began = time.monotonic()
+    pid_file = tmp_path / "stuck.pid"
+
+    def kill_the_stuck_worker():
+        deadline = time.monotonic() + 60
+        while not pid_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if pid_file.exists():
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_the_stuck_worker, daemon=True)
+    killer.start()
     with pytest.raises(RuntimeError) as died:
-        read_every_item(DiesAt(64, dies=40), num_workers=2, batch=8)
-    waited = time.monotonic() - began
+        # Item 8 opens the second batch, the second worker's first: it sent nothing before it (a batch of a worker
+        # killed before the rank fetched its tensors' shared memory would fail differently).
+        read_every_item(StuckAndSaysWhere(64, stuck=8, pid_file=str(pid_file)), num_workers=2, batch=8)
+    killed_at = pid_file.stat().st_mtime
+    waited = time.time() - killed_at
+    killer.join()
     assert not isinstance(died.value, LoaderStuck), died.value
-    assert "exited unexpectedly" in str(died.value), died.value
-    assert waited < 2 * LIVENESS_CHECK_S + 5, f"the rank waited {waited:.1f} s for a dead worker"
+    assert "exited unexpectedly" in str(died.value) and pid_file.read_text() in str(died.value), died.value
+    assert waited < 2 * LIVENESS_CHECK_S, f"the rank waited {waited:.1f} s for a dead worker"
