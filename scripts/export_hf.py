@@ -26,6 +26,7 @@ import json
 import os
 import shutil
 import sys
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +59,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="the files' dtype (default: the checkpoint's, fp32 for this trainer's weights)")
     parser.add_argument("--shard-gb", type=float, default=5.0, help="largest safetensors file, in GB")
     args = parser.parse_args(argv)
+    began = time.perf_counter()
     out = args.out.expanduser().resolve()
     if out.exists():
         refuse(f"--out {out} exists: give a new directory (an export never writes over one)")
@@ -99,8 +101,17 @@ def main(argv: Optional[List[str]] = None) -> int:
         shutil.rmtree(temp, ignore_errors=True)
         raise
     print(f"export_hf: {checkpoint} -> {out}: {len(weights)} weights in {len(files)} safetensors file(s)"
-          f"{f' ({len(tied)} tied, written once: ' + ', '.join(sorted(tied)) + ')' if tied else ''}")
+          f"{f' ({len(tied)} tied, written once: ' + ', '.join(sorted(tied)) + ')' if tied else ''}; "
+          f"{time.perf_counter() - began:.1f} s, peak host memory {peak_rss_gib():.2f} GiB")
     return 0
+
+
+def peak_rss_gib() -> float:
+    """This process's peak resident memory (Linux reports kibibytes, macOS bytes)."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (2**30 if sys.platform == "darwin" else 2**20)
 
 
 def newest_checkpoint(run_dir: Path) -> Path:

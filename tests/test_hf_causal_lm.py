@@ -348,6 +348,9 @@ def test_a_trained_model_exports_to_a_directory_transformers_reloads_with_the_sa
     for name, run_dir in (("llama", llama.run_dir), ("gpt2", sharded.run_dir)):
         exported = export(run_dir, tmp_path / f"{name}_hf")
         assert exported.returncode == 0, exported.stderr[-3000:]
+        # It says what it cost: a tiny model's export is the interpreter, torch and transformers, well under 2 GiB.
+        peak = float(exported.stdout.split("peak host memory ")[1].split(" GiB")[0])
+        assert 0.05 < peak < 2.0, exported.stdout
         files = sorted(p.name for p in (tmp_path / f"{name}_hf").iterdir())
         assert files == (["config.json", "generation_config.json", "model.safetensors"] if name == "gpt2" else
                          ["config.json", "model.safetensors"]), files
