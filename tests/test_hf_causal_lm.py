@@ -400,7 +400,10 @@ def test_a_run_writes_its_trained_model_at_its_end_from_the_shards_without_a_che
     assert sharded.returncode == 0, sharded.output[-3000:]
     whole = train_here([*common, f"checkpoint.export={tmp_path / 'llama_hf'}"], tmp_path / "llama")
     assert whole.returncode == 0, whole.stderr[-3000:]
-    assert f"exported the trained model to {tmp_path / 'llama_hf'}" in whole.stdout
+    assert f"exported the trained model to {tmp_path / 'llama_hf'} in " in whole.stdout
+    for run in (sharded.output, whole.stdout):  # what it cost, said once (rank 0, the ranks' highest)
+        assert run.count("peak host memory of a rank ") == 1, run[-3000:]
+        assert 0.05 < float(run.split("peak host memory of a rank ")[1].split(" GiB")[0]) < 4.0, run[-3000:]
     for name, run in (("gpt2", sharded), ("llama", whole)):
         exported = tmp_path / f"{name}_hf"
         kept = sorted(p.name for p in exported.iterdir())

@@ -57,7 +57,7 @@ def test_a_run_trained_with_graphs_writes_its_model_from_its_shards_and_transfor
                    f"checkpoint.export={exported}"], out / "train", nproc=2, timeout=300)
     assert done.returncode == 0, done.output[-4000:]
     results = done.results()
-    assert results["timed_phase"] == "graph" and f"exported the trained model to {exported}" in done.output
+    assert results["timed_phase"] == "graph" and f"exported the trained model to {exported} in " in done.output
     reloaded = _eval(launch([*COMMON, f"recipe.model.path={exported}", "train.eval_only=true"], out / "reloaded",
                             nproc=None, timeout=300))
     assert reloaded["param_digests"][0] == results["param_digests"][0]  # the run's final weights, exactly

@@ -200,6 +200,9 @@ class Trainer:
         collective) into a temporary directory beside ``final``, renamed to ``final`` once whole."""
         rt = self.rt
         temp = final.parent / f".{final.name}.tmp"
+        began = time.perf_counter()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
         if rt.is_main:
             shutil.rmtree(temp, ignore_errors=True)  # an earlier attempt's, stopped mid-write
             temp.mkdir(parents=True)
@@ -209,8 +212,24 @@ class Trainer:
         if rt.is_main:
             os.replace(temp, final)
         rt.barrier()
-        print_once(f"exported the trained model to {final}")
+        print_once(f"exported the trained model to {final} in {time.perf_counter() - began:.1f} s; "
+                   f"{self._export_memory()}")
         return final
+
+    def _export_memory(self) -> str:
+        """What the export held at most on any rank: the process's peak host memory (over the whole run: the
+        export's own is at most that) and the GPU's peak allocation during the export."""
+        import resource
+        import sys
+
+        host = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+        gpu = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0
+        peaks = torch.tensor([float(host), float(gpu)], dtype=torch.float64, device=self.device)
+        if self.rt.distributed:
+            dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+        host, gpu = (v / 2**30 for v in peaks.tolist())
+        return (f"peak host memory of a rank {host:.2f} GiB (its whole run)"
+                + (f", peak GPU memory allocated during the export {gpu:.2f} GiB" if self.device.type == "cuda" else ""))
 
     def close(self) -> None:
         """Releases graphs (before the process group goes) and the loaders' workers."""
