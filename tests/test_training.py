@@ -49,6 +49,9 @@ def test_the_run_says_its_fixed_costs(ddp_run):
     assert 0 < results["time/first_step_s"] < results["train_loop_s"]
     assert 0 <= results["time/after_last_step_s"] < 10
     assert "time/until_first_graph_step_s" not in results  # no graph on the CPU
+    # rank 0's peak host memory: the interpreter, torch and the run (a model loaded on the host would show here)
+    assert 100 < results["perf/peak_host_mib"] < 8192
+    assert "perf/peak_reserved_mib" not in results  # no GPU
 
 
 def test_one_run_directory_holds_every_rank_log_and_the_metrics(ddp_run):

@@ -219,10 +219,9 @@ class Trainer:
     def _export_memory(self) -> str:
         """What the export held at most on any rank: the process's peak host memory (over the whole run: the
         export's own is at most that) and the GPU's peak allocation during the export."""
-        import resource
-        import sys
+        from trainer.metrics.perf import peak_host_mib
 
-        host = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+        host = peak_host_mib() * 2**20
         gpu = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0
         peaks = torch.tensor([float(host), float(gpu)], dtype=torch.float64, device=self.device)
         if self.rt.distributed:

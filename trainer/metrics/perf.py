@@ -118,6 +118,7 @@ class Perf:
         if peak is not None and self.flops_per_unit > 0:
             out["perf/mfu_peak"], out["perf/mfu_peak_tflops"] = peak
             out["perf/flops_per_unit"] = self.flops_per_unit
+        out["perf/peak_host_mib"] = peak_host_mib()  # this rank's process: a model loaded on the host shows here
         if self.device.type == "cuda":
             out["perf/peak_allocated_mib"] = torch.cuda.max_memory_allocated(self.device) / 2**20
             out["perf/peak_reserved_mib"] = torch.cuda.max_memory_reserved(self.device) / 2**20
@@ -142,3 +143,11 @@ class Perf:
                          bar=("mode", per_s))
         return result
 
+
+def peak_host_mib() -> float:
+    """This process's peak resident host memory so far, in MiB (Linux reports KiB, macOS bytes)."""
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (2**20 if sys.platform == "darwin" else 2**10)
