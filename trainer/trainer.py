@@ -227,8 +227,8 @@ class Trainer:
         if self.rt.distributed:
             dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
         host, gpu = (v / 2**30 for v in peaks.tolist())
-        return (f"peak host memory of a rank {host:.2f} GiB (its whole run)"
-                + (f", peak GPU memory allocated during the export {gpu:.2f} GiB" if self.device.type == "cuda" else ""))
+        during = f", peak GPU memory allocated during the export {gpu:.2f} GiB" if self.device.type == "cuda" else ""
+        return f"peak host memory of a rank {host:.2f} GiB (its whole run){during}"
 
     def close(self) -> None:
         """Releases graphs (before the process group goes) and the loaders' workers."""

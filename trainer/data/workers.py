@@ -137,9 +137,10 @@ def batches(loader: torch.utils.data.DataLoader, iterator: Optional[Iterator] = 
                     continue
                 pids = ", ".join(str(w.pid) for w in getattr(iterator, "_workers", []))
                 raise LoaderStuck(
-                    f"the DataLoader workers reading {what} (pids {pids}) sent no batch for {_settings.timeout_s:g} s: one is "
-                    "stuck or far too slow. Set recipe.data.num_workers=0 to read in the rank itself and see where "
-                    "it stops, or raise recipe.data.worker_timeout_s for items that take that long") from e
+                    f"the DataLoader workers reading {what} (pids {pids}) sent no batch for "
+                    f"{_settings.timeout_s:g} s: one is stuck or far too slow. Set recipe.data.num_workers=0 to read "
+                    "in the rank itself and see where it stops, or raise recipe.data.worker_timeout_s for items that "
+                    "take that long") from e
         yield item
 
 

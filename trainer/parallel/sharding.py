@@ -3,7 +3,8 @@
 Each of the recipe's blocks (``Recipe.blocks``: transformer layers, residual stages) is sharded
 on its own, then the root holds what is left (embeddings, head, final norm), on a 1-D mesh over
 all ranks; ``train.fsdp.root`` says whether the root is resharded after forward like the blocks,
-kept gathered to backward, or split as torchtitan does (embeddings apart, resharded; the rest gathered). A block's parameters are all-gathered just before its forward (and again before its
+kept gathered to backward, or split as torchtitan does (embeddings apart, resharded; the rest
+gathered). A block's parameters are all-gathered just before its forward (and again before its
 backward with ``train.fsdp.reshard_after_forward=true``) and its gradients reduce-scattered
 after its backward, on FSDP2's own streams, which overlap the neighbouring blocks' compute.
 The optimizer then steps on each rank's shards only (DTensors): a rank holds 1/N of the
