@@ -283,6 +283,7 @@ class Trainer:
                         self.checkpoints.saved()
                         self.state.save(step, step // self.steps_per_epoch, self.logger.run_id,
                                        before=self.logger.write_pending)  # rows a full disk held back
+                        self.stop.soon(step)  # a save's seconds are not in the stop check's spacing
                     self.perf.timer.restart()
                 if preempted:
                     raise Preempted(step, self.state.last_saved, self.rt.run_dir)
@@ -292,6 +293,7 @@ class Trainer:
                     close_bar(bar)
                     bar = None
                     self._evaluate_and_log(step, epoch + 1)
+                    self.stop.soon(step)  # nor an evaluation's
                 if at.last:
                     break
             close_bar(bar)

@@ -120,6 +120,10 @@ class StopAgreement:
     measured from its own step rate so that the spacing is in seconds, not steps. Every
     rank therefore checks at the same steps and stops at the same one. One process needs
     no agreement and checks its own flag every step, for free.
+
+    A spacing measured over steps alone does not foresee what runs between them (an
+    evaluation, a checkpoint): after each, ``soon`` makes the next step a check, so that a
+    run of short epochs with long evaluations still stops well inside ``TERM_GRACE_S``.
     """
 
     def __init__(self, rt, interval_s: float = 2.0):
@@ -130,6 +134,10 @@ class StopAgreement:
     def start(self, step: int) -> None:
         self.next_check = step + 1
         self._since = (step, time.perf_counter())
+
+    def soon(self, step: int) -> None:
+        """After work that is not a step (every rank does it at the same step): the next step checks."""
+        self.next_check = min(self.next_check, step + 1)
 
     def should_stop(self, step: int) -> bool:
         if not self.rt.distributed:
