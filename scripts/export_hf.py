@@ -35,6 +35,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scripts.lib.refuse import refuse  # noqa: E402
+from trainer.metrics.perf import peak_host_mib  # noqa: E402
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -102,16 +103,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         raise
     print(f"export_hf: {checkpoint} -> {out}: {len(weights)} weights in {len(files)} safetensors file(s)"
           f"{f' ({len(tied)} tied, written once: ' + ', '.join(sorted(tied)) + ')' if tied else ''}; "
-          f"{time.perf_counter() - began:.1f} s, peak host memory {peak_rss_gib():.2f} GiB")
+          f"{time.perf_counter() - began:.1f} s, peak host memory {peak_host_mib() / 1024:.2f} GiB")
     return 0
-
-
-def peak_rss_gib() -> float:
-    """This process's peak resident memory (Linux reports kibibytes, macOS bytes)."""
-    import resource
-
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / (2**30 if sys.platform == "darwin" else 2**20)
 
 
 def newest_checkpoint(run_dir: Path) -> Path:

@@ -10,7 +10,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
-from typing import List
+from typing import List, Optional
 
 import pytest
 import torch
@@ -437,16 +437,21 @@ def test_a_rank_that_exits_with_stuck_workers_and_its_loader_referenced_still_en
 
 
 class StuckAt(torch.utils.data.Dataset):
-    """Items (x, 0); reading item ``stuck`` takes ``seconds``."""
+    """Items (x, 0); reading item ``stuck`` takes ``seconds``, and first writes the reading worker's pid to
+    ``pid_file`` where one is given."""
 
-    def __init__(self, n: int, stuck: int, seconds: float):
-        self.n, self.stuck, self.seconds = n, stuck, seconds
+    def __init__(self, n: int, stuck: int, seconds: float, pid_file: Optional[str] = None):
+        self.n, self.stuck, self.seconds, self.pid_file = n, stuck, seconds, pid_file
 
     def __len__(self):
         return self.n
 
     def __getitem__(self, i):
         if i == self.stuck:
+            if self.pid_file:
+                with open(self.pid_file + ".tmp", "w") as f:
+                    f.write(str(os.getpid()))
+                os.rename(self.pid_file + ".tmp", self.pid_file)
             time.sleep(self.seconds)
         return torch.tensor([float(i)]), 0
 
@@ -478,24 +483,6 @@ def test_a_stuck_reading_worker_ends_the_wait_with_a_message_naming_it(worker_ti
     assert not [pid for pid in pids if is_live(pid)], "a worker outlived the error by 10 s"
 
 
-class StuckAndSaysWhere(torch.utils.data.Dataset):
-    """Items (x, 0); the worker that reads item ``stuck`` writes its pid to ``pid_file``, then sleeps."""
-
-    def __init__(self, n: int, stuck: int, pid_file: str):
-        self.n, self.stuck, self.pid_file = n, stuck, pid_file
-
-    def __len__(self):
-        return self.n
-
-    def __getitem__(self, i):
-        if i == self.stuck:
-            with open(self.pid_file + ".tmp", "w") as f:
-                f.write(str(os.getpid()))
-            os.rename(self.pid_file + ".tmp", self.pid_file)
-            time.sleep(600)
-        return torch.tensor([float(i)]), 0
-
-
 def test_a_dead_worker_ends_the_wait_within_seconds_not_after_the_whole_timeout(tmp_path):
     """The wait for a batch is sliced (trainer/data/workers.py LIVENESS_CHECK_S): a worker killed from outside while
     the rank waits for its batch is named within a slice, although the run's worker_timeout_s (300 s by default)
@@ -519,7 +506,7 @@ def test_a_dead_worker_ends_the_wait_within_seconds_not_after_the_whole_timeout(
     with pytest.raises(RuntimeError) as died:
         # Item 8 opens the second batch, the second worker's first: it sent nothing before it (a batch of a worker
         # killed before the rank fetched its tensors' shared memory would fail differently).
-        read_every_item(StuckAndSaysWhere(64, stuck=8, pid_file=str(pid_file)), num_workers=2, batch=8)
+        read_every_item(StuckAt(64, stuck=8, seconds=600, pid_file=str(pid_file)), num_workers=2, batch=8)
     killed_at = pid_file.stat().st_mtime
     waited = time.time() - killed_at
     killer.join()

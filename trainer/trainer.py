@@ -221,12 +221,11 @@ class Trainer:
         export's own is at most that) and the GPU's peak allocation during the export."""
         from trainer.metrics.perf import peak_host_mib
 
-        host = peak_host_mib() * 2**20
-        gpu = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0
-        peaks = torch.tensor([float(host), float(gpu)], dtype=torch.float64, device=self.device)
+        gpu = torch.cuda.max_memory_allocated(self.device) / 2**20 if self.device.type == "cuda" else 0.0
+        peaks = torch.tensor([peak_host_mib(), gpu], dtype=torch.float64, device=self.device)  # MiB
         if self.rt.distributed:
             dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
-        host, gpu = (v / 2**30 for v in peaks.tolist())
+        host, gpu = (v / 1024 for v in peaks.tolist())
         during = f", peak GPU memory allocated during the export {gpu:.2f} GiB" if self.device.type == "cuda" else ""
         return f"peak host memory of a rank {host:.2f} GiB (its whole run){during}"
 

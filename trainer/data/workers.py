@@ -122,26 +122,24 @@ def batches(loader: torch.utils.data.DataLoader, iterator: Optional[Iterator] = 
     looks for dead workers and raises naming them, so that a worker killed from outside ends the wait in
     seconds rather than after the whole timeout. A timed-out wait changes nothing in the iterator; it waits again."""
     iterator = iter(loader) if iterator is None else iterator
+    began = time.monotonic()
     while True:
-        began = time.monotonic()
-        while True:
-            try:
-                item = next(iterator)
-                break
-            except StopIteration:
-                return
-            except RuntimeError as e:
-                if not str(e).startswith("DataLoader timed out"):  # torch's words for a wait past ``timeout``
-                    raise
-                if time.monotonic() - began < _settings.timeout_s:
-                    continue
-                pids = ", ".join(str(w.pid) for w in getattr(iterator, "_workers", []))
-                raise LoaderStuck(
-                    f"the DataLoader workers reading {what} (pids {pids}) sent no batch for "
-                    f"{_settings.timeout_s:g} s: one is stuck or far too slow. Set recipe.data.num_workers=0 to read "
-                    "in the rank itself and see where it stops, or raise recipe.data.worker_timeout_s for items that "
-                    "take that long") from e
+        try:
+            item = next(iterator)
+        except StopIteration:
+            return
+        except RuntimeError as e:
+            if not str(e).startswith("DataLoader timed out"):  # torch's words for a wait past ``timeout``
+                raise
+            if time.monotonic() - began < _settings.timeout_s:
+                continue  # one slice of the wait: DataLoader found no dead worker
+            pids = ", ".join(str(w.pid) for w in getattr(iterator, "_workers", []))
+            raise LoaderStuck(
+                f"the DataLoader workers reading {what} (pids {pids}) sent no batch for {_settings.timeout_s:g} s: "
+                "one is stuck or far too slow. Set recipe.data.num_workers=0 to read in the rank itself and see "
+                "where it stops, or raise recipe.data.worker_timeout_s for items that take that long") from e
         yield item
+        began = time.monotonic()  # the next batch's wait starts when the loop asks for it
 
 
 def _worker_init(rank_pid: int, _worker_id: int) -> None:

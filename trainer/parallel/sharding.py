@@ -118,8 +118,9 @@ def embeddings_outside(model: torch.nn.Module, blocks: List[torch.nn.Module], re
         raise ConfigError(f"train.fsdp.root=split: recipe {recipe!r} has no nn.Embedding outside its blocks to shard "
                           "on its own: set train.fsdp.root=gathered (the root kept gathered) or resharded")
     for embedding in found:
+        own = {id(m) for m in embedding.modules()}
         for name, module in model.named_modules():
-            if module is embedding or id(module) in {id(m) for m in embedding.modules()}:
+            if id(module) in own:
                 continue
             if any(p is embedding.weight for p in module.parameters(recurse=False)):
                 raise ConfigError(f"train.fsdp.root=split: recipe {recipe!r} ties its embedding's weight to {name} "
