@@ -90,6 +90,7 @@ import json
 import math
 import os
 import shlex
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -111,14 +112,16 @@ from scripts.lib.llama3 import (  # noqa: E402
     parameter_count, training_flops_per_token,
 )
 from scripts.lib.refuse import refuse  # noqa: E402
+from conf.schema import FSDPRoot  # noqa: E402
 from trainer.run.cli import script_config  # noqa: E402
 from trainer.metrics.results import markdown_table, write_json  # noqa: E402
 
 SCRIPT = "bench_torchtitan.py"
 TORCHTITAN = "0.2.2"  # the release read for the shapes and settings; scripts/requirements-torchtitan.txt pins it
 THEIRS, OURS = ("eager", "compiled"), ("full", "full_compiled")
-RESHARDS = ("after-forward", "never")
-ROOTS = ("resharded", "gathered", "split")  # train.fsdp.root: this repo's side only (--root)  # FSDP2 on both sides: each side's default, or weights kept gathered
+RESHARDS = ("after-forward", "never")  # FSDP2 on both sides: each side's default, or weights kept gathered
+GLOBAL_BATCH = 4  # --strong-scaling's sequences a step over all GPUs: 1b at 4 x 8192 tokens fits one GPU
+ROOTS = tuple(r.value for r in FSDPRoot)  # train.fsdp.root's own choices: this repo's side only (--root)
 TORCHTITAN_ALLOC_CONF = "expandable_segments:True"  # torchtitan's launcher (run_train.sh) runs its trainer with it
 INSTALL = (f"install it: pip install -r scripts/requirements-torchtitan.txt (torchtitan=={TORCHTITAN} and its "
            "requirements). On a machine without a package index, bring them as wheels: on one with pip, "
@@ -199,7 +202,7 @@ def plans(args: argparse.Namespace, nproc: int) -> List[Plan]:
     """Each size's plan on ``nproc`` GPUs; with ``--strong-scaling``, one per GPU count of ``scaling_counts``, each
     with the same global batch (``--global-batch`` sequences a step, split over the GPUs)."""
     sizes = list(SHAPES) if args.size == "both" else [args.size]
-    global_batch = args.global_batch or 4
+    global_batch = args.global_batch or GLOBAL_BATCH
     layouts = ([(n, global_batch // n) for n in scaling_counts(global_batch, nproc)]
                if args.strong_scaling else [(nproc, args.local_batch)])
     return [Plan(SHAPES[size], n, args.seq_len, local_batch, args.warmup_steps, args.steps,
@@ -428,12 +431,9 @@ def matched_key(row: Dict[str, Any]) -> Tuple:
             reshard_of(row), bool(row.get("float8", False)), bool(row.get("matched_init", False)))
 
 
-def _median(values: Sequence[float]) -> Optional[float]:
-    values = sorted(v for v in values if v is not None)
-    if not values:
-        return None
-    middle = len(values) // 2
-    return values[middle] if len(values) % 2 else (values[middle - 1] + values[middle]) / 2
+def _median(values: Sequence[Optional[float]]) -> Optional[float]:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
 
 
 def _final_mean(losses: Sequence[Optional[float]], window: int = 10) -> Optional[float]:
@@ -668,10 +668,9 @@ def profile_report(rows: Sequence[Dict[str, Any]]) -> List[str]:
 # ---- running ---------------------------------------------------------------------------
 
 def plan_folder(plan: Plan, runs: Path, repeat: int, repeats: int) -> Path:
-    """Where one run of ``plan`` goes: by size, then by GPU count and tokens where a series holds several, then
-    by repeat."""
-    folder = runs / plan.shape.name
-    folder = folder / f"{plan.nproc}gpu_{plan.seq_len}x{plan.local_batch}"
+    """Where one run of ``plan`` goes: by size, GPU count and tokens (a strong-scaling series holds several), then
+    by repeat where there are several."""
+    folder = runs / plan.shape.name / f"{plan.nproc}gpu_{plan.seq_len}x{plan.local_batch}"
     return folder / f"repeat{repeat + 1}" if repeats > 1 else folder
 
 
@@ -791,7 +790,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="one global batch (--global-batch sequences a step) on 1, 2, 4, ... GPUs up to --nproc, "
                              "both sides: tokens/s per GPU and scaling efficiency")
     parser.add_argument("--global-batch", type=positive_int, default=None,
-                        help="sequences a step over all GPUs, with --strong-scaling (default 4)")
+                        help=f"sequences a step over all GPUs, with --strong-scaling (default {GLOBAL_BATCH})")
     parser.add_argument("--alloc-conf", default=TORCHTITAN_ALLOC_CONF,
                         help="PYTORCH_CUDA_ALLOC_CONF for both sides (default: torchtitan's launcher's, "
                              f"{TORCHTITAN_ALLOC_CONF!r}; '' for torch's default allocator)")
@@ -831,7 +830,6 @@ def check(parser: Parser, args: argparse.Namespace) -> None:
         parser.error("--global-batch is the batch of a --strong-scaling series: add --strong-scaling, or set "
                      "--local-batch for one GPU count")
     if args.strong_scaling:
-        args.global_batch = args.global_batch or 4
         if args.local_batch != 1:
             parser.error("--strong-scaling splits --global-batch over the GPUs: drop --local-batch")
         if args.nproc == 1:
