@@ -35,7 +35,6 @@ from typing import Callable, Dict, List, Optional, Tuple
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scripts.lib.refuse import refuse  # noqa: E402
-from trainer.metrics.perf import peak_host_mib  # noqa: E402
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -101,6 +100,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)
         raise
+    from trainer.metrics.perf import peak_host_mib  # imports torch: not at --help
+
     print(f"export_hf: {checkpoint} -> {out}: {len(weights)} weights in {len(files)} safetensors file(s)"
           f"{f' ({len(tied)} tied, written once: ' + ', '.join(sorted(tied)) + ')' if tied else ''}; "
           f"{time.perf_counter() - began:.1f} s, peak host memory {peak_host_mib() / 1024:.2f} GiB")
