@@ -3,14 +3,17 @@ side in one call, and what each lever of issue 24 is worth.
 
     python scripts/bench_gpt2.py                              # micro-batches 16 and 32
     python scripts/bench_gpt2.py --batch-sizes 16,32,64 --levers
+    python scripts/bench_gpt2.py --batch-sizes 16 --levers graphed,accuracy
     python scripts/bench_gpt2.py --autotune --inductor-cache .inductor_cache
     python scripts/bench_gpt2.py --batch-sizes 16 recipe.data.batch_size=8   # refused: the script sets it
 
 For each micro-batch: the reference (its settings pinned in its file), then
-``train.py recipe=gpt2_small graph=full_compiled recipe.accuracy=false`` on synthetic tokens,
-evaluation off. ``--levers`` adds, at the first micro-batch, one run per lever with it undone
-or tried: the reference with the chunked linear + cross-entropy loss; the project with its
-accuracy on, with LayerNorm biases, as ``graph=full`` (model not compiled) and ``graph=eager``.
+``train.py recipe=gpt2_small graph=full_compiled`` as a user runs it (the recipe's defaults, top-1
+accuracy counted included) on synthetic tokens, evaluation off. ``--levers`` adds, at the first
+micro-batch, one run per lever with it undone or tried (``--levers graphed,accuracy`` names some):
+the reference with the chunked linear + cross-entropy loss (``chunked``) and graphed through
+graphing.GraphedStep (``graphed``); the project with its accuracy off (``accuracy``), with LayerNorm
+biases (``biases``), as ``graph=full`` (model not compiled, ``full``) and ``graph=eager`` (``eager``).
 ``--autotune`` adds the project with ``graph.compile_mode=max_autotune_no_cudagraphs`` twice,
 sharing one inductor cache (``--inductor-cache``, default a fresh directory): the first run
 fills it unless it was carried in, the second finds it. Milliseconds are the median step
@@ -34,11 +37,22 @@ from scripts.lib.launch import check_overrides, run_or_exit  # noqa: E402
 from trainer.run.cli import script_config  # noqa: E402
 
 CONTEXT = 1024
-PROJECT = ["recipe=gpt2_small", "graph=full_compiled", "recipe.accuracy=false", "recipe.data.source=synthetic",
+PROJECT = ["recipe=gpt2_small", "graph=full_compiled", "recipe.data.source=synthetic",
            "logger=none", "train.progress=false", "train.eval=false", "checkpoint.keep=1",
            "train.epochs=1000", "checkpoint.every_epochs=0", "checkpoint.every_minutes=0"]  # --steps alone ends a run
 SETS = ("recipe.data.batch_size", "graph", "run_dir", "train.max_steps")  # the script's, per run
 WARMUP = 12  # the reference's untimed steps: train.py's 11 warm-up steps and its capture
+REFERENCE_LEVERS = {  # lever: (row name, the reference's arguments)
+    "chunked": ("reference, chunked linear + cross-entropy", ("--loss", "chunked")),
+    "graphed": ("reference, graphed (graphing.GraphedStep)", ("--graphed",)),
+}
+PROJECT_LEVERS = {  # lever: (row name, the project's override)
+    "accuracy": ("project: accuracy off", "recipe.accuracy=false"),
+    "biases": ("project: LayerNorm biases", "recipe.model.layer_norm_bias=true"),
+    "full": ("project: graph=full (model not compiled)", "graph=full"),
+    "eager": ("project: graph=eager (model not compiled)", "graph=eager"),
+}
+LEVERS = (*REFERENCE_LEVERS, *PROJECT_LEVERS)
 
 
 def main() -> int:
@@ -48,7 +62,8 @@ def main() -> int:
                         help="steps per run, the reference's included (its first 12 untimed, as train.py's warm-up "
                              "and capture): under sustained load an H200's step slows by up to 4%%, so runs of "
                              "different lengths are not comparable")
-    parser.add_argument("--levers", action="store_true", help="one run per lever at the first micro-batch")
+    parser.add_argument("--levers", nargs="?", const=",".join(LEVERS), default="",
+                        help=f"one run per lever at the first micro-batch: all, or some of {', '.join(LEVERS)}")
     parser.add_argument("--autotune", action="store_true",
                         help="graph.compile_mode=max_autotune_no_cudagraphs twice, sharing an inductor cache")
     parser.add_argument("--inductor-cache", type=Path, default=None,
@@ -58,6 +73,10 @@ def main() -> int:
     args, cfg = script_config(parser, defaults=PROJECT)
     check_overrides(args.overrides, SETS, "bench_gpt2.py")
     sizes = [int(b) for b in args.batch_sizes.split(",")]
+    levers = [name for name in args.levers.split(",") if name]
+    unknown = sorted(set(levers) - set(LEVERS))
+    if unknown:
+        parser.error(f"--levers: no lever {', '.join(unknown)}; the levers are {', '.join(LEVERS)}")
     rows: List[Dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as scratch:
         def project(name: str, batch: int, *extra: str, env: Optional[Dict[str, str]] = None) -> None:
@@ -65,14 +84,15 @@ def main() -> int:
 
         for batch in sizes:
             rows.append(run_reference("reference", batch, args))
-            project("project: full_compiled, accuracy off", batch)
-        if args.levers:
-            first = sizes[0]
-            rows.append(run_reference("reference, chunked linear + cross-entropy", first, args, "--loss", "chunked"))
-            project("project: accuracy on (as before issue 24)", first, "recipe.accuracy=true")
-            project("project: LayerNorm biases", first, "recipe.model.layer_norm_bias=true")
-            project("project: graph=full (model not compiled)", first, "graph=full")
-            project("project: graph=eager (model not compiled)", first, "graph=eager")
+            project("project: full_compiled, recipe defaults", batch)
+        first = sizes[0]
+        for lever in levers:
+            if lever in REFERENCE_LEVERS:
+                name, extra = REFERENCE_LEVERS[lever]
+                rows.append(run_reference(name, first, args, *extra))
+            else:
+                name, override = PROJECT_LEVERS[lever]
+                project(name, first, override)
         if args.autotune:
             cache = args.inductor_cache or Path(scratch, "inductor")
             carried = cache.is_dir() and any(cache.iterdir())

@@ -1,4 +1,4 @@
-"""recipe.accuracy=false: the metrics are the loss alone (no argmax over a language model's
+"""recipe.accuracy=false: the metrics are the loss alone (no top-1 over a language model's
 vocabulary in every step), and the training itself is unchanged."""
 from __future__ import annotations
 
@@ -27,3 +27,22 @@ def test_without_accuracy_the_same_training_logs_the_loss_alone(train_here, out)
                    for name, done in runs.items()}
     assert epoch_lines["false"] and not any("accuracy" in line for line in epoch_lines["false"])
     assert all("accuracy" in line for line in epoch_lines["true"])
+
+
+def test_top1_correct_is_the_label_scoring_highest_ties_included_padding_excluded():
+    """top1_correct compares the label's score with the row's maximum (what a compiled loss reads in its own
+    pass): without ties the argmax's answer, a label tied with the highest counts, a -100 label never does."""
+    import torch
+    from trainer.recipe import top1_correct
+
+    torch.manual_seed(0)
+    logits = torch.randn(4, 9, 50)  # (batch, tokens, vocabulary): no ties among random floats
+    labels = torch.randint(0, 50, (4, 9))
+    labels[0, :5] = logits[0, :5].argmax(-1)  # some right, so both answers occur
+    assert torch.equal(top1_correct(logits, labels), logits.argmax(-1) == labels)
+    assert top1_correct(logits, labels).sum() >= 5
+    tied = torch.tensor([[1.0, 3.0, 3.0], [2.0, 2.0, 0.0]])
+    assert top1_correct(tied, torch.tensor([2, 0])).tolist() == [True, True]  # argmax would say [False, True]
+    assert top1_correct(tied, torch.tensor([0, 2])).tolist() == [False, False]
+    padded = torch.tensor([-100, 1], dtype=torch.int32)  # an ignore index; int32 labels as some datasets give them
+    assert top1_correct(tied, padded).tolist() == [False, True]

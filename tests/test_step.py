@@ -2,6 +2,7 @@
 what it counts, and when it advances its device step counter."""
 from __future__ import annotations
 
+import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,11 +18,13 @@ from trainer.step.steps import (EvalStep, StepSettings, TrainStep, build_step_mo
 CPU = StepSettings(device=torch.device("cpu"))
 
 
-def step_model(recipe, with_loss=False, accuracy=True):
+def step_model(recipe, with_loss=False, accuracy=True, count_with_loss=False):
     """The step's view of ``recipe.model`` as assembly builds it, around an eager executor;
-    ``with_loss``: the model and its loss as one ModelAndLoss, as graph.compile_model builds it."""
+    ``with_loss``: the model and its loss as one ModelAndLoss, as graph.compile_model builds it;
+    ``count_with_loss``: the correctness computed by the loss's function, as graph.compile_model asks."""
     executor = Executor(GraphOptions(mode="eager").resolved("cpu", 1, False), torch.device("cpu"))
-    return build_step_model(recipe, recipe.model, executor, CPU, with_loss=with_loss, accuracy=accuracy)
+    return build_step_model(recipe, recipe.model, executor, CPU, with_loss=with_loss, accuracy=accuracy,
+                            count_with_loss=count_with_loss)
 
 pytestmark = pytest.mark.fast
 
@@ -41,16 +44,17 @@ class FixedBatches:
         return {"x": self.batch["x"][rows], "y": self.batch["y"][rows], PADDING_MASK: self.mask[rows]}
 
 
-def make_step(criterion, schedule, grad_accum=1, rows=8, real=None, fused_loss=False, accuracy=True):
+def make_step(criterion, schedule, grad_accum=1, rows=8, real=None, fused_loss=False, accuracy=True,
+              count_with_loss=False):
     """A step over a linear model; ``fused_loss``: the model and its loss wrapped as one
-    ModelAndLoss, as graph.compile_model builds it."""
+    ModelAndLoss, as graph.compile_model builds it; ``count_with_loss``: see step_model."""
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
     x, y = torch.randn(8, 4)[:rows], torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])[:rows]
     recipe = Recipe(name="t", model=model, data=Datasets(Split(x, y), Split(x, y), "t"),
                     preprocess=lambda batch, train: batch, criterion=criterion, correct=top1_correct)
     optimizer = torch.optim.SGD(model.parameters(), lr=torch.tensor(0.1))
-    step = TrainStep(recipe, step_model(recipe, fused_loss, accuracy), optimizer, schedule,
+    step = TrainStep(recipe, step_model(recipe, fused_loss, accuracy, count_with_loss), optimizer, schedule,
                      FixedBatches(x, y, real), StepSettings(device=torch.device("cpu"), grad_accum=grad_accum))
     return step, model, x, y
 
@@ -160,14 +164,18 @@ def test_a_recipes_forward_gives_the_model_a_second_input_in_training_and_evalua
     assert evaluation.metrics[0].item() / 8 == pytest.approx(expected, rel=1e-6)
 
 
+@pytest.mark.parametrize("count_with_loss", [False, True], ids=["counted-apart", "counted-with-loss"])
 @pytest.mark.parametrize("grad_accum,real,accuracy", [(1, None, True), (2, None, False), (1, 5, True), (1, 5, False)])
-def test_the_model_compiled_with_its_loss_trains_and_counts_as_the_model_and_loss_apart(grad_accum, real, accuracy):
+def test_the_model_compiled_with_its_loss_trains_and_counts_as_the_model_and_loss_apart(grad_accum, real, accuracy,
+                                                                                        count_with_loss):
     """graph.compile_model hands the step a ModelAndLoss (the model and its mean loss as one
-    module): full steps, a padded tail step, accumulation and evaluation come out bit for bit
-    as with the model and the loss called apart."""
-    def run(fused):
+    module) and has the loss's function compute the correctness: full steps, a padded tail step,
+    accumulation and evaluation come out bit for bit as with the model and the loss called apart
+    and the correctness computed from the output on the metrics stream."""
+    def run(fused, counted_with_loss):
         step, model, x, y = make_step(F.cross_entropy, Constant(base_lr=0.1, total_steps=10), grad_accum,
-                                      real=real, fused_loss=fused, accuracy=accuracy)
+                                      real=real, fused_loss=fused, accuracy=accuracy,
+                                      count_with_loss=counted_with_loss)
         for _ in range(3):
             step(StepShape((8,), tail=True, real=real) if real is not None else None)
         evaluation = EvalStep(step.recipe, step.model, step.loader, CPU)
@@ -175,9 +183,27 @@ def test_the_model_compiled_with_its_loss_trains_and_counts_as_the_model_and_los
         evaluation()
         return [p.detach().clone() for p in model.parameters()], step.totals(), evaluation.metrics.clone()
 
-    apart, fused = run(False), run(True)
-    for a, b in zip(apart[0], fused[0]):
-        assert torch.equal(a, b)
-    assert torch.equal(apart[1], fused[1]) and torch.equal(apart[2], fused[2])
+    apart = run(False, False)
+    for fused in (False, True):
+        other = run(fused, count_with_loss)
+        for a, b in zip(apart[0], other[0]):
+            assert torch.equal(a, b)
+        assert torch.equal(apart[1], other[1]) and torch.equal(apart[2], other[2])
     assert apart[1][2].item() == 3 * (real or 8 * grad_accum)  # the items counted: real samples only
+    if accuracy:
+        assert 0 < apart[1][1].item() <= apart[1][2].item()  # some items counted correct, no more than counted
+    else:
+        assert apart[1][1].item() == 0
     assert not torch.equal(apart[0][0], make_step(F.cross_entropy, Constant(base_lr=0.1, total_steps=10))[1].weight)
+
+
+def test_correctness_counted_with_the_loss_leaves_the_output_unheld():
+    """Counted with the loss, a full step asks the model for the loss and the correctness alone: the output
+    (a language model's logits) is not kept for the metrics stream until backward ends."""
+    step, *_ = make_step(F.cross_entropy, Constant(base_lr=0.1, total_steps=10), fused_loss=True,
+                         count_with_loss=True)
+    asked = []
+    train = step.model.train
+    step.model = dataclasses.replace(step.model, train=lambda batch, output: asked.append(output) or train(batch, output))
+    step()
+    assert asked == [False] and step.model.correct is None and step.totals()[1].item() > 0

@@ -144,5 +144,12 @@ def blocks_named(model: torch.nn.Module, class_names) -> List[torch.nn.Module]:
 
 
 def top1_correct(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """``Recipe.correct`` for classifiers and language models: the top-scoring class (or token) is the label."""
-    return output.argmax(dim=-1) == target
+    """``Recipe.correct`` for classifiers and language models: the label scores highest of all classes (or
+    tokens); a label tied with the highest counts as correct, a label out of range (a padding -100) as wrong.
+
+    Written as the label's score against the row's maximum, not as an argmax: compiled with the loss
+    (graph.compile_model), the maximum is read in the loss's own pass over the logits, nearly free, where an
+    argmax's index bookkeeping made that pass 1.7x as long (gpt2_small on an H200: 0.9 ms of a 34 ms step)."""
+    label = target.clamp(0, output.shape[-1] - 1).long()
+    scored = output.gather(-1, label.unsqueeze(-1)).squeeze(-1)
+    return (scored >= output.amax(dim=-1)) & (label == target)

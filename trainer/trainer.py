@@ -106,11 +106,12 @@ class Trainer:
         settings = StepSettings(device=device, grad_accum=train_cfg.grad_accum, grad_clip=train_cfg.grad_clip,
                                 autocast=autocast, world_size=rt.world_size, before_step=parallelism.before_step(model))
         # What the step computes, chosen once: under graph.compile_model the model is compiled with its loss,
-        # or, sharded, block by block with the loss apart (Parallelism.compile_with_loss).
+        # or, sharded, block by block with the loss apart (Parallelism.compile_with_loss); compiled either way,
+        # the training accuracy is counted in the loss's kernels (no pass of its own over the logits).
         step_model = build_step_model(recipe, model, executor, settings,
                                       with_loss=parallelism.compile_with_loss(plan.graph),
                                       memory_format=plan.memory_format, sample_inputs=sample_inputs,
-                                      accuracy=cfg.recipe.accuracy)
+                                      accuracy=cfg.recipe.accuracy, count_with_loss=plan.graph.compile_model)
         train_step = TrainStep(recipe, step_model, optimizer, schedule, train_loader, settings, scaler)
         eval_step = EvalStep(recipe, step_model, eval_loader, settings)
         global_batch = data_cfg.batch_size * train_cfg.grad_accum * rt.world_size

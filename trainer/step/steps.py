@@ -51,52 +51,71 @@ def model_call(recipe: Recipe, memory_format: torch.memory_format) -> Callable[[
     return lambda model, batch: forward(model, {**batch, "x": model_input(batch, memory_format)})
 
 
-class ModelAndLoss(torch.nn.Module):
-    """The model and its mean loss as one callable: what the training step calls, in every mode.
+def loss_and_correct(loss: Callable[[Any, torch.Tensor], torch.Tensor],
+                     correct: Optional[Callable[[Any, torch.Tensor], torch.Tensor]]) -> Callable[..., Tuple[Any, Any]]:
+    """One function of (output, target) giving (the mean loss, the per-item correctness or None). Compiled as
+    one, the correctness (an argmax over a language model's logits) is read in the loss's own kernels instead
+    of a pass of its own over the whole output, and the output need not be held for it until backward ends."""
+    if correct is None:
+        return lambda output, target: (loss(output, target), None)
+    return lambda output, target: (loss(output, target), correct(output, target))
 
-    ``forward(batch, output)`` returns (the model's output, mean loss), or (None, mean loss)
-    with ``output=False``. Under ``graph.compile_model`` the executor wraps it whole, so that
-    torch.compile sees one function and the output, never one of its results, is the compiler's
-    to free once backward no longer needs it (a language model's logits); otherwise it holds the
-    executor's wrapped model. The loss is computed outside autocast either way."""
+
+class ModelAndLoss(torch.nn.Module):
+    """The model and its loss as one callable: what the training step calls, in every mode.
+
+    ``forward(batch, output)`` returns (the model's output or None with ``output=False``, the mean loss,
+    the per-item correctness or None): ``measure`` (``loss_and_correct``) gives the last two. Under
+    ``graph.compile_model`` the executor wraps it whole, so that torch.compile sees one function and the
+    output, never one of its results, is the compiler's to free once backward no longer needs it (a language
+    model's logits); otherwise it holds the executor's wrapped model. The loss is computed outside autocast."""
 
     def __init__(self, model: torch.nn.Module, call: Callable[[torch.nn.Module, Batch], Any],
-                 loss: Callable[[Any, torch.Tensor], torch.Tensor], device_type: str):
+                 measure: Callable[[Any, torch.Tensor], Tuple[torch.Tensor, Optional[torch.Tensor]]],
+                 device_type: str):
         super().__init__()
         self.model = model
-        self.call, self.loss, self.device_type = call, loss, device_type
+        self.call, self.measure, self.device_type = call, measure, device_type
 
-    def forward(self, batch: Batch, output: bool = True) -> Tuple[Any, torch.Tensor]:
+    def forward(self, batch: Batch, output: bool = True) -> Tuple[Any, torch.Tensor, Optional[torch.Tensor]]:
         out = self.call(self.model, batch)
         with torch.autocast(self.device_type, enabled=False):
-            loss = self.loss(out, batch["y"])
-        return (out if output else None), loss
+            loss, correct = self.measure(out, batch["y"])
+        return (out if output else None), loss, correct
 
 
 @dataclass(frozen=True)
 class StepModel:
     """What the steps compute, chosen once when the run is built: ``train(batch, output)`` returns (the model's
-    output, or None when ``output`` is False, the micro-batch's mean loss); ``evaluate(batch)`` the
-    output; ``correct(output, target)`` per-item correctness (None: recipe.accuracy=false).
+    output, or None when ``output`` is False; the micro-batch's mean loss; its per-item correctness when counted
+    with the loss, else None); ``evaluate(batch)`` the output; ``correct(output, target)`` the correctness that
+    the metrics stream computes from the output (None: counted with the loss, or recipe.accuracy=false).
     ``module`` is what DDP wraps (``no_sync``) and what the optimizer's parameters belong to."""
     module: torch.nn.Module
-    train: Callable[..., Tuple[Optional[Any], torch.Tensor]]
+    train: Callable[..., Tuple[Optional[Any], torch.Tensor, Optional[torch.Tensor]]]
     evaluate: Callable[[Batch], Any]
     correct: Optional[Callable[[Any, torch.Tensor], torch.Tensor]]
+    accuracy: bool = True  # recipe.accuracy: whether correctness is counted at all
 
 
 def build_step_model(recipe: Recipe, model: torch.nn.Module, executor: Executor, settings: "StepSettings", *,
                      with_loss: bool, memory_format: torch.memory_format = torch.contiguous_format,
-                     sample_inputs: Optional[Callable[[], tuple]] = None, accuracy: bool = True) -> StepModel:
+                     sample_inputs: Optional[Callable[[], tuple]] = None, accuracy: bool = True,
+                     count_with_loss: bool = False) -> StepModel:
     """The model wrapped by ``executor`` (DDP, graphs, compile) and the step's view of it.
 
-    ``with_loss`` (graph.compile_model): the executor wraps the model and its loss as one
-    ModelAndLoss, compiled as one function; otherwise it wraps the model and the loss is
-    applied to its output (``executor.wrap_output_fn``)."""
-    call, loss = model_call(recipe, memory_format), mean_loss(recipe.criterion)
+    ``with_loss`` (graph.compile_model, unsharded): the executor wraps the model and its loss as one
+    ModelAndLoss, compiled as one function; otherwise it wraps the model and the loss is applied to its
+    output (``executor.wrap_output_fn``, compiled by itself under graph.compile_model).
+    ``count_with_loss`` (graph.compile_model): the training step's correctness is computed in the loss's
+    compiled function, fused with it; otherwise the metrics stream computes it from the output, beside
+    backward (uncompiled, a kernel of its own either way, and off the step's critical path there)."""
+    call = model_call(recipe, memory_format)
+    with_correct = recipe.correct if accuracy and count_with_loss else None
+    measure = loss_and_correct(mean_loss(recipe.criterion), with_correct)
     device_type, autocast = settings.device.type, settings.autocast
     if with_loss:
-        module = executor.wrap_model(ModelAndLoss(model, call, loss, device_type), sample_inputs, autocast)
+        module = executor.wrap_model(ModelAndLoss(model, call, measure, device_type), sample_inputs, autocast)
         train = module
         eval_model = executor.eval_model
 
@@ -104,13 +123,13 @@ def build_step_model(recipe: Recipe, model: torch.nn.Module, executor: Executor,
             return eval_model(batch)[0]
     else:
         module = executor.wrap_model(model, sample_inputs, autocast)
-        train = ModelAndLoss(module, call, executor.wrap_output_fn(loss), device_type)
+        train = ModelAndLoss(module, call, executor.wrap_output_fn(measure), device_type)
         eval_model = executor.eval_model
 
         def evaluate(batch):
             return call(eval_model, batch)
-    correct = executor.wrap_output_fn(recipe.correct) if accuracy else None
-    return StepModel(module, train, evaluate, correct)
+    correct = executor.wrap_output_fn(recipe.correct) if accuracy and with_correct is None else None
+    return StepModel(module, train, evaluate, correct, accuracy)
 
 
 @dataclass(frozen=True)
@@ -218,7 +237,8 @@ class TrainStep:
         """One optimizer step over ``shape``'s micro-batches (None: a full step of grad_accum)."""
         grad_accum, grad_clip = self.settings.grad_accum, self.settings.grad_clip
         tail = shape is not None and shape.tail
-        want_output = tail or self.correct is not None  # a full step that counts no accuracy takes the loss alone
+        # The output is held for the metrics stream only when it computes the correctness itself
+        want_output = tail or self.correct is not None
         if self.settings.before_step is not None:
             self.settings.before_step()
         self.optimizer.zero_grad(set_to_none=True)  # nothing left over is summed into this step's gradients
@@ -229,11 +249,11 @@ class TrainStep:
             if shape is not None and shape.seq_len is not None:
                 batch = truncate(batch, shape.seq_len)  # a static slice: each length its own graph
             with self.settings.autocast():
-                output, loss = self.model.train(batch, output=want_output)  # the loss itself outside autocast
+                output, loss, correct = self.model.train(batch, output=want_output)  # the loss outside autocast
             if tail:
-                loss, joined = self._masked_loss(output, batch, shape)
+                loss, joined = self._masked_loss(output, batch, shape, correct)
             else:
-                joined = self._count(loss, output, batch["y"])
+                joined = self._count(loss, output, batch["y"], correct=correct)
                 loss = loss / grad_accum if grad_accum > 1 else loss
             del output  # what the metrics read, _Join holds; the rest is backward's to free
             (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
@@ -255,7 +275,7 @@ class TrainStep:
         if self.advance_step:
             self.step += 1
 
-    def _masked_loss(self, output: torch.Tensor, batch: Batch, shape: StepShape
+    def _masked_loss(self, output: torch.Tensor, batch: Batch, shape: StepShape, correct: Optional[torch.Tensor]
                      ) -> Tuple[torch.Tensor, Callable[[], None]]:
         """A tail micro-batch's loss for backward: the sum over its real samples, scaled so that
         the step's gradient (summed over micro-batches, averaged over ranks by DDP) is the mean
@@ -267,28 +287,31 @@ class TrainStep:
         per_sample = self.per_sample_loss(output, batch["y"])
         summed = torch.where(per_term(batch[PADDING_MASK], per_sample), per_sample, 0.0).sum()
         terms_per_sample = per_sample[0].numel()  # 1, or the tokens of a sequence
-        joined = self._count(summed, output, batch["y"], mask=batch[PADDING_MASK])
+        joined = self._count(summed, output, batch["y"], mask=batch[PADDING_MASK], correct=correct)
         return summed * (self.settings.world_size / (shape.real * terms_per_sample)), joined
 
-    def _count(self, loss: torch.Tensor, output: torch.Tensor, target: torch.Tensor,
-               mask: Optional[torch.Tensor] = None) -> Callable[[], None]:
+    def _count(self, loss: torch.Tensor, output: Optional[torch.Tensor], target: torch.Tensor,
+               mask: Optional[torch.Tensor] = None, correct: Optional[torch.Tensor] = None) -> Callable[[], None]:
         """Adds a micro-batch to the metrics, on the metrics stream; returns the join to call after backward.
-        ``loss``: the micro-batch's mean loss, or with ``mask`` the sum over its real samples."""
+        ``loss``: the micro-batch's mean loss, or with ``mask`` the sum over its real samples; ``correct``: the
+        per-item correctness when the loss's function gave it (else the metrics stream computes it from
+        ``output``, or counts none: recipe.accuracy=false)."""
         stream = self.metrics_stream
         if stream is None:
-            self._add(loss, output, target, mask)
+            self._add(loss, output, target, mask, correct)
             return lambda: None
         main = torch.cuda.current_stream()
         stream.wait_stream(main)
         with torch.cuda.stream(stream):
-            self._add(loss, output, target, mask)
-        read = (output, target) if self.correct is not None else ()  # recipe.accuracy=false: the loss alone
-        return _Join(main, stream, (loss, mask, *read))
+            self._add(loss, output, target, mask, correct)
+        read = (output, target) if self.correct is not None else ()  # the output only when read here
+        return _Join(main, stream, (loss, mask, correct, *read))
 
     @torch.no_grad()
-    def _add(self, loss: torch.Tensor, output: torch.Tensor, target: torch.Tensor,
-             mask: Optional[torch.Tensor] = None) -> None:
-        correct = self.correct(output, target) if self.correct is not None else None
+    def _add(self, loss: torch.Tensor, output: Optional[torch.Tensor], target: torch.Tensor,
+             mask: Optional[torch.Tensor] = None, correct: Optional[torch.Tensor] = None) -> None:
+        if correct is None and self.correct is not None:
+            correct = self.correct(output, target)
         terms = correct if correct is not None else target  # one per loss term: a sample, or a token
         if mask is None:
             self.loss_sum.add_(loss.detach(), alpha=terms.numel())  # a mean over the micro-batch's terms
@@ -348,7 +371,7 @@ class EvalStep:
         with self.settings.autocast():
             output = self.model.evaluate(batch)
         per_sample = self.loss(output, batch["y"])
-        correct = self.recipe.correct(output, batch["y"]) if self.model.correct is not None else \
+        correct = self.recipe.correct(output, batch["y"]) if self.model.accuracy else \
             torch.zeros(per_sample.shape, dtype=torch.bool, device=per_sample.device)
         accumulate(self.metrics, per_sample, correct, batch[PADDING_MASK])
 
