@@ -54,7 +54,7 @@ def model_call(recipe: Recipe, memory_format: torch.memory_format) -> Callable[[
 def loss_and_correct(loss: Callable[[Any, torch.Tensor], torch.Tensor],
                      correct: Optional[Callable[[Any, torch.Tensor], torch.Tensor]]) -> Callable[..., Tuple[Any, Any]]:
     """One function of (output, target) giving (the mean loss, the per-item correctness or None). Compiled as
-    one, the correctness (an argmax over a language model's logits) is read in the loss's own kernels instead
+    one, the correctness (a top-1 over a language model's logits) is read in the loss's own kernels instead
     of a pass of its own over the whole output, and the output need not be held for it until backward ends."""
     if correct is None:
         return lambda output, target: (loss(output, target), None)
