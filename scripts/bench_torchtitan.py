@@ -239,7 +239,7 @@ def ours_overrides(plan: Plan) -> List[str]:
             f"+recipe.model.config={hydra_value(hf_config(plan.shape))}", f"recipe.model.context={plan.seq_len}",
             "recipe.data.source=synthetic", f"recipe.data.batch_size={plan.local_batch}",
             f"recipe.data.train_size={windows}", f"recipe.data.test_size={plan.nproc}", "recipe.data.drop_last=true",
-            "recipe.accuracy=false",  # torchtitan computes no accuracy: no argmax over the vocabulary per step
+            "recipe.accuracy=false",  # torchtitan computes no accuracy: no top-1 over the vocabulary per step
             f"recipe.optim.lr={LR!r}", f"recipe.optim.betas={hydra_value(list(BETAS))}",
             f"recipe.optim.weight_decay={WEIGHT_DECAY!r}", f"+recipe.optim.eps={EPS!r}",
             "recipe.schedule._target_=trainer.step.schedules.Constant", f"recipe.schedule.warmup_steps={LR_WARMUP_STEPS}",
