@@ -50,7 +50,6 @@ def test_from_train_py_to_the_optimizer_step_a_reader_crosses_few_files(tmp_path
     assert len(ours) <= MOST_FILES_TO_THE_OPTIMIZER, f"{len(ours)} files from train.py to optimizer.step(): {ours}"
 
 
-@pytest.mark.fast
 def test_a_moved_module_imports_by_its_old_name_as_the_same_module_with_a_warning_naming_the_new():
     code = textwrap.dedent("""
         import warnings
