@@ -40,7 +40,7 @@ from trainer.data.workers import WorkerSettings, use_worker_settings
 from trainer.run.errors import NonFiniteLossError, Preempted
 from trainer.metrics.logger import MetricsLogger
 from trainer.step.optim import build_optimizer, build_schedule
-from trainer.metrics.perf import Perf
+from trainer.metrics.perf import Perf, peak_host_mib
 from trainer.plan import RunPlan, graph_setting
 from trainer.policies import CheckpointPolicy, EvalPolicy, LogPolicy, StepPoint
 from trainer.run.process import process_started_at
@@ -220,8 +220,6 @@ class Trainer:
     def _export_memory(self) -> str:
         """What the export held at most on any rank: the process's peak host memory (over the whole run: the
         export's own is at most that) and the GPU's peak allocation during the export."""
-        from trainer.metrics.perf import peak_host_mib
-
         gpu = torch.cuda.max_memory_allocated(self.device) / 2**20 if self.device.type == "cuda" else 0.0
         peaks = torch.tensor([peak_host_mib(), gpu], dtype=torch.float64, device=self.device)  # MiB
         if self.rt.distributed:

@@ -237,7 +237,7 @@ class TrainStep:
         """One optimizer step over ``shape``'s micro-batches (None: a full step of grad_accum)."""
         grad_accum, grad_clip = self.settings.grad_accum, self.settings.grad_clip
         tail = shape is not None and shape.tail
-        # The output is held for the metrics stream only when it computes the correctness itself
+        # The output is kept for a tail's masked loss, or for the metrics stream when it computes the correctness
         want_output = tail or self.correct is not None
         if self.settings.before_step is not None:
             self.settings.before_step()
