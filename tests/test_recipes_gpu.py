@@ -104,8 +104,50 @@ def test_the_model_compiled_with_its_loss_in_the_graph_trains_like_eager(out, re
         accuracies = [[(m["step"], m["train/accuracy"]) for m in done.metrics() if "train/accuracy" in m]
                       for done in (eager, compiled)]
         assert accuracies[0] and [s for s, _ in accuracies[0]] == [s for s, _ in accuracies[1]], accuracies
-        for (step, ae), (_, ac) in zip(*accuracies):  # bf16 rounding may flip a few near-tied predictions
-            assert 0 < ac <= 1 and ac == pytest.approx(ae, abs=0.05), f"train accuracy at step {step}: {accuracies}"
+        # Two trajectories whose losses agree within COMPILED_TOLERANCE still predict some of a window's 320
+        # samples differently, more as they drift apart (2 H200s: 0.203 against 0.256 at step 30, 2.2 binomial
+        # standard deviations). So the runs' accuracy is compared over all windows; whether the count inside the
+        # compiled loss is exact is test_the_correctness_counted_inside_the_compiled_loss_is_the_outputs_own.
+        assert all(0 < a <= 1 for run in accuracies for _, a in run), accuracies
+        means = [sum(a for _, a in run) / len(run) for run in accuracies]
+        assert means[1] == pytest.approx(means[0], abs=0.03), f"mean train accuracy {means}: {accuracies}"
+
+
+@pytest.mark.parametrize("classes,rows", [(10, 512), (50304, 2048)], ids=["classifier", "language-model"])
+def test_the_correctness_counted_inside_the_compiled_loss_is_the_outputs_own(classes, rows):
+    """graph.compile_model computes top1_correct in the loss's compiled function (trainer/step/steps.py
+    ModelAndLoss): on the GPU, in bf16, with -100 padding labels and tied scores, that count is exactly
+    top1_correct of the output the same function returns, and the loss is the output's cross-entropy."""
+    import torch
+    import torch.nn.functional as F
+
+    from trainer.recipe import top1_correct
+    from trainer.step.steps import ModelAndLoss, loss_and_correct, mean_loss
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, classes)).cuda()
+    with torch.no_grad():  # two classes share a weight row: their bf16 scores tie on every row
+        model[2].weight[1].copy_(model[2].weight[0])
+        model[2].bias[1].copy_(model[2].bias[0])
+    measure = loss_and_correct(mean_loss(F.cross_entropy), top1_correct)
+    fused = torch.compile(ModelAndLoss(model, lambda m, batch: m(batch["x"]), measure, "cuda"))
+    x = torch.randn(rows, 64, device="cuda")
+    y = torch.randint(0, classes, (rows,), device="cuda")
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        y[2::5] = model(x)[2::5].argmax(-1)  # rows the model gets right (up to compiled bf16 rounding)
+    y[1::11] = 1  # the label tied with class 0
+    y[::7] = -100  # padding
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out, loss, correct = fused({"x": x, "y": y}, True)
+        _, loss_alone, correct_alone = fused({"x": x, "y": y}, False)
+    assert out.dtype == torch.bfloat16 and correct.dtype == torch.bool
+    assert torch.equal(correct, top1_correct(out, y))
+    assert not correct[::7].any() and 0 < int(correct.sum()) < rows
+    # The loss of bf16 logits comes back in bf16 (8 bits of mantissa).
+    assert loss.item() == pytest.approx(F.cross_entropy(out.float(), y).item(), rel=1e-2)
+    # The training step asks for no output: other kernels, the same logits up to bf16 rounding.
+    assert abs(int(correct_alone.sum()) - int(correct.sum())) <= rows // 100
+    assert loss_alone.item() == pytest.approx(loss.item(), rel=1e-2)
 
 
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
