@@ -455,3 +455,27 @@ def test_a_gpt_recipe_run_exports_as_gpt2_with_the_same_logits(train_here, tmp_p
                        tmp_path / "mnist")
     refused = export(mnist.run_dir, tmp_path / "mnist_hf")
     assert refused.returncode == 2 and "has no transformers class mapped here" in refused.stderr, refused.stderr
+
+
+def test_the_pretrained_benchmark_loads_trains_exports_and_reloads_the_directory_it_writes(tmp_path):
+    """scripts/bench_pretrained.py (issue 51's 8B rows) at a tiny size on two gloo ranks: it writes a random bf16
+    save_pretrained directory, loads it whole on the host and straight into FSDP2 shards with the same losses,
+    exports the trained model from the shards, and transformers reads the export back; its table and JSON say so."""
+    table = tmp_path / "pretrained.json"
+    done = launch(["--size", "tiny", "--nproc", "2", "--steps", "3", "--seq-len", "64", "--compare-host", "--reload",
+                   "--work", str(tmp_path / "work"), "--output", str(table), "--", "graph=eager"],
+                  script=str(ROOT / "scripts" / "bench_pretrained.py"), timeout=240)
+    assert done.returncode == 0, done.output[-4000:]
+    record = json.loads(table.read_text())
+    host, meta = record["runs"]
+    assert (host["init"], meta["init"]) == ("host", "meta") and len(meta["losses"]) == 3
+    assert record["same_first_losses"] is True and meta["losses"] == pytest.approx(host["losses"], rel=1e-6)
+    assert record["written"]["files"] == 1 and record["written"]["bytes"] == 2 * record["parameters"]
+    source = tmp_path / "work" / "source_tiny"
+    assert json.loads((source / "config.json").read_text())["hidden_size"] == 64
+    assert (tmp_path / "work" / "export" / "config.json").is_file() and "export_s" in meta and "export_s" not in host
+    assert 0 < meta["peak_host_gib_any_rank"] and meta["startup_s"] > 0 and meta["first_step_s"] > 0
+    assert record["reload"]["same_layout"] is True and record["reload"]["finite_logits"] is True
+    assert record["reload"]["parameters"] == record["parameters"]
+    markdown = table.with_suffix(".md").read_text()
+    assert "| meta (train.fsdp.init=meta) |" in markdown and "meta's losses repeat host's: True" in markdown

@@ -714,3 +714,11 @@ def test_a_benchmark_run_that_fails_or_hangs_stops_its_script_naming_it(tmp_path
     assert run_captured(hung, timeout=1) == ("report\n", "", None)
     with pytest.raises(SystemExit, match="'hung' ran past 1 s"):
         run_or_exit("bench_x", "hung", hung, timeout=1)
+
+
+def test_the_pretrained_benchmark_refuses_an_override_of_what_it_compares():
+    """scripts/bench_pretrained.py sets how the model is loaded and sharded for every run: an override of that is
+    one line naming it, exit 2, before anything is written or launched."""
+    done = script("bench_pretrained.py", "--size", "tiny", "--", "train.fsdp.init=host", timeout=60)
+    assert done.returncode == 2, done.output[-3000:]
+    assert "'train.fsdp.init=host' is set by this script for every run: drop it" in done.stderr
