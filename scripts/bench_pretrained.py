@@ -204,7 +204,8 @@ def main() -> int:
     parser.add_argument("--size", choices=sorted(SIZES), default="8b", help="the Llama 3 shape of the written source")
     parser.add_argument("--source", type=Path, default=None, help="a save_pretrained directory to read instead")
     parser.add_argument("--nproc", type=int, default=2, help="ranks (torchrun), one GPU each")
-    parser.add_argument("--steps", type=int, default=10, help="optimizer steps per run")
+    parser.add_argument("--steps", type=int, default=20,
+                        help="optimizer steps per run (graph modes: 11 eager, the capture, then replays)")
     parser.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence")
     parser.add_argument("--local-batch", type=int, default=1, help="sequences per rank per step")
     parser.add_argument("--compare-host", action="store_true", help="first the same weights loaded whole on the host")
