@@ -43,9 +43,10 @@ from typing import Any, Dict, List, Optional
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from scripts.lib.launch import hydra_value, run_captured, train_launcher  # noqa: E402
-from scripts.lib.llama3 import INIT_STD, SHAPES, LlamaShape, hf_config, parameter_count  # noqa: E402
+from scripts.lib.launch import check_overrides, hydra_value, run_or_exit, train_launcher  # noqa: E402
+from scripts.lib.llama3 import INIT_STD, SHAPES, LlamaShape, hf_config  # noqa: E402
 from scripts.lib.refuse import refuse  # noqa: E402
+from trainer.run.cli import script_config  # noqa: E402
 
 # A shape for tests and a CPU smoke run: the 8B layout at a toy size.
 TINY = LlamaShape("tiny", dim=64, layers=2, heads=4, kv_heads=2, ffn_dim_multiplier=None, multiple_of=32,
@@ -104,9 +105,27 @@ def write_random_pretrained(directory: Path, config: Dict[str, Any], seed: int =
     return {"seconds": time.perf_counter() - began, "bytes": total, "files": len(files), "tensors": len(layout)}
 
 
+def tensor_shapes(directory: Path) -> Dict[str, tuple]:
+    """Every tensor's name and shape in a save_pretrained directory's safetensors files (their headers alone)."""
+    from safetensors import safe_open
+
+    shapes = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
+    return shapes
+
+
+# The model's source and how it is loaded: what the runs compare, set here for every run (and composed first, with
+# the user's overrides, by script_config).
+DEFAULTS = ["recipe=hf_causal_lm", "recipe.model.config=null"]
+FIXED = ("recipe", "recipe.model.config", "recipe.model.path", "train.parallel", "train.fsdp.init",
+         "train.max_steps", "checkpoint.save", "checkpoint.export", "run_dir", "train.log_every")
+
+
 def run_overrides(args: argparse.Namespace, source: Path, init: str, run_dir: Path, export: Optional[Path]) -> List[str]:
-    """The train.py overrides of one run; the user's come last but may not change what the runs compare."""
-    return ["recipe=hf_causal_lm", "recipe.model.config=null", f"recipe.model.path={hydra_value(str(source))}",
+    """The train.py overrides of one run; the user's come last (none of FIXED)."""
+    return [*DEFAULTS, f"recipe.model.path={hydra_value(str(source))}",
             f"recipe.model.context={args.seq_len}", f"recipe.data.batch_size={args.local_batch}",
             "recipe.data.source=synthetic", f"recipe.data.train_size={max(64, 4 * args.steps * args.nproc)}",
             "recipe.data.test_size=2", "recipe.data.drop_last=true", "recipe.accuracy=false",
@@ -116,22 +135,13 @@ def run_overrides(args: argparse.Namespace, source: Path, init: str, run_dir: Pa
             f"run_dir={hydra_value(str(run_dir))}", *args.overrides]
 
 
-FIXED = ("recipe", "recipe.model.config", "recipe.model.path", "train.parallel", "train.fsdp.init",
-         "train.max_steps", "checkpoint.save", "checkpoint.export", "run_dir", "train.log_every")
-
-
 def one_run(args: argparse.Namespace, name: str, source: Path, init: str, export: Optional[Path]) -> Dict[str, Any]:
     run_dir = args.work / "runs" / name
     shutil.rmtree(run_dir, ignore_errors=True)
-    command = [*train_launcher(args.nproc, torchrun=True), *run_overrides(args, source, init, run_dir, export)]
-    print(f"bench_pretrained: {name}: {' '.join(command[1:])}", flush=True)
-    began = time.perf_counter()
-    stdout, stderr, code = run_captured(command, args.timeout, {"PYTHONUNBUFFERED": "1"}, name=name)
-    wall = time.perf_counter() - began
-    (args.work / "runs" / f"{name}.log").write_text(stdout + stderr)
-    if code != 0:
-        why = f"ran past {args.timeout:.0f} s" if code is None else f"failed ({code})"
-        sys.exit(f"bench_pretrained: {name} {why}; its output: {args.work / 'runs' / f'{name}.log'}\n{stderr[-3000:]}")
+    command = [*train_launcher(args.nproc, torchrun=True), *args.train_options,
+               *run_overrides(args, source, init, run_dir, export)]
+    log = args.work / "runs" / f"{name}.log"
+    wall = run_or_exit("bench_pretrained", name, command, args.timeout, {"PYTHONUNBUFFERED": "1"}, log)
     results = json.loads((run_dir / "results.json").read_text())
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     run = {"name": name, "init": init, "wall_s": wall, "losses": [r["train/loss"] for r in rows if "train/loss" in r],
@@ -139,11 +149,10 @@ def one_run(args: argparse.Namespace, name: str, source: Path, init: str, export
            "tokens_per_s_per_gpu": results.get("perf/tokens_per_s_per_gpu"),
            "peak_reserved_mib": results.get("perf/peak_reserved_mib"),
            "peak_host_mib_rank0": results.get("perf/peak_host_mib"), "results": results}
-    found = EXPORT_LINE.search(stdout + stderr)
+    found = EXPORT_LINE.search(log.read_text())
     if export is not None:
         if not found:
-            sys.exit(f"bench_pretrained: {name} ended without the export's report line; its output: "
-                     f"{args.work / 'runs' / f'{name}.log'}")
+            sys.exit(f"bench_pretrained: {name} ended without the export's report line; its output: {log}")
         run["export_s"] = float(found["s"])
         run["peak_host_gib_any_rank"] = float(found["host"])
         run["export_peak_gpu_gib"] = float(found["gpu"]) if found["gpu"] else None
@@ -155,14 +164,6 @@ def reload_check(source: Path, export: Path) -> Dict[str, Any]:
     source's names and shapes with every logit finite."""
     import torch
     import transformers
-    from safetensors import safe_open
-
-    def layout(directory: Path) -> Dict[str, tuple]:
-        shapes = {}
-        for file in sorted(directory.glob("*.safetensors")):
-            with safe_open(str(file), "pt") as f:
-                shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
-        return shapes
 
     began = time.perf_counter()
     model = transformers.AutoModelForCausalLM.from_pretrained(export, dtype=torch.bfloat16, local_files_only=True)
@@ -170,7 +171,7 @@ def reload_check(source: Path, export: Path) -> Dict[str, Any]:
     vocab = model.config.vocab_size
     with torch.no_grad():
         logits = model(torch.arange(16).remainder(vocab).unsqueeze(0)).logits
-    return {"reload_s": loaded, "same_layout": layout(source) == layout(export),
+    return {"reload_s": loaded, "same_layout": tensor_shapes(source) == tensor_shapes(export),
             "finite_logits": bool(torch.isfinite(logits).all()), "parameters": sum(p.numel() for p in model.parameters())}
 
 
@@ -214,11 +215,8 @@ def main() -> int:
                         help="the written source, every run and the export")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds one run may take")
     parser.add_argument("--output", type=Path, default=None)
-    parser.add_argument("overrides", nargs="*", help="train.py overrides for every run (after --)")
-    args = parser.parse_args()
-    for override in args.overrides:
-        if override.split("=", 1)[0].lstrip("+~") in FIXED:
-            refuse(f"bench_pretrained: {override!r} is set by this script for every run: drop it")
+    args, _ = script_config(parser, defaults=DEFAULTS)
+    check_overrides(args.overrides, FIXED, "bench_pretrained")
     try:
         import transformers  # noqa: F401
     except ImportError:
@@ -231,15 +229,13 @@ def main() -> int:
         source = args.source.resolve()
         if not (source / "config.json").is_file():
             refuse(f"bench_pretrained: --source {args.source} holds no config.json: give a save_pretrained directory")
-        record["parameters"] = None
     else:
-        shape = SIZES[args.size]
         source = args.work / f"source_{args.size}"
-        record["parameters"] = parameter_count(shape)
         if not (source / "config.json").is_file():
             print(f"bench_pretrained: writing a random bf16 {args.size} directory to {source}", flush=True)
-            record["written"] = write_random_pretrained(source, hf_config(shape))
+            record["written"] = write_random_pretrained(source, hf_config(SIZES[args.size]))
     record["source"] = str(source)
+    record["parameters"] = sum(math.prod(shape) for shape in tensor_shapes(source).values())
     export = args.work / "export"
     shutil.rmtree(export, ignore_errors=True)
     runs = []
@@ -247,8 +243,6 @@ def main() -> int:
         runs.append(one_run(args, "host", source, "host", None))
     runs.append(one_run(args, "meta", source, "meta", export))
     record["runs"] = runs
-    if record["parameters"] is None:
-        record["parameters"] = runs[-1]["results"].get("params") or 0
     if args.compare_host:
         host, meta = runs[0]["losses"], runs[1]["losses"]
         difference = max(abs(a - b) / max(abs(a), 1e-12) for a, b in zip(host, meta))

@@ -129,15 +129,19 @@ def _text(output) -> str:
 
 
 def run_or_exit(script: str, name: str, command: Sequence[str], timeout: float,
-                env: Optional[Dict[str, str]] = None) -> float:
+                env: Optional[Dict[str, str]] = None, log: Optional[Path] = None) -> float:
     """A benchmark's one run: says the command, runs it in the repo, exits naming the run and the
-    end of its stderr if it fails or runs past ``timeout`` s; returns its wall time in seconds."""
+    end of its stderr if it fails or runs past ``timeout`` s; returns its wall time in seconds.
+    ``log``: where its whole output (stdout, then stderr) is kept, for a script that reads a line of it."""
     print(f"{script}: {name}: {' '.join(command[1:])}", flush=True)
     started = time.time()
-    _, stderr, code = run_captured(command, timeout, env, name=name)
+    stdout, stderr, code = run_captured(command, timeout, env, name=name)
+    if log is not None:
+        log.write_text(stdout + stderr)
     if code != 0:
         why = f"ran past {timeout:.0f} s" if code is None else f"failed ({code})"
-        sys.exit(f"{script}: '{name}' {why}:\n{stderr[-3000:]}")  # 1: a failed run, not a refusal
+        kept = f" (its output: {log})" if log is not None else ""
+        sys.exit(f"{script}: '{name}' {why}{kept}:\n{stderr[-3000:]}")  # 1: a failed run, not a refusal
     return time.time() - started
 
 
