@@ -250,3 +250,66 @@ def test_a_hugging_face_model_converts_every_linear_layer_of_its_decoder_layers_
     # The debug llama: 2 decoder layers of 7 projections each (every size divides by 16); embeddings and lm_head stay.
     assert f"float8 ({recipe}, emulated): 14 Linear layers of the recipe's blocks; the rest in fp32" in done.stdout
     assert all(math.isfinite(row["train/loss"]) for row in done.metrics() if "train/loss" in row)
+
+
+def _sharded_float8_mlp(seed: int):
+    """Two blocks converted to float8 (emulated) with FSDP2's float8 all-gather, sharded over a group of one."""
+    from torch.distributed.fsdp import fully_shard
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(),
+                                                      torch.nn.Linear(128, 64)) for _ in range(2)),
+                                torch.nn.Linear(64, 1))
+    convert_to_float8_training(model, module_filter_fn=lambda _m, fqn: fqn[:1] in "01",
+                               config=Float8LinearConfig(enable_fsdp_float8_all_gather=True, emulate=True))
+    for block in model[:2]:
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+@pytest.mark.extras
+@pytest.mark.fast
+def test_each_weight_is_cast_once_a_step_and_a_gather_sends_it_only_within_its_step(one_gloo_rank):
+    # The step's float8 work under FSDP2's float8 all-gather (Float8Spec.step_hooks): first torchao's scales, then
+    # every weight cast once (trainer/parallel/float8_cast.py), the casts dropped last; against torchao's scales
+    # alone (each gather casting the weight itself).
+    needs_extra("torchao")
+    from trainer.parallel.float8 import Float8Spec
+    from trainer.parallel.float8_cast import CAST
+
+    spec = Float8Spec(recipe="tensorwise", all_gather=True, emulate=True, compiled=False)
+    x, y = torch.randn(16, 64, generator=torch.Generator().manual_seed(1)), torch.randn(16, 1)
+    runs = {}
+    for casts_once in (True, False):
+        model = _sharded_float8_mlp(seed=0)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)  # fused: bumps no version counter
+        before, after = spec.step_hooks(model)
+        if not casts_once:
+            before, after = before.args[0], lambda: None  # torchao's precompute alone
+        losses, sent = [], []
+        for _ in range(4):
+            before()
+            weight = model[0][0].weight  # a converted weight (DTensor), its local tensor FSDP2's all-gather input
+            mesh = weight.device_mesh
+            (gathered,), _ = weight._local_tensor.fsdp_pre_all_gather(mesh)
+            cast = getattr(weight._local_tensor, CAST, None)
+            sent.append(cast is not None and gathered is cast.data)
+            optimizer.zero_grad(set_to_none=True)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            optimizer.step()
+            after()
+            losses.append(loss.item())
+        # After the step a gather (an evaluation between steps) casts the weight as it is now, bit for bit what
+        # torchao's own pre-all-gather makes, not the step's cast of the weight before the optimizer moved it.
+        (now,), _ = weight._local_tensor.fsdp_pre_all_gather(mesh)
+        (own,), _ = type(weight._local_tensor).fsdp_pre_all_gather(weight._local_tensor, mesh)
+        assert torch.equal(now.view(torch.uint8), own.view(torch.uint8))
+        if casts_once:
+            assert getattr(weight._local_tensor, CAST) is None
+            assert not torch.equal(now.view(torch.uint8), cast.data.view(torch.uint8))  # the weights moved
+        runs[casts_once] = losses, sent
+    assert runs[True][1] == [True] * 4 and runs[False][1] == [False] * 4
+    assert runs[True][0] == runs[False][0]  # the same float8 bytes gathered: the same training, bit for bit

@@ -170,3 +170,30 @@ def test_a_users_float8_step_that_precomputes_scales_after_the_optimizer_is_refu
     # The same order eagerly is fine: each forward reads the scales the step before computed.
     losses, _, phase, _ = own_loop("eager", "end")
     assert phase == "eager" and torch.isfinite(losses).all()
+
+
+def test_the_weights_cast_once_a_step_are_the_bytes_torchaos_own_cast_gathers(one_rank_group):
+    # trainer/parallel/float8_cast.py: every weight cast at the step's start by one compiled function, sent by each of
+    # the step's gathers: bit for bit what torchao's pre-all-gather makes; dropped at the step's end.
+    from trainer.parallel.float8 import Float8Spec
+    from trainer.parallel.float8_cast import CAST
+
+    model = float8_sharded()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    before, after = Float8Spec(recipe="tensorwise", all_gather=True, emulate=False, compiled=True).step_hooks(model)
+    x, y = torch.randn(64, 128, device="cuda"), torch.randn(64, 1, device="cuda")
+    for _ in range(3):
+        before()
+        weights = [p for p in model.parameters() if getattr(p._local_tensor, CAST, None) is not None]
+        assert len(weights) == 4  # the blocks' up and down
+        for p in weights:
+            local = p._local_tensor
+            (sent,), (scale,) = local.fsdp_pre_all_gather(p.device_mesh)
+            (own,), (own_scale,) = type(local).fsdp_pre_all_gather(local, p.device_mesh)
+            assert sent is getattr(local, CAST).data and torch.equal(scale, own_scale)
+            assert torch.equal(sent.view(torch.uint8), own.view(torch.uint8)), "the compiled cast made other bytes"
+        optimizer.zero_grad(set_to_none=True)
+        F.mse_loss(model(x).float(), y).backward()
+        optimizer.step()
+        after()
+        assert all(getattr(p._local_tensor, CAST) is None for p in weights)

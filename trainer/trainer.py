@@ -103,8 +103,10 @@ class Trainer:
             train_loader.start_epoch(0)
             return inputs
 
+        before_step, after_step = parallelism.step_hooks(model)
         settings = StepSettings(device=device, grad_accum=train_cfg.grad_accum, grad_clip=train_cfg.grad_clip,
-                                autocast=autocast, world_size=rt.world_size, before_step=parallelism.before_step(model))
+                                autocast=autocast, world_size=rt.world_size, before_step=before_step,
+                                after_step=after_step)
         # What the step computes, chosen once: under graph.compile_model the model is compiled with its loss,
         # or, sharded, block by block with the loss apart (Parallelism.compile_with_loss); compiled either way,
         # the training accuracy is counted in the loss's kernels (no pass of its own over the logits).

@@ -15,25 +15,28 @@ float8 or without and resumes either way.
 ``train.fsdp.float8_all_gather`` (``tensorwise`` under fsdp2): FSDP2 all-gathers each weight already
 cast to float8, half of bf16's bytes. The cast needs the whole weight's absolute maximum: torchao
 computes it for every converted weight in one all-reduce (``precompute_float8_dynamic_scale_for_fsdp``),
-which the step runs first, before its forward (``Float8Spec.before_step``), inside the captured
-step. Not after the optimizer (torchtitan's place): torchao assigns a new scale tensor on each call,
-so a CUDA graph captured with the call at its end replays a forward that reads the scales of the
-last eager step forever (graphing refuses that order in a user's step, graphing/float8_scales.py).
+which the step runs first, before its forward (``Float8Spec.step_hooks``), inside the captured
+step, then casts each weight once for the step's two gathers (trainer/parallel/float8_cast.py).
+Not after the optimizer (torchtitan's place): torchao assigns a new scale tensor on each call, so
+a CUDA graph captured with the call at its end replays a forward that reads the scales of the last
+eager step forever (graphing refuses that order in a user's step, graphing/float8_scales.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Callable, Iterable, List, Optional
+from typing import Callable, Iterable, List, Optional, Tuple
 
 import torch
 
+from trainer.parallel.float8_cast import WeightCasts
 from trainer.run.errors import ConfigError
 
 INSTALL = "pip install -r requirements-float8.txt"
 # float8 matmuls (torch._scaled_mm) run on compute capability 8.9 and newer: H100, H200, L4, RTX 40xx
 LEAST_CAPABILITY = (8, 9)
 SIZE_MULTIPLE = 16  # both sizes of a float8 matmul's weight
+StepHook = Optional[Callable[[], None]]  # what a step runs first or last (None: nothing)
 
 
 @dataclass(frozen=True)
@@ -71,13 +74,21 @@ class Float8Spec:
         convert_to_float8_training(model, module_filter_fn=lambda module, _fqn: id(module) in chosen, config=config)
         return sorted(chosen.values())
 
-    def before_step(self, model: torch.nn.Module) -> Optional[Callable[[], None]]:
-        """What a step runs first: the weights' float8 scales for FSDP2's float8 all-gather, from the weights
-        as they are now (one all-reduce); None without the all-gather (each cast then finds its own scale)."""
+    def step_hooks(self, model: torch.nn.Module) -> Tuple[StepHook, StepHook]:
+        """What a step runs first and last (None: nothing). With FSDP2's float8 all-gather: first the weights'
+        float8 scales from the weights as they are now (one all-reduce), then each weight cast with its scale once
+        for the step's gathers; last, those casts dropped (trainer/parallel/float8_cast.py). Without the all-gather
+        each cast finds its own scale."""
         if not self.all_gather:
-            return None
+            return None, None
         (precompute,) = _torchao("precompute_float8_dynamic_scale_for_fsdp")
-        return partial(precompute, model)
+        casts = WeightCasts(model, compiled=self.compiled)
+        return partial(_scales_then_casts, partial(precompute, model), casts), casts.drop
+
+
+def _scales_then_casts(scales: Callable[[], None], casts: Callable[[], None]) -> None:
+    scales()
+    casts()
 
 
 def float8_layers(model: torch.nn.Module, blocks: Iterable[torch.nn.Module]) -> List[tuple]:

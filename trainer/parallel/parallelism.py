@@ -8,8 +8,8 @@ put on the device, what graphing's executor wraps it with, whether the compiled 
 loss, whether the optimizer steps on shards), the checkpoint format (trainer/checkpoint/choice.py),
 the config a run records. ``float8`` (``train.float8``, trainer/parallel/float8.py) is a field here
 too: the layers it converts are converted where the model is placed, and what the step runs first
-(the float8 scales of FSDP2's float8 all-gather) is asked here. What comes next (a tensor-parallel
-mesh dimension) is a field here, read by the same parts.
+and last (the float8 scales and casts of FSDP2's float8 all-gather) is asked here. What comes next
+(a tensor-parallel mesh dimension) is a field here, read by the same parts.
 
 graphing, a library for any loop, asks the model itself (graphing/sharded.py); the answers agree,
 since the model is sharded here (``place_model``).
@@ -17,7 +17,7 @@ since the model is sharded here (``place_model``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional, Union
+from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 import torch
 
@@ -25,7 +25,7 @@ from conf.schema import DDPConfig, FSDPConfig, changed_settings
 from graphing import GraphOptions
 from graphing.compat import ddp_buffer_sync_argument
 from trainer.run.errors import ConfigError
-from trainer.parallel.float8 import Float8Spec, float8_spec
+from trainer.parallel.float8 import Float8Spec, StepHook, float8_spec
 from trainer.parallel.sharding import FSDPSpec, fsdp_spec, sharded_model
 
 
@@ -75,10 +75,10 @@ class Parallelism:
             return {}
         return {"ddp_kwargs": self.data_parallel.kwargs, "comm_hook": self.data_parallel.comm_hook}
 
-    def before_step(self, model: torch.nn.Module) -> Optional[Callable[[], None]]:
-        """What every step runs first, inside its graph (None: nothing): float8's weight scales for FSDP2's float8
-        all-gather (trainer/parallel/float8.py)."""
-        return None if self.float8 is None else self.float8.before_step(model)
+    def step_hooks(self, model: torch.nn.Module) -> Tuple[StepHook, StepHook]:
+        """What every training and evaluation step runs first and last, inside its graph (None: nothing):
+        float8's weight scales and casts for FSDP2's float8 all-gather (trainer/parallel/float8.py)."""
+        return (None, None) if self.float8 is None else self.float8.step_hooks(model)
 
     def compile_with_loss(self, graph: GraphOptions) -> bool:
         """Whether ``graph.compile_model`` compiles the model and its loss as one function. Not when sharded:

@@ -140,9 +140,10 @@ class StepSettings:
     grad_clip: float = 0.0  # > 0: clip the global gradient norm (and record it)
     autocast: Callable[[], ContextManager] = contextlib.nullcontext
     world_size: int = 1
-    # Run first in every training and evaluation step, inside its graph: the float8 weight scales of FSDP2's
-    # float8 all-gather, from the weights as they are now (Parallelism.before_step)
+    # Run first and last in every training and evaluation step, inside its graph (Parallelism.step_hooks): the
+    # float8 weight scales and casts of FSDP2's float8 all-gather from the weights as they are now, then dropped
     before_step: Optional[Callable[[], None]] = None
+    after_step: Optional[Callable[[], None]] = None
 
 
 class _Recorded(Exception):
@@ -272,6 +273,8 @@ class TrainStep:
         # No gradient lives between steps: their memory is free for evaluation, and when the step is captured
         # the eager warm-up's gradients are no longer held beside the graph's own (FSDP2 at 9.9B: 18 GiB).
         self.optimizer.zero_grad(set_to_none=True)
+        if self.settings.after_step is not None:
+            self.settings.after_step()
         if self.advance_step:
             self.step += 1
 
@@ -374,6 +377,8 @@ class EvalStep:
         correct = self.recipe.correct(output, batch["y"]) if self.model.accuracy else \
             torch.zeros(per_sample.shape, dtype=torch.bool, device=per_sample.device)
         accumulate(self.metrics, per_sample, correct, batch[PADDING_MASK])
+        if self.settings.after_step is not None:
+            self.settings.after_step()
 
 
 def positional_model_inputs(recipe: Recipe, memory_format: torch.memory_format, model: torch.nn.Module, batch,

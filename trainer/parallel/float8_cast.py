@@ -1,0 +1,97 @@
+"""FSDP2's float8 all-gather with each weight cast to float8 once a step, not once a gather.
+
+torchao casts a weight shard to float8 inside FSDP2's pre-all-gather hook, each time the weight is
+gathered: for the forward and again for the backward's re-gather (``reshard_after_forward``), three
+eager kernels each time (scale, clamp, cast: 21 bytes moved per element), beside compute on the
+all-gather's stream (224 casts a step at Llama 1b; RESULTS.md, "Where the time goes"). Here the
+step's first work, right after the scales' one all-reduce, casts every weight shard (one compiled
+function under ``graph.compile_model``, 5 bytes per element) into a tensor each of the step's gathers
+then sends; the bytes are the ones torchao's cast makes (tests/test_float8_gpu.py).
+
+A cast lives for one step: set at its start (``WeightCasts.__call__``), dropped at its end
+(``WeightCasts.drop``, after the optimizer moved the weights; a version counter cannot tell, fused
+AdamW bumps none), and sent only with the scale it was made with. A gather outside a step (a user's
+forward between steps) finds none and casts as torchao does. In a CUDA graph this bookkeeping runs
+once, at capture; every replay casts again before its gathers read the casts.
+
+The price: one float8 byte per element of each rank's converted weights, held through the step,
+where torchao's casts lived one gather long (0.8 GiB more reserved at gpt_1b and at Llama 1b on 2
+GPUs; still below bf16's).
+"""
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Tuple
+
+import torch
+
+from graphing.float8_scales import SCALE
+from graphing.sharded import is_dtensor
+
+CAST = "_graphed_float8_cast"  # the attribute on a weight's local tensor that holds this step's cast
+
+
+@dataclass
+class _Cast:
+    data: torch.Tensor  # the shard in float8, as torchao's pre-all-gather would make it
+    scale: torch.Tensor  # the scale it was cast with (torchao's precomputed one, by identity)
+
+
+def cast_shards(shards: List[torch.Tensor], scales: List[torch.Tensor], dtype: torch.dtype) -> List[torch.Tensor]:
+    """torchao's weight cast (``hp_tensor_and_scale_to_float8``: to fp32, times the scale, clamped to the float8
+    range, to float8), for every shard."""
+    top = torch.finfo(dtype).max
+    return [(shard.to(torch.float32) * scale).clamp(min=-top, max=top).to(dtype)
+            for shard, scale in zip(shards, scales)]
+
+
+def _pre_all_gather(local: torch.Tensor, mesh) -> Tuple[tuple, tuple]:
+    """The weight's FSDP2 pre-all-gather (torchao's, one-argument form): this step's cast, else torchao's own."""
+    cast: Optional[_Cast] = getattr(local, CAST, None)
+    if cast is not None and cast.scale is getattr(local, SCALE, None):
+        return (cast.data,), (cast.scale,)
+    return type(local).fsdp_pre_all_gather(local, mesh)
+
+
+class WeightCasts:
+    """Casts every converted weight of ``model`` that FSDP2 gathers in float8, once, with the scales torchao's
+    precompute just set: call it right after ``precompute_float8_dynamic_scale_for_fsdp`` at each step's start,
+    and ``drop`` at its end."""
+
+    def __init__(self, model: torch.nn.Module, compiled: bool):
+        self.model = model
+        # One function over every shard: 0.79 ms a step graphed at Llama 1b on an H200, 5.0 s to compile (a kernel
+        # per shape); RESULTS.md has the alternatives measured
+        self._cast: Callable = torch.compile(cast_shards, dynamic=False) if compiled else cast_shards
+
+    def weights(self) -> List[torch.Tensor]:
+        """The local tensor of each weight FSDP2 gathers in float8, asked each step: FSDP2 gives a parameter a new
+        local tensor where it must (its first forward pads one, ``load_state_dict(assign=True)`` swaps the
+        parameter), and the hook belongs to the local tensor."""
+        found = []
+        for param in self.model.parameters():
+            local = param._local_tensor if is_dtensor(param) else None
+            if local is not None and hasattr(local, SCALE):
+                if CAST not in local.__dict__:
+                    local.fsdp_pre_all_gather = types.MethodType(_pre_all_gather, local)  # this tensor's hook only
+                    setattr(local, CAST, None)
+                found.append(local)
+        return found
+
+    @torch.no_grad()
+    def __call__(self) -> None:
+        weights = self.weights()
+        scales = [getattr(local, SCALE) for local in weights]
+        if any(scale is None for scale in scales):
+            return  # no precompute ran: each gather finds its weight's scale itself (torchao's path)
+        if not weights:
+            return
+        for local, data, scale in zip(weights, self._cast([local._tensor for local in weights], scales,
+                                                          weights[0]._dtype), scales):
+            setattr(local, CAST, _Cast(data=data, scale=scale))
+
+    def drop(self) -> None:
+        """The step's casts let go: its optimizer moved the weights they were made from."""
+        for local in self.weights():
+            setattr(local, CAST, None)
