@@ -325,6 +325,26 @@ def tied_names(model: torch.nn.Module) -> List[str]:
     return tied
 
 
+# The largest exported file (save_pretrained's default). Its size bounds what a rank holds while it writes:
+# torch.distributed.checkpoint serializes each file in memory, whole, beside the tensors it holds on the host
+# (an 8B model in one file cost a rank 48.6 GiB of host memory; RESULTS.md).
+EXPORT_FILE_BYTES = 5 * 10**9
+JOIN_THREADS = 4  # files joined at once from the ranks' parts (each thread holds a tensor or two on the host)
+
+
+def export_files(state: Dict[str, torch.Tensor]) -> Dict[str, int]:
+    """Each tensor's file number (1..N): in the state dict's order, files of at most ``EXPORT_FILE_BYTES`` (a
+    tensor larger than that alone in its own), as save_pretrained splits them."""
+    files, number, size, limit = {}, 1, 0, EXPORT_FILE_BYTES
+    for name, tensor in state.items():
+        nbytes = tensor.numel() * tensor.element_size()  # a DTensor's: the whole tensor's
+        if size and size + nbytes > limit:
+            number, size = number + 1, 0
+        files[name] = number
+        size += nbytes
+    return files
+
+
 def export_pretrained(source: Optional[Path], model: torch.nn.Module, directory: Path) -> None:
     """``Recipe.export`` (checkpoint.export): the trained model as a save_pretrained directory that transformers,
     vLLM and the Hub read: its config.json, its weights as safetensors (a tied weight once), and the tokenizer and
@@ -339,10 +359,13 @@ def export_pretrained(source: Optional[Path], model: torch.nn.Module, directory:
 
     distributed = dist.is_available() and dist.is_initialized()
     state = {k: v for k, v in model.state_dict().items() if k not in set(tied_names(model))}
-    # Under a process group each rank writes its part into sharded/, then they are joined into whole files; one
-    # process writes whole files directly (consolidation would leave them in sharded/).
-    writer = HuggingFaceStorageWriter(path=str(directory), save_distributed=distributed,
-                                      enable_consolidation=distributed)
+    files = export_files(state)
+    # Under a process group each rank writes its part of each file into sharded/, then rank 0 joins the parts into
+    # whole files, a thread a file; one process writes whole files directly (consolidation would leave them in
+    # sharded/).
+    writer = HuggingFaceStorageWriter(path=str(directory), fqn_to_index_mapping=files, save_distributed=distributed,
+                                      enable_consolidation=distributed,
+                                      thread_count_consolidation=min(max(files.values()), JOIN_THREADS))
     save(state, storage_writer=writer, no_dist=not distributed)
     if distributed and dist.get_rank() != 0:
         return
