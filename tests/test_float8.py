@@ -195,20 +195,12 @@ def one_gloo_rank():
     with group_of_one("gloo"):
         yield
 
-
-@pytest.mark.extras
-@pytest.mark.fast
-@pytest.mark.parametrize("precompute_at, named", [("end", True), ("start", False)])
-def test_the_doctor_names_float8_scales_a_users_step_sets_after_its_forward(one_gloo_rank, precompute_at, named):
-    # A user's own loop: blocks converted to float8 (emulated) with FSDP2's float8 all-gather, sharded over a group of
-    # one, torchao's scale precompute after the optimizer (torchtitan's place) or first in the step.
-    needs_extra("torchao")
+def _sharded_float8_mlp(seed: int):
+    """Two blocks converted to float8 (emulated) with FSDP2's float8 all-gather, sharded over a group of one."""
     from torch.distributed.fsdp import fully_shard
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    from graphing.doctor import diagnose
-
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(),
                                                       torch.nn.Linear(128, 64)) for _ in range(2)),
                                 torch.nn.Linear(64, 1))
@@ -217,6 +209,21 @@ def test_the_doctor_names_float8_scales_a_users_step_sets_after_its_forward(one_
     for block in model[:2]:
         fully_shard(block)
     fully_shard(model)
+    return model
+
+
+@pytest.mark.extras
+@pytest.mark.fast
+@pytest.mark.parametrize("precompute_at, named", [("end", True), ("start", False)])
+def test_the_doctor_names_float8_scales_a_users_step_sets_after_its_forward(one_gloo_rank, precompute_at, named):
+    # A user's own loop: blocks converted to float8 (emulated) with FSDP2's float8 all-gather, sharded over a group of
+    # one, torchao's scale precompute after the optimizer (torchtitan's place) or first in the step.
+    needs_extra("torchao")
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    from graphing.doctor import diagnose
+
+    model = _sharded_float8_mlp(seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 
     def step(model, x, y):
@@ -251,22 +258,6 @@ def test_a_hugging_face_model_converts_every_linear_layer_of_its_decoder_layers_
     assert f"float8 ({recipe}, emulated): 14 Linear layers of the recipe's blocks; the rest in fp32" in done.stdout
     assert all(math.isfinite(row["train/loss"]) for row in done.metrics() if "train/loss" in row)
 
-
-def _sharded_float8_mlp(seed: int):
-    """Two blocks converted to float8 (emulated) with FSDP2's float8 all-gather, sharded over a group of one."""
-    from torch.distributed.fsdp import fully_shard
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(),
-                                                      torch.nn.Linear(128, 64)) for _ in range(2)),
-                                torch.nn.Linear(64, 1))
-    convert_to_float8_training(model, module_filter_fn=lambda _m, fqn: fqn[:1] in "01",
-                               config=Float8LinearConfig(enable_fsdp_float8_all_gather=True, emulate=True))
-    for block in model[:2]:
-        fully_shard(block)
-    fully_shard(model)
-    return model
 
 
 @pytest.mark.extras
