@@ -358,7 +358,8 @@ def export_pretrained(source: Optional[Path], model: torch.nn.Module, directory:
     from torch.distributed.checkpoint import HuggingFaceStorageWriter, save
 
     distributed = dist.is_available() and dist.is_initialized()
-    state = {k: v for k, v in model.state_dict().items() if k not in set(tied_names(model))}
+    tied = set(tied_names(model))
+    state = {k: v for k, v in model.state_dict().items() if k not in tied}
     files = export_files(state)
     # Under a process group each rank writes its part of each file into sharded/, then rank 0 joins the parts into
     # whole files, a thread a file; one process writes whole files directly (consolidation would leave them in

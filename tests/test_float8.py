@@ -195,6 +195,7 @@ def one_gloo_rank():
     with group_of_one("gloo"):
         yield
 
+
 def _sharded_float8_mlp(seed: int):
     """Two blocks converted to float8 (emulated) with FSDP2's float8 all-gather, sharded over a group of one."""
     from torch.distributed.fsdp import fully_shard
@@ -257,7 +258,6 @@ def test_a_hugging_face_model_converts_every_linear_layer_of_its_decoder_layers_
     # The debug llama: 2 decoder layers of 7 projections each (every size divides by 16); embeddings and lm_head stay.
     assert f"float8 ({recipe}, emulated): 14 Linear layers of the recipe's blocks; the rest in fp32" in done.stdout
     assert all(math.isfinite(row["train/loss"]) for row in done.metrics() if "train/loss" in row)
-
 
 
 @pytest.mark.extras

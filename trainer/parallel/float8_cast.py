@@ -61,6 +61,7 @@ class WeightCasts:
 
     def __init__(self, model: torch.nn.Module, compiled: bool):
         self.model = model
+        self.cast_on: List[torch.Tensor] = []  # the local tensors this step's casts were set on
         # One function over every shard: 0.79 ms a step graphed at Llama 1b on an H200, 5.0 s to compile (a kernel
         # per shape); RESULTS.md has the alternatives measured
         self._cast: Callable = torch.compile(cast_shards, dynamic=False) if compiled else cast_shards
@@ -90,8 +91,10 @@ class WeightCasts:
         for local, data, scale in zip(weights, self._cast([local._tensor for local in weights], scales,
                                                           weights[0]._dtype), scales):
             setattr(local, CAST, _Cast(data=data, scale=scale))
+        self.cast_on = weights
 
     def drop(self) -> None:
         """The step's casts let go: its optimizer moved the weights they were made from."""
-        for local in self.weights():
+        for local in self.cast_on:
             setattr(local, CAST, None)
+        self.cast_on = []
