@@ -649,3 +649,28 @@ def test_strong_scaling_efficiency_is_tokens_per_gpu_over_one_gpus_at_the_same_g
     assert out[3]["scaling_efficiency"] is None
     assert bench.scaling_counts(8, 4) == [1, 2, 4] and bench.scaling_counts(4, 8) == [1, 2, 4]
     assert bench.scaling_counts(6, 3) == [1, 2, 3]
+
+
+def test_the_worker_offers_what_time_steps_asks_of_a_trainer():
+    """scripts/lib/timing.py times the worker's Steps as it times a Trainer: every attribute it reads of the object
+    it times is a method of Steps or set by its __init__. (A rename of the Trainer's step method once left the
+    worker without it: every torchtitan run failed on the GPU machine after its warm-up steps.)"""
+    import ast
+    import inspect
+
+    from scripts.lib import timing
+    from scripts.lib.torchtitan_worker import Steps
+
+    timed = inspect.signature(timing.time_steps).parameters
+    trainer = next(iter(timed))
+    asked = {node.attr for node in ast.walk(ast.parse(inspect.getsource(timing.time_steps)))
+             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == trainer}
+    init = ast.parse(inspect.cleandoc("\n" + inspect.getsource(Steps.__init__)))
+    fields = {target.attr for node in ast.walk(init) if isinstance(node, ast.Assign)
+              for elt in node.targets for target in (elt.elts if isinstance(elt, ast.Tuple) else [elt])
+              if isinstance(target, ast.Attribute)}
+    fields |= {node.target.attr for node in ast.walk(init)
+               if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Attribute)}
+    assert "next_step" in asked and "device" in asked  # what it reads today: the check below is not vacuous
+    missing = sorted(a for a in asked if not callable(getattr(Steps, a, None)) and a not in fields)
+    assert not missing, f"time_steps reads {missing} of what it times; scripts/lib/torchtitan_worker.Steps has none"

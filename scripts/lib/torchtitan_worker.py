@@ -153,7 +153,8 @@ def batches(args: argparse.Namespace, rank: int, world: int, vocab: int) -> List
 
 
 class Steps:
-    """torchtitan's training step over the prepared batches: what scripts/lib/timing.py times (``run_step``)."""
+    """torchtitan's training step over the prepared batches: what scripts/lib/timing.py times (``next_step``, the
+    method it steps a Trainer by)."""
 
     def __init__(self, model, optimizers, lr_schedulers, loss_fn, amp, train_context, parallel_dims, gc_handler,
                  data: List[tuple], device):
@@ -165,7 +166,7 @@ class Steps:
         # this is within a step of the GPU's end of it (time to loss in bench_torchtitan.py).
         self.ended_at: List[float] = []
 
-    def run_step(self) -> None:
+    def next_step(self) -> None:
         from torchtitan.components.loss import IGNORE_INDEX
         from torchtitan.distributed import utils as dist_utils
 
@@ -218,7 +219,7 @@ def profile_steps(steps: Steps, count: int, device) -> dict:
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(count):
-            steps.run_step()
+            steps.next_step()
         torch.cuda.synchronize()
     return {"steps": count, **summary(device_events(prof, device.index), count)}
 
@@ -296,7 +297,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   batches(args, rank, world, shape.vocab), device)
 
     for _ in range(args.warmup_steps):
-        steps.run_step()
+        steps.next_step()
     timed = time_steps(steps, args.steps)  # graphing.StepTimer: CUDA events, read after the last step
     profiled = profile_steps(steps, args.profile_steps, device) if args.profile_steps and cuda else None
 
