@@ -78,6 +78,17 @@ class Float8(Enum):
     rowwise = "rowwise"  # one scale per row: closer to bf16's numbers, a little slower
 
 
+class ExportDtype(Enum):
+    """The dtype of the weights checkpoint.export writes (scripts/export_hf.py --dtype takes the same names)."""
+    fp32 = "fp32"  # as they trained: the exported model's logits are the run's, bit for bit
+    bf16 = "bf16"  # half the bytes, as most published checkpoints are; each weight rounded once
+    fp16 = "fp16"
+
+    @property
+    def torch_name(self) -> str:  # getattr(torch, ...) (this module imports no torch)
+        return {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[self.value]
+
+
 class Parallel(Enum):
     ddp = "ddp"  # DistributedDataParallel: a whole replica of weights, gradients and optimizer state per rank
     # FSDP2 (fully_shard): weights, gradients and optimizer state sharded over all ranks, each block
@@ -276,6 +287,7 @@ class CheckpointConfig:
     # A new directory the recipe writes its trained model to at the end of the run, in its library's format
     # (hf_causal_lm: a save_pretrained directory; sharded runs write from their shards). Refused if it exists
     export: Optional[str] = None
+    export_dtype: ExportDtype = ExportDtype.fp32  # of the exported weights (their config.json says it too)
 
 
 @dataclass

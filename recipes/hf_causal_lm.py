@@ -43,6 +43,7 @@ from typing import Any, Dict, List, Optional
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from conf.schema import ExportDtype
 from recipes.gpt import language_data, next_token_criterion, preprocess
 from trainer.run.errors import ConfigError, first_line
 from trainer.recipe import Batch, Recipe, blocks_named, top1_correct
@@ -345,12 +346,15 @@ def export_files(state: Dict[str, torch.Tensor]) -> Dict[str, int]:
     return files
 
 
-def export_pretrained(source: Optional[Path], model: torch.nn.Module, directory: Path) -> None:
+def export_pretrained(source: Optional[Path], model: torch.nn.Module, directory: Path,
+                      dtype: torch.dtype = torch.float32) -> None:
     """``Recipe.export`` (checkpoint.export): the trained model as a save_pretrained directory that transformers,
     vLLM and the Hub read: its config.json, its weights as safetensors (a tied weight once), and the tokenizer and
     generation files of ``source`` (recipe.model.path). Every rank writes its own shards through
     torch.distributed.checkpoint's HuggingFaceStorageWriter, which then joins them into whole tensors file by
-    file: no rank gathers the whole model (under DDP each replicated tensor is written once)."""
+    file: no rank gathers the whole model (under DDP each replicated tensor is written once). ``dtype``
+    (checkpoint.export_dtype): the floating-point weights' in the files, each rank casting its own shards, and
+    config.json's ``dtype``, which transformers loads them in."""
     import copy
     import shutil
 
@@ -359,7 +363,7 @@ def export_pretrained(source: Optional[Path], model: torch.nn.Module, directory:
 
     distributed = dist.is_available() and dist.is_initialized()
     tied = set(tied_names(model))
-    state = {k: v for k, v in model.state_dict().items() if k not in tied}
+    state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in model.state_dict().items() if k not in tied}
     files = export_files(state)
     # Under a process group each rank writes its part of each file into sharded/, then rank 0 joins the parts into
     # whole files, a thread a file; one process writes whole files directly (consolidation would leave them in
@@ -373,6 +377,7 @@ def export_pretrained(source: Optional[Path], model: torch.nn.Module, directory:
     shutil.rmtree(directory / "sharded", ignore_errors=True)  # each rank's part, joined into the files above
     config = copy.deepcopy(model.config)
     config.use_cache = True  # off while training only (build_model)
+    config.dtype = dtype
     config.save_pretrained(directory)
     copy_companions(source, directory)
 
@@ -445,4 +450,9 @@ def build(cfg, rt: Runtime) -> Recipe:
                   flops_per_unit=training_flops_per_token(model, settings.context), forward=logits,
                   label_smoothing=cfg.recipe.label_smoothing,
                   blocks=blocks_named(model, model._no_split_modules),  # its own list: LlamaDecoderLayer, ...
-                  init_weights=draw, export=functools.partial(export_pretrained, source))
+                  init_weights=draw, export=functools.partial(export_pretrained, source, dtype=export_dtype(cfg)))
+
+
+def export_dtype(cfg) -> torch.dtype:
+    """checkpoint.export_dtype, as a torch dtype."""
+    return getattr(torch, ExportDtype(cfg.checkpoint.export_dtype).torch_name)

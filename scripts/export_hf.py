@@ -34,9 +34,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from conf.schema import ExportDtype  # noqa: E402
 from scripts.lib.refuse import refuse  # noqa: E402
-
-DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 @dataclass(frozen=True)
@@ -55,8 +54,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("run_dir", type=Path, help="a run directory of recipe=hf_causal_lm or a gpt recipe (its config.yaml)")
     parser.add_argument("--out", type=Path, required=True, help="the directory to write (must not exist)")
     parser.add_argument("--checkpoint", type=Path, default=None, help="default: the run's newest checkpoint")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                        help="the files' dtype (default: the checkpoint's, fp32 for this trainer's weights)")
+    parser.add_argument("--dtype", choices=[d.value for d in ExportDtype], default=None,
+                        help="the files' dtype, and config.json's (default: the checkpoint's, fp32 for this trainer's "
+                             "weights; checkpoint.export_dtype's names)")
     parser.add_argument("--shard-gb", type=float, default=5.0, help="largest safetensors file, in GB")
     args = parser.parse_args(argv)
     began = time.perf_counter()
@@ -83,12 +83,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     except ConfigError as e:  # the run's model settings, read as its recipe reads them
         refuse(f"{config_file}: {e}")
     read, shapes = tensor_source(checkpoint, [w.source for w in weights if w.source is not None])
-    dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
+    dtype = getattr(torch, ExportDtype(args.dtype).torch_name) if args.dtype else None
     temp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(temp, ignore_errors=True)
     temp.mkdir(parents=True)
     try:
         files = write_weights(temp, weights, read, shapes, dtype, int(args.shard_gb * 1e9))
+        # What transformers loads the files in: the dtype written, not the source directory's (a bf16 source's
+        # config.json said bfloat16 over fp32 files, and transformers loaded the trained weights rounded).
+        hf_config.dtype = dtype or most_common_float(dt for _, dt in shapes.values())
         hf_config.save_pretrained(temp)
         from recipes.hf_causal_lm import copy_companions
 
@@ -262,6 +265,16 @@ def write_weights(folder: Path, weights: List[Weight], read: Callable[[str], "ob
                  "weight_map": {w.name: file for file, group in zip(files, groups) for w in group}}
         (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     return files
+
+
+def most_common_float(dtypes):
+    """The floating-point dtype most of a checkpoint's weights have (this trainer keeps them all in fp32)."""
+    from collections import Counter
+
+    import torch
+
+    counts = Counter(dt for dt in dtypes if dt.is_floating_point)
+    return counts.most_common(1)[0][0] if counts else torch.float32
 
 
 def _itemsize(dtype) -> int:

@@ -329,11 +329,18 @@ def test_a_model_whose_mask_is_more_than_causal_keeps_transformers_mask():
     assert plain_causal_mask(transformers.AutoConfig.for_model(**dict(TINY_LLAMA, model_type="qwen2")))
 
 
-def export(run_dir, out) -> "subprocess.CompletedProcess":
+def export(run_dir, out, *more: str) -> "subprocess.CompletedProcess":
     import subprocess
 
-    return subprocess.run([sys.executable, "scripts/export_hf.py", str(run_dir), "--out", str(out)], cwd=ROOT,
+    return subprocess.run([sys.executable, "scripts/export_hf.py", str(run_dir), "--out", str(out), *more], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
+
+
+def exported_tensors(directory) -> dict:
+    """Every tensor of a save_pretrained directory's safetensors files, as stored."""
+    from safetensors.torch import load_file
+
+    return {name: t for path in sorted(directory.glob("*.safetensors")) for name, t in load_file(path).items()}
 
 
 def test_a_trained_model_exports_to_a_directory_transformers_reloads_with_the_same_weights(out, train_here, tmp_path):
@@ -355,6 +362,9 @@ def test_a_trained_model_exports_to_a_directory_transformers_reloads_with_the_sa
         files = sorted(p.name for p in (tmp_path / f"{name}_hf").iterdir())
         assert files == (["config.json", "generation_config.json", "model.safetensors"] if name == "gpt2" else
                          ["config.json", "model.safetensors"]), files
+        # config.json names the dtype the files hold (fp32), also where the source directory's said bfloat16
+        # (gpt2's): transformers loads the weights in what it says.
+        assert json.loads((tmp_path / f"{name}_hf" / "config.json").read_text())["dtype"] == "float32", name
         # The checkpoint's weights evaluated, and the exported directory loaded by transformers and evaluated:
         # the same digest of the weights and the same loss.
         checkpoint = sorted((run_dir / "checkpoints").iterdir())[-1]
@@ -406,6 +416,43 @@ def test_an_export_larger_than_a_file_is_split_into_files_transformers_reads_thr
         assert torch.equal(reloaded(ids).logits, model(ids).logits)
 
 
+def test_an_export_in_bf16_holds_each_trained_weight_rounded_once_and_its_config_says_so(train_here, tmp_path):
+    # checkpoint.export_dtype=bf16 at the end of a run and scripts/export_hf.py --dtype bf16 from its checkpoint
+    # write the same bytes: the final fp32 weights, each rounded to bf16 once; transformers loads them as bf16.
+    # Then export_pretrained from FSDP2 shards (a gloo group of one: each rank casts its own DTensor shards).
+    from torch.distributed.fsdp import fully_shard
+
+    from helpers.one_rank import group_of_one
+    from recipes import hf_causal_lm
+
+    done = train_here([*DEBUG, "train.precision=fp32", "train.max_steps=2", "train.eval=false",
+                       f"checkpoint.export={tmp_path / 'at_end'}", "checkpoint.export_dtype=bf16"], tmp_path / "run")
+    assert done.returncode == 0, done.stderr[-3000:]
+    script = export(done.run_dir, tmp_path / "from_checkpoint", "--dtype", "bf16")
+    assert script.returncode == 0, script.stderr[-3000:]
+    final = torch.load(sorted((done.run_dir / "checkpoints").glob("step_*.pt"))[-1], weights_only=True)["model"]
+    for directory in (tmp_path / "at_end", tmp_path / "from_checkpoint"):
+        written = exported_tensors(directory)
+        assert written and {t.dtype for t in written.values()} == {torch.bfloat16}, directory
+        assert all(torch.equal(t, final[name].to(torch.bfloat16)) for name, t in written.items()), directory
+        assert json.loads((directory / "config.json").read_text())["dtype"] == "bfloat16"
+        assert transformers.AutoModelForCausalLM.from_pretrained(directory).dtype == torch.bfloat16
+    assert exported_tensors(tmp_path / "at_end").keys() == exported_tensors(tmp_path / "from_checkpoint").keys()
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**TINY_LLAMA))
+    whole = {name: t.detach().clone() for name, t in model.state_dict().items()}
+    with group_of_one("gloo"):
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        hf_causal_lm.export_pretrained(None, model, tmp_path / "sharded", dtype=torch.bfloat16)
+    written = exported_tensors(tmp_path / "sharded")
+    assert written.keys() == whole.keys() - set(hf_causal_lm.tied_names(model))
+    assert all(t.dtype == torch.bfloat16 and torch.equal(t, whole[name].to(torch.bfloat16))
+               for name, t in written.items())
+
+
 @pytest.mark.fast
 def test_what_an_export_cannot_write_is_refused_naming_the_path(train_here, tmp_path):
     done = train_here([*DEBUG, "train.max_steps=1", "train.eval=false", "checkpoint.save=false"], tmp_path / "nockpt")
@@ -438,6 +485,7 @@ def test_a_run_writes_its_trained_model_at_its_end_from_the_shards_without_a_che
         kept = sorted(p.name for p in exported.iterdir())
         assert "config.json" in kept and any(k.endswith(".safetensors") for k in kept) and "sharded" not in kept, kept
         assert ("generation_config.json" in kept) == (name == "gpt2") and not list(exported.parent.glob(".*.tmp"))
+        assert json.loads((exported / "config.json").read_text())["dtype"] == "float32", name  # gpt2's source: bf16
         assert not list(run.run_dir.glob("checkpoints/*"))  # checkpoint.save=false: the export alone
         # transformers reads it, and it holds the run's final weights: their digest.
         reloaded = transformers.AutoModelForCausalLM.from_pretrained(exported)
