@@ -668,9 +668,16 @@ def profile_report(rows: Sequence[Dict[str, Any]]) -> List[str]:
 # ---- running ---------------------------------------------------------------------------
 
 def plan_folder(plan: Plan, runs: Path, repeat: int, repeats: int) -> Path:
-    """Where one run of ``plan`` goes: by size, GPU count and tokens (a strong-scaling series holds several), then
-    by repeat where there are several."""
-    folder = runs / plan.shape.name / f"{plan.nproc}gpu_{plan.seq_len}x{plan.local_batch}"
+    """Where one run of ``plan`` goes: by size, then GPU count, tokens and every setting that changes a run (a
+    strong-scaling series holds several GPU counts; calls that share ``--runs`` keep each other's runs), then by
+    repeat where there are several."""
+    settings = [f"ac-{plan.ac}", *(["float8"] if plan.float8 else []),
+                *([f"reshard-{plan.reshard}"] if plan.reshard != RESHARDS[0] else []),
+                *([f"root-{plan.root}"] if plan.root != ROOTS[0] else []),
+                *(["matched-init"] if plan.matched_init else []),
+                *([] if plan.alloc_conf == TORCHTITAN_ALLOC_CONF else
+                  ["alloc-" + ("".join(c if c.isalnum() else "-" for c in plan.alloc_conf) or "default")])]
+    folder = runs / plan.shape.name / "_".join([f"{plan.nproc}gpu", f"{plan.seq_len}x{plan.local_batch}", *settings])
     return folder / f"repeat{repeat + 1}" if repeats > 1 else folder
 
 

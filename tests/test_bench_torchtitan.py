@@ -674,3 +674,20 @@ def test_the_worker_offers_what_time_steps_asks_of_a_trainer():
     assert "next_step" in asked and "device" in asked  # what it reads today: the check below is not vacuous
     missing = sorted(a for a in asked if not callable(getattr(Steps, a, None)) and a not in fields)
     assert not missing, f"time_steps reads {missing} of what it times; scripts/lib/torchtitan_worker.Steps has none"
+
+
+@pytest.mark.fast
+def test_calls_that_share_a_runs_folder_keep_each_others_runs(tmp_path, capsys):
+    """Each setting that changes a run names its folder: a float8 call, a strong-scaling call and a --root call into
+    one --runs write where the bf16 call's runs are not (a shared folder once lost a float8 run's logs)."""
+    calls = [[], ["--float8"], ["--root", "split", "--theirs", "none"], ["--reshard", "never"], ["--ac", "full"],
+             ["--alloc-conf", ""], ["--matched-init"], ["--strong-scaling"]]
+    folders = []
+    for extra in calls:
+        assert bench.main(["--dry-run", "--nproc", "2", "--size", "1b", "--runs", str(tmp_path), *extra]) == 0
+        out = capsys.readouterr().out
+        folders.append({line.split("output_root=")[1].split("/runs/")[0].strip("'\"")
+                        for line in out.splitlines() if "output_root=" in line})
+    assert all(len(f) == 1 for f in folders[:-1]) and len(folders[-1]) == 2, folders  # strong scaling: 1 and 2 GPUs
+    every = [folder for f in folders for folder in f]
+    assert len(set(every)) == len(every), every
