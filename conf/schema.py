@@ -85,8 +85,10 @@ class ExportDtype(Enum):
     fp16 = "fp16"
 
     @property
-    def torch_name(self) -> str:  # getattr(torch, ...) (this module imports no torch)
-        return {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[self.value]
+    def torch_dtype(self):
+        import torch  # here, not at the top: this module imports no torch
+
+        return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.value]
 
 
 class Parallel(Enum):

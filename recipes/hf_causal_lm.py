@@ -450,9 +450,5 @@ def build(cfg, rt: Runtime) -> Recipe:
                   flops_per_unit=training_flops_per_token(model, settings.context), forward=logits,
                   label_smoothing=cfg.recipe.label_smoothing,
                   blocks=blocks_named(model, model._no_split_modules),  # its own list: LlamaDecoderLayer, ...
-                  init_weights=draw, export=functools.partial(export_pretrained, source, dtype=export_dtype(cfg)))
-
-
-def export_dtype(cfg) -> torch.dtype:
-    """checkpoint.export_dtype, as a torch dtype."""
-    return getattr(torch, ExportDtype(cfg.checkpoint.export_dtype).torch_name)
+                  init_weights=draw, export=functools.partial(
+                      export_pretrained, source, dtype=ExportDtype(cfg.checkpoint.export_dtype).torch_dtype))

@@ -248,9 +248,9 @@ def main() -> int:
     record["runs"] = runs
     if args.compare_host:
         host, meta = runs[0]["losses"], runs[1]["losses"]
-        difference = max(abs(a - b) / max(abs(a), 1e-12) for a, b in zip(host, meta))
-        record["loss_difference"] = difference
-        record["first_loss_difference"] = abs(host[0] - meta[0]) / max(abs(host[0]), 1e-12)
+        differences = [abs(a - b) / max(abs(a), 1e-12) for a, b in zip(host, meta)]
+        record["loss_difference"] = max(differences)
+        record["first_loss_difference"] = differences[0]
         record["same_first_loss"] = len(host) == len(meta) and record["first_loss_difference"] <= 1e-6
     if args.reload:
         record["reload"] = reload_check(source, export)

@@ -74,8 +74,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         refuse(f"{args.run_dir} is a run of recipe._target_={target}, which has no transformers class mapped here: "
                f"export_hf writes {' and '.join(LAYOUTS)} runs")
     checkpoint = args.checkpoint or newest_checkpoint(args.run_dir)
-    import torch
-
     from trainer.run.errors import ConfigError
 
     try:
@@ -83,7 +81,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except ConfigError as e:  # the run's model settings, read as its recipe reads them
         refuse(f"{config_file}: {e}")
     read, shapes = tensor_source(checkpoint, [w.source for w in weights if w.source is not None])
-    dtype = getattr(torch, ExportDtype(args.dtype).torch_name) if args.dtype else None
+    dtype = ExportDtype(args.dtype).torch_dtype if args.dtype else None
     temp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(temp, ignore_errors=True)
     temp.mkdir(parents=True)
