@@ -84,8 +84,10 @@ class WeightCasts:
     def __call__(self) -> None:
         weights = self.weights()
         scales = [getattr(local, SCALE) for local in weights]
-        if not weights or any(scale is None for scale in scales):
-            return  # nothing gathered in float8, or no precompute ran: each gather finds its scale (torchao's path)
+        if any(scale is None for scale in scales):
+            return  # no precompute ran: each gather finds its weight's scale itself (torchao's path)
+        if not weights:
+            return
         for local, data, scale in zip(weights, self._cast([local._tensor for local in weights], scales,
                                                           weights[0]._dtype), scales):
             setattr(local, CAST, _Cast(data=data, scale=scale))
