@@ -294,6 +294,35 @@ def next_token_criterion(label_smoothing: float = 0.0):
     return criterion
 
 
+IGNORE_INDEX = -100  # F.cross_entropy's default: a label that is no token (padding) adds no loss
+
+
+def next_token_loss_and_top1(label_smoothing: float = 0.0):
+    """``next_token_criterion``'s mean and ``top1_correct`` in one function (``Recipe.loss_and_correct``), both
+    from one row maximum of the fp32 logits. Compiled, Inductor computes that maximum in the loss's own pass
+    over the logits (its online softmax), where ``top1_correct`` beside the loss costs a pass of its own
+    (gpt2_small, 16 x 1024 tokens on an H200: 0.5 ms of a 33 ms step). The arithmetic is the decomposition
+    of ``F.cross_entropy`` (log-softmax, then the label's negative, averaged over the labels not -100;
+    label smoothing as torch adds it), so the loss is the criterion's to rounding; the correctness is
+    ``top1_correct``'s, bit for bit: the label's logit against the row's maximum, ties counted as right."""
+
+    def loss_and_correct(logits: torch.Tensor, target: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        x, labels = logits.flatten(0, 1).float(), target.flatten()
+        best = x.amax(dim=1, keepdim=True)
+        shifted = x - best.detach()  # the maximum only shifts: no gradient through it, as in log_softmax's
+        log_probs = shifted - shifted.exp().sum(dim=1, keepdim=True).log()
+        loss = F.nll_loss(log_probs, labels)
+        if label_smoothing > 0:
+            kept = labels != IGNORE_INDEX
+            smooth = torch.where(kept, -log_probs.sum(dim=1), 0.0).sum() / kept.sum()
+            loss = (1 - label_smoothing) * loss + smooth * (label_smoothing / x.shape[1])
+        label = labels.clamp(0, x.shape[1] - 1).long()
+        correct = (x.gather(1, label.unsqueeze(1)) >= best).squeeze(1) & (label == labels)
+        return loss, correct.view_as(target)
+
+    return loss_and_correct
+
+
 def language_data(data_cfg, seed: int, context: int, vocab: int, vocab_key: str = "recipe.model.vocab") -> Datasets:
     """The windows of ``context + 1`` tokens that ``recipe.data`` names (its source: text, tokens, synthetic
     or auto), for a model of ``vocab`` tokens; ``vocab_key`` is the setting that sizes it, named in messages.
@@ -336,6 +365,7 @@ def build(cfg, rt: Runtime) -> Recipe:
         model = GPT(config, activation_checkpointing=cfg.train.activation_checkpointing)
     return Recipe(name=cfg.recipe.name, model=model, data=data, preprocess=preprocess,
                   criterion=next_token_criterion(cfg.recipe.label_smoothing), correct=top1_correct,
+                  loss_and_correct=next_token_loss_and_top1(cfg.recipe.label_smoothing),
                   units_per_sample=config.context, unit="tokens", flops_per_unit=model.training_flops_per_token(),
                   activation_checkpointing=model.activation_checkpointing, label_smoothing=cfg.recipe.label_smoothing,
                   blocks=list(model.blocks), init_weights=GPT.init_weights)

@@ -46,3 +46,45 @@ def test_top1_correct_is_the_label_scoring_highest_ties_included_padding_exclude
     assert top1_correct(tied, torch.tensor([0, 2])).tolist() == [False, False]
     padded = torch.tensor([-100, 1], dtype=torch.int32)  # an ignore index; int32 labels as some datasets give them
     assert top1_correct(tied, padded).tolist() == [False, True]
+
+
+def _language_model_logits():
+    """bf16 logits [batch, tokens, vocabulary] as a language model's head gives them, with labels: some right,
+    one tied with the row's maximum, two -100 (padding), the rest random."""
+    import torch
+
+    torch.manual_seed(1)
+    logits = torch.randn(3, 7, 50).bfloat16()
+    labels = torch.randint(0, 50, (3, 7))
+    labels[0, :4] = logits[0, :4].float().argmax(-1)  # right
+    top = logits[1, 2].float().argmax()
+    other = (int(top) + 1) % 50
+    logits[1, 2, other] = logits[1, 2, top]  # a tie: the label scores as high as the best
+    labels[1, 2] = other
+    labels[2, 5:] = -100
+    return logits, labels
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_the_language_models_loss_and_top1_in_one_function_are_the_criterion_and_top1_apart(smoothing):
+    """recipes.gpt.next_token_loss_and_top1 (Recipe.loss_and_correct of the gpt and hf_causal_lm recipes, what
+    graph.compile_model runs so that the top-1 shares the loss's row maxima): the correctness is top1_correct's
+    bit for bit (ties counted, padding not), the loss and its gradient next_token_criterion's mean."""
+    import torch
+
+    from recipes.gpt import next_token_criterion, next_token_loss_and_top1
+    from trainer.recipe import top1_correct
+
+    logits, labels = _language_model_logits()
+    apart = logits.clone().requires_grad_()
+    together = logits.clone().requires_grad_()
+    loss = next_token_criterion(smoothing)(apart, labels, reduction="mean")
+    loss.backward()
+    fused_loss, correct = next_token_loss_and_top1(smoothing)(together, labels)
+    fused_loss.backward()
+    assert correct.shape == labels.shape and correct.dtype == torch.bool
+    assert torch.equal(correct, top1_correct(logits, labels))
+    assert correct[1, 2] and not correct[2, 5:].any() and correct[0, :4].all()
+    assert fused_loss.item() == pytest.approx(loss.item(), rel=1e-6)
+    assert torch.allclose(together.grad.float(), apart.grad.float(), atol=1e-6)
+    assert apart.grad[2, 5:].abs().sum() == 0 == together.grad[2, 5:].abs().sum()  # padding adds no gradient

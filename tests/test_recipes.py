@@ -273,3 +273,24 @@ def test_the_debug_experiment_runs_each_recipe_in_seconds(train_here, recipe):
     assert res["steps"] == 20 and math.isfinite(res["final/eval_loss"])
     unit = "tokens" if recipe == "gpt_tiny" else "samples"
     assert f" {unit})" in done.stdout  # the epoch line counts in the recipe's own unit
+
+
+def test_the_language_models_loss_and_top1_compiled_are_the_criterion_and_top1_apart():
+    """next_token_loss_and_top1 as graph.compile_model runs it, through torch.compile (Inductor on the CPU here;
+    the GPU test checks the CUDA kernels): the same correctness bit for bit, the loss and gradient to rounding."""
+    from recipes.gpt import next_token_criterion, next_token_loss_and_top1
+    from trainer.recipe import top1_correct
+
+    torch.manual_seed(2)
+    logits = torch.randn(2, 16, 64).bfloat16()
+    labels = torch.randint(0, 64, (2, 16))
+    labels[0, :6] = logits[0, :6].float().argmax(-1)
+    labels[1, -3:] = -100
+    apart, together = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    loss = next_token_criterion(0.0)(apart, labels, reduction="mean")
+    loss.backward()
+    fused_loss, correct = torch.compile(next_token_loss_and_top1(0.0))(together, labels)
+    fused_loss.backward()
+    assert torch.equal(correct, top1_correct(logits, labels)) and 6 <= int(correct.sum()) < 29
+    assert fused_loss.item() == pytest.approx(loss.item(), rel=1e-5)
+    assert torch.allclose(together.grad.float(), apart.grad.float(), atol=1e-5)

@@ -79,13 +79,15 @@ def test_full_graph_trains_like_eager_from_the_same_seed(out, recipe):
 COMPILED_TOLERANCE = 2e-2
 
 
-@pytest.mark.parametrize("recipe,extra", [("cifar10_resnet18", []), ("gpt_tiny", ["recipe.accuracy=false"])],
-                         ids=["cifar10_resnet18", "gpt_tiny-accuracy_off"])
+@pytest.mark.parametrize("recipe,extra", [("cifar10_resnet18", []), ("gpt_tiny", []),
+                                          ("gpt_tiny", ["recipe.accuracy=false"])],
+                         ids=["cifar10_resnet18", "gpt_tiny", "gpt_tiny-accuracy_off"])
 def test_the_model_compiled_with_its_loss_in_the_graph_trains_like_eager(out, recipe, extra):
     """graph=full_compiled compiles the model and its loss as one function (trainer/step/steps.py
     ModelAndLoss) inside the whole-step graph: its losses follow eager's from the same seed, and the
-    training accuracy it counts inside that function (top1_correct beside the loss) follows eager's,
-    which the metrics stream counts from the output."""
+    training accuracy it counts inside that function (top1_correct beside the loss; for gpt_tiny the recipe's
+    loss_and_correct, one row maximum for both) follows eager's, which the metrics stream counts from the
+    output."""
     eager = launch([*SAME_RUNS, *RECIPES[recipe], *extra, "graph=eager"], out / "eager", timeout=600)
     compiled = launch([*SAME_RUNS, *RECIPES[recipe], *extra, "graph=full_compiled"], out / "compiled", timeout=600)
     for done in (eager, compiled):
@@ -148,6 +150,35 @@ def test_the_correctness_counted_inside_the_compiled_loss_is_the_outputs_own(cla
     # The training step asks for no output: other kernels, the same logits up to bf16 rounding.
     assert abs(int(correct_alone.sum()) - int(correct.sum())) <= rows // 100
     assert loss_alone.item() == pytest.approx(loss.item(), rel=1e-2)
+
+
+def test_the_language_models_loss_and_top1_compiled_are_the_criterion_and_top1_apart():
+    """recipes.gpt.next_token_loss_and_top1 compiled on the GPU (what graph.compile_model runs for the gpt and
+    hf_causal_lm recipes, the top-1 read from the loss's own online-softmax maxima) over GPT-2's vocabulary in
+    bf16, with a tie and -100 padding: top1_correct's answer bit for bit, next_token_criterion's loss and
+    gradient to rounding."""
+    import torch
+
+    from recipes.gpt import next_token_criterion, next_token_loss_and_top1
+    from trainer.recipe import top1_correct
+
+    torch.manual_seed(0)
+    logits = torch.randn(4, 512, 50304, device="cuda").bfloat16()
+    labels = torch.randint(0, 50304, (4, 512), device="cuda")
+    labels[:, ::3] = logits[:, ::3].float().argmax(-1)  # right
+    best = logits[1, 1].float().argmax()
+    logits[1, 1, (best + 1) % 50304] = logits[1, 1, best]  # tied with the best
+    labels[1, 1] = (best + 1) % 50304
+    labels[:, -7:] = -100  # padding
+    apart, together = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    loss = next_token_criterion(0.0)(apart, labels, reduction="mean")
+    loss.backward()
+    fused_loss, correct = torch.compile(next_token_loss_and_top1(0.0))(together, labels)
+    fused_loss.backward()
+    assert torch.equal(correct, top1_correct(logits, labels)) and bool(correct[1, 1])
+    assert not correct[:, -7:].any() and int(correct.sum()) >= 4 * 160
+    assert fused_loss.item() == pytest.approx(loss.item(), rel=1e-5)
+    torch.testing.assert_close(together.grad.float(), apart.grad.float(), rtol=2e-2, atol=1e-9)
 
 
 @pytest.mark.parametrize("recipe", sorted(RECIPES))

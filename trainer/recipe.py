@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -105,6 +105,11 @@ class Recipe:
     # Which predictions are right (bool, shaped like the per-sample loss): the accuracy metrics.
     # Training runs it beside the backward pass, off the step's critical path.
     correct: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    # Optional: ``criterion``'s mean and ``correct`` in one function, ``(output, target) -> (mean loss,
+    # correctness)``, equal to the two apart; where the step compiles the loss with the accuracy
+    # (graph.compile_model) it runs this instead, so work both need is done once (a language model's row
+    # maxima: recipes.gpt.next_token_loss_and_top1). None: the two apart, compiled as one function.
+    loss_and_correct: Optional[Callable[[Any, torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]] = None
     units_per_sample: int = 1  # tokens per sample for language models
     unit: str = "samples"
     flops_per_unit: float = 0.0  # training FLOPs per sample (or token), for MFU; 0: unknown

@@ -108,11 +108,14 @@ def build_step_model(recipe: Recipe, model: torch.nn.Module, executor: Executor,
     ModelAndLoss, compiled as one function; otherwise it wraps the model and the loss is applied to its
     output (``executor.wrap_output_fn``, compiled by itself under graph.compile_model).
     ``count_with_loss`` (graph.compile_model): the training step's correctness is computed in the loss's
-    compiled function, fused with it; otherwise the metrics stream computes it from the output, beside
+    compiled function, fused with it (the recipe's ``loss_and_correct`` where it has one); otherwise the metrics stream computes it from the output, beside
     backward (uncompiled, a kernel of its own either way, and off the step's critical path there)."""
     call = model_call(recipe, memory_format)
     with_correct = recipe.correct if accuracy and count_with_loss else None
-    measure = loss_and_correct(mean_loss(recipe.criterion), with_correct)
+    if with_correct is not None and recipe.loss_and_correct is not None:
+        measure = recipe.loss_and_correct  # the recipe's own fused form of the two
+    else:
+        measure = loss_and_correct(mean_loss(recipe.criterion), with_correct)
     device_type, autocast = settings.device.type, settings.autocast
     if with_loss:
         module = executor.wrap_model(ModelAndLoss(model, call, measure, device_type), sample_inputs, autocast)
