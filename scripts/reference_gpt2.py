@@ -7,6 +7,7 @@ numbers mean the same in every device call (issue 24's yardstick).
     python scripts/reference_gpt2.py --graphed                # the same step through graphing.GraphedStep
     python scripts/reference_gpt2.py --output ref.json        # the numbers as JSON too
     python scripts/reference_gpt2.py --loss chunked           # a lever, measured: chunked linear + cross-entropy
+    python scripts/reference_gpt2.py --profile-steps 10 --output ref.json   # and where its step goes, by kernel
 
 Pinned: 12 layers, 12 heads, width 768, context 1024, vocabulary 50304, no biases, tied
 embedding, GELU MLP, flash attention (``F.scaled_dot_product_attention(is_causal=True)``),
@@ -45,6 +46,10 @@ def main() -> int:
                         help="inside: cross-entropy inside the compiled forward (pinned); chunked: the output head "
                              "and loss fused in row chunks that never hold the whole logits (a lever to measure)")
     parser.add_argument("--chunk-rows", type=int, default=4096, help="--loss chunked: tokens per chunk")
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="after the timed steps, this many more under torch.profiler: the JSON gets their GPU "
+                             "work per step, read as scripts/profile_step.py reads train.py's (kernel kinds, top "
+                             "kernels, idle gaps)")
     args = parser.parse_args()
 
     import torch
@@ -82,12 +87,18 @@ def main() -> int:
     for i in range(args.warmup + args.steps):
         if i == args.warmup:
             timer.restart()  # the timed steps start after the warm-up's work queued so far
-        batch = tokens[i % len(tokens)]
-        loss = step(batch[:, :-1], batch[:, 1:])
+        loss = step(*_split(tokens[i % len(tokens)]))
         if i >= args.warmup:
             timer.step("timed")
     timer.collect()
     ms = timer.summary("timed")["step_ms_median"]
+    profiled = None
+    if args.profile_steps:  # after the timing, on the same batches again
+        from scripts.lib.kernel_profile import profile_steps
+
+        batches = iter(range(args.profile_steps))
+        profiled = profile_steps(lambda: step(*_split(tokens[next(batches) % len(tokens)])), args.profile_steps,
+                                 torch.cuda.current_device())
     n_params = sum(p.numel() for p in model.parameters()) - model.pos.weight.numel()
     flops_per_token = 6.0 * n_params + 12.0 * LAYERS * WIDTH * CONTEXT
     tokens_per_s = args.batch_size * CONTEXT * 1e3 / ms
@@ -96,7 +107,8 @@ def main() -> int:
               "peak_allocated_mib": torch.cuda.max_memory_allocated() / 2**20,
               "step_ms_median": ms, "tokens_per_s": tokens_per_s, "final_loss": float(loss),
               "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-              "mfu_pct": 100 * tokens_per_s * flops_per_token / (peak[1] * 1e12) if peak else None}
+              "mfu_pct": 100 * tokens_per_s * flops_per_token / (peak[1] * 1e12) if peak else None,
+              **({"profile": profiled} if profiled else {})}
     print(f"reference GPT-2 small{' (GraphedStep)' if args.graphed else ''}"
           f"{', chunked loss' if args.loss == 'chunked' else ''}, {args.batch_size}x{CONTEXT}: "
           f"{ms:.2f} ms/step, {tokens_per_s:,.0f} tokens/s"
@@ -104,6 +116,11 @@ def main() -> int:
     if args.output:
         args.output.write_text(json.dumps(result, indent=2) + "\n")
     return 0
+
+
+def _split(batch):
+    """A batch of windows of CONTEXT + 1 tokens as (inputs, next-token targets)."""
+    return batch[:, :-1], batch[:, 1:]
 
 
 def make_gpt2(chunked_loss_rows=None):

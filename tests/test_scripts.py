@@ -571,6 +571,22 @@ def test_a_profiles_gpu_events_are_its_kernels_not_the_annotations_spanning_them
 
 
 @pytest.mark.fast
+@pytest.mark.filterwarnings("ignore:CUDA is not available")
+def test_profiling_a_scripts_own_steps_runs_each_once_and_reads_them_per_step():
+    """kernel_profile.profile_steps, what the torchtitan worker and reference_gpt2.py profile their own loops with:
+    each step runs once under the profiler, and the summary is per step; on the CPU there is no GPU work to read."""
+    import torch
+
+    from scripts.lib.kernel_profile import profile_steps
+
+    calls = []
+    x = torch.randn(64, 64)
+    result = profile_steps(lambda: calls.append(float((x @ x).sum())), 3, device=0)
+    assert len(calls) == 3 and result["steps"] == 3
+    assert result["gpu_ops_per_step"] == 0 and result["kinds"] == [] and result["gpu_busy_ms"] == 0
+
+
+@pytest.mark.fast
 def test_the_pool_report_tells_a_graphs_reserved_memory_from_what_it_ever_held_at_once():
     from scripts.lib.memory_pools import describe, pool_report
 

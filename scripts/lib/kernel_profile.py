@@ -9,7 +9,7 @@ stream as ``device_resource_id``), over ``steps`` steps; every figure is per ste
 from __future__ import annotations
 
 import re
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 # Kernel kinds, first match wins: (kind, a regular expression over the kernel's name, case-insensitive). The
 # order matters: fused AdamW runs through multi_tensor_apply, and cuDNN's attention kernels name "sm90" too.
@@ -151,3 +151,18 @@ def device_events(prof, device: int) -> list:
 
     return [e for e in prof.events() if e.device_type == DeviceType.CUDA and e.device_index in (device, -1)
             and not getattr(e, "is_user_annotation", False)]
+
+
+def profile_steps(next_step: Callable[[], Any], count: int, device: int) -> Dict[str, Any]:
+    """``count`` calls of ``next_step`` under torch.profiler, read as ``summary`` reads a step: the GPU work per
+    step on ``device`` (an index), ``{"steps": count, **summary}``. For a script's own loop after its timed steps
+    (scripts/lib/torchtitan_worker.py, scripts/reference_gpt2.py), so that it times nothing."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(count):
+            next_step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    return {"steps": count, **summary(device_events(prof, device), count)}

@@ -209,21 +209,6 @@ def redraw_as_transformers_does(model) -> None:
             torch.nn.init.trunc_normal_(param, mean=0.0, std=INIT_STD)
 
 
-def profile_steps(steps: Steps, count: int, device) -> dict:
-    """``count`` more steps under torch.profiler, read as scripts/profile_step.py reads this repo's
-    (scripts/lib/kernel_profile.py): this rank's GPU work per step. After the timed steps, so it times nothing."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    from scripts.lib.kernel_profile import device_events, summary
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(count):
-            steps.next_step()
-        torch.cuda.synchronize()
-    return {"steps": count, **summary(device_events(prof, device.index), count)}
-
-
 def watchdog(deadline_s: Optional[float]) -> Optional[threading.Timer]:
     """Ends this process (exit 124) ``deadline_s`` seconds from now, naming why, unless cancelled first."""
     if not deadline_s:
@@ -253,6 +238,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from torchtitan.protocols.model_converter import build_model_converters
     from torchtitan.tools import utils as tt_utils
 
+    from scripts.lib.kernel_profile import profile_steps
     from scripts.lib.timing import time_steps
 
     rank, world, local_rank = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
@@ -299,7 +285,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for _ in range(args.warmup_steps):
         steps.next_step()
     timed = time_steps(steps, args.steps)  # graphing.StepTimer: CUDA events, read after the last step
-    profiled = profile_steps(steps, args.profile_steps, device) if args.profile_steps and cuda else None
+    profiled = profile_steps(steps.next_step, args.profile_steps, device.index) if args.profile_steps and cuda else None
 
     losses = torch.stack(steps.losses[:args.warmup_steps + args.steps]).float()
     if world > 1:
