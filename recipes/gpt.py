@@ -34,7 +34,7 @@ from recipes.subset import seeded_subset
 from recipes.tokens import dtype_for_vocab, input_dtype, token_splits, windows
 from trainer.step.activation_checkpointing import checkpointed
 from trainer.run.errors import ConfigError
-from trainer.recipe import Batch, Datasets, Recipe, Split, top1_correct
+from trainer.recipe import Batch, Datasets, Recipe, Split, fused_with_top1, top1_correct
 from trainer.run.runtime import Runtime
 
 BYTES = 256  # the vocabulary of byte-level text: one token per byte
@@ -284,21 +284,22 @@ def preprocess(batch: Batch, train: bool) -> Batch:
 
 
 def next_token_criterion(label_smoothing: float = 0.0):
-    """Cross-entropy of each next token, from logits [B, T, vocab] computed in fp32."""
+    """Cross-entropy of each next token, from logits [B, T, vocab] computed in fp32; with it, in one function
+    for the compiled step, its mean and top1_correct (``with_top1``: next_token_loss_and_top1)."""
 
     def criterion(logits: torch.Tensor, target: torch.Tensor, reduction: str = "none") -> torch.Tensor:
         loss = F.cross_entropy(logits.flatten(0, 1).float(), target.flatten(), reduction=reduction,
                                label_smoothing=label_smoothing)
         return loss.view_as(target) if reduction == "none" else loss
 
-    return criterion
+    return fused_with_top1(criterion, next_token_loss_and_top1(label_smoothing))
 
 
 IGNORE_INDEX = -100  # F.cross_entropy's default: a label that is no token (padding) adds no loss
 
 
 def next_token_loss_and_top1(label_smoothing: float = 0.0):
-    """``next_token_criterion``'s mean and ``top1_correct`` in one function (``Recipe.loss_and_correct``), both
+    """``next_token_criterion``'s mean and ``top1_correct`` in one function (its ``with_top1``), both
     from one row maximum of the fp32 logits. Compiled, Inductor computes that maximum in the loss's own pass
     over the logits (its online softmax), where ``top1_correct`` beside the loss costs a pass of its own
     (gpt2_small, 16 x 1024 tokens on an H200: 0.5 ms of a 33 ms step). The arithmetic is the decomposition
@@ -365,7 +366,6 @@ def build(cfg, rt: Runtime) -> Recipe:
         model = GPT(config, activation_checkpointing=cfg.train.activation_checkpointing)
     return Recipe(name=cfg.recipe.name, model=model, data=data, preprocess=preprocess,
                   criterion=next_token_criterion(cfg.recipe.label_smoothing), correct=top1_correct,
-                  loss_and_correct=next_token_loss_and_top1(cfg.recipe.label_smoothing),
                   units_per_sample=config.context, unit="tokens", flops_per_unit=model.training_flops_per_token(),
                   activation_checkpointing=model.activation_checkpointing, label_smoothing=cfg.recipe.label_smoothing,
                   blocks=list(model.blocks), init_weights=GPT.init_weights)

@@ -44,7 +44,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from conf.schema import ExportDtype
-from recipes.gpt import language_data, next_token_criterion, next_token_loss_and_top1, preprocess
+from recipes.gpt import language_data, next_token_criterion, preprocess
 from trainer.run.errors import ConfigError, first_line
 from trainer.recipe import Batch, Recipe, blocks_named, top1_correct
 from trainer.run.process import quiet_pytree_registrations
@@ -446,7 +446,6 @@ def build(cfg, rt: Runtime) -> Recipe:
         model = build_model(config, settings, transformers)
     return Recipe(name=cfg.recipe.name, model=model, data=data, preprocess=preprocess,
                   criterion=next_token_criterion(cfg.recipe.label_smoothing), correct=top1_correct,
-                  loss_and_correct=next_token_loss_and_top1(cfg.recipe.label_smoothing),
                   units_per_sample=settings.context, unit="tokens",
                   flops_per_unit=training_flops_per_token(model, settings.context), forward=logits,
                   label_smoothing=cfg.recipe.label_smoothing,

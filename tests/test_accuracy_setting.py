@@ -67,9 +67,9 @@ def _language_model_logits():
 
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
 def test_the_language_models_loss_and_top1_in_one_function_are_the_criterion_and_top1_apart(smoothing):
-    """recipes.gpt.next_token_loss_and_top1 (Recipe.loss_and_correct of the gpt and hf_causal_lm recipes, what
-    graph.compile_model runs so that the top-1 shares the loss's row maxima): the correctness is top1_correct's
-    bit for bit (ties counted, padding not), the loss and its gradient next_token_criterion's mean."""
+    """recipes.gpt.next_token_loss_and_top1 (next_token_criterion's ``with_top1``, what graph.compile_model runs
+    for the gpt and hf_causal_lm recipes so that the top-1 shares the loss's row maxima): the correctness is
+    top1_correct's bit for bit (ties counted, padding not), the loss and its gradient next_token_criterion's mean."""
     import torch
 
     from recipes.gpt import next_token_criterion, next_token_loss_and_top1
@@ -88,3 +88,31 @@ def test_the_language_models_loss_and_top1_in_one_function_are_the_criterion_and
     assert fused_loss.item() == pytest.approx(loss.item(), rel=1e-6)
     assert torch.allclose(together.grad.float(), apart.grad.float(), atol=1e-6)
     assert apart.grad[2, 5:].abs().sum() == 0 == together.grad[2, 5:].abs().sum()  # padding adds no gradient
+
+
+def test_the_fused_loss_and_top1_is_used_only_with_the_criterion_and_correctness_it_stands_for():
+    """The compiled step runs a criterion's ``with_top1`` (trainer.recipe.measure_with_top1) only beside
+    top1_correct and only for the criterion object that carries it: a recipe whose criterion or correctness a user
+    replaces (dataclasses.replace) computes its own again, never the language model's cross-entropy in its place."""
+    import dataclasses
+
+    import torch
+    import torch.nn.functional as F
+
+    from recipes.gpt import next_token_criterion
+    from trainer.recipe import Datasets, Recipe, measure_with_top1, top1_correct
+
+    criterion = next_token_criterion(0.0)
+    recipe = Recipe(name="lm", model=torch.nn.Linear(2, 2), data=Datasets(train=[], test=[], source="none"),
+                    preprocess=lambda batch, train: batch, criterion=criterion, correct=top1_correct)
+    assert measure_with_top1(recipe) is criterion.with_top1
+    logits, labels = _language_model_logits()
+    loss, correct = measure_with_top1(recipe)(logits, labels)
+    assert torch.equal(correct, top1_correct(logits, labels))
+
+    def z_loss(output, target, reduction="none"):  # a user's own loss over the same logits
+        return criterion(output, target, reduction) + 1e-4 * output.float().logsumexp(-1).pow(2).mean()
+
+    assert measure_with_top1(dataclasses.replace(recipe, criterion=z_loss)) is None
+    assert measure_with_top1(dataclasses.replace(recipe, correct=lambda out, y: out.argmax(-1) == y)) is None
+    assert measure_with_top1(dataclasses.replace(recipe, criterion=F.cross_entropy)) is None

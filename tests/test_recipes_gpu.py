@@ -85,8 +85,8 @@ COMPILED_TOLERANCE = 2e-2
 def test_the_model_compiled_with_its_loss_in_the_graph_trains_like_eager(out, recipe, extra):
     """graph=full_compiled compiles the model and its loss as one function (trainer/step/steps.py
     ModelAndLoss) inside the whole-step graph: its losses follow eager's from the same seed, and the
-    training accuracy it counts inside that function (top1_correct beside the loss; for gpt_tiny the recipe's
-    loss_and_correct, one row maximum for both) follows eager's, which the metrics stream counts from the
+    training accuracy it counts inside that function (top1_correct beside the loss; for gpt_tiny the criterion's
+    with_top1, one row maximum for both) follows eager's, which the metrics stream counts from the
     output."""
     eager = launch([*SAME_RUNS, *RECIPES[recipe], *extra, "graph=eager"], out / "eager", timeout=600)
     compiled = launch([*SAME_RUNS, *RECIPES[recipe], *extra, "graph=full_compiled"], out / "compiled", timeout=600)

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -103,13 +103,10 @@ class Recipe:
     # kernels in every step); without one, training takes the mean of what it returns.
     criterion: Callable[..., torch.Tensor]
     # Which predictions are right (bool, shaped like the per-sample loss): the accuracy metrics.
-    # Training runs it beside the backward pass, off the step's critical path.
+    # Training runs it beside the backward pass, off the step's critical path. With ``top1_correct``, a
+    # criterion may carry both in one function as its ``with_top1`` attribute (``fused_with_top1``), which the
+    # step runs where it compiles the loss with the accuracy: work both need is done once.
     correct: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    # Optional: ``criterion``'s mean and ``correct`` in one function, ``(output, target) -> (mean loss,
-    # correctness)``, equal to the two apart; where the step compiles the loss with the accuracy
-    # (graph.compile_model) it runs this instead, so work both need is done once (a language model's row
-    # maxima: recipes.gpt.next_token_loss_and_top1). None: the two apart, compiled as one function.
-    loss_and_correct: Optional[Callable[[Any, torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]] = None
     units_per_sample: int = 1  # tokens per sample for language models
     unit: str = "samples"
     flops_per_unit: float = 0.0  # training FLOPs per sample (or token), for MFU; 0: unknown
@@ -146,6 +143,25 @@ def blocks_named(model: torch.nn.Module, class_names) -> List[torch.nn.Module]:
     ``_no_split_modules``: ``LlamaDecoderLayer``, ``GPT2Block``, ...), in order: ``Recipe.blocks``."""
     names = set(class_names or ())
     return [m for m in model.modules() if type(m).__name__ in names]
+
+
+def fused_with_top1(criterion: Callable[..., torch.Tensor],
+                    with_top1: Callable[[torch.Tensor, torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]
+                    ) -> Callable[..., torch.Tensor]:
+    """``criterion``, carrying ``with_top1(output, target) -> (criterion's mean, top1_correct)``: the two in one
+    function, equal to them apart, which the training step runs where it compiles the loss with the accuracy
+    (graph.compile_model) and the recipe's ``correct`` is ``top1_correct`` (recipes.gpt.next_token_loss_and_top1
+    reads the top-1's row maxima from the loss's own softmax). It travels with this criterion object: a recipe
+    whose criterion or correctness is replaced (``dataclasses.replace``) computes the two apart again."""
+    criterion.with_top1 = with_top1
+    return criterion
+
+
+def measure_with_top1(recipe: "Recipe") -> Optional[Callable[[torch.Tensor, torch.Tensor],
+                                                             Tuple[torch.Tensor, torch.Tensor]]]:
+    """The recipe's criterion and correctness in one function (``fused_with_top1``), or None where the two are
+    not the criterion's own pair: another correctness than ``top1_correct``, or a criterion without one."""
+    return getattr(recipe.criterion, "with_top1", None) if recipe.correct is top1_correct else None
 
 
 def top1_correct(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ import torch
 from graphing import Executor, no_sync_except_last
 from trainer.data import StepShape
 from trainer.run.errors import ConfigError
-from trainer.recipe import PADDING_MASK, Batch, Recipe
+from trainer.recipe import PADDING_MASK, Batch, Recipe, measure_with_top1
 from trainer.step.schedules import LRSchedule
 from trainer.step.seq_len import truncate
 from trainer.parallel.sharding import full_norm
@@ -108,14 +108,13 @@ def build_step_model(recipe: Recipe, model: torch.nn.Module, executor: Executor,
     ModelAndLoss, compiled as one function; otherwise it wraps the model and the loss is applied to its
     output (``executor.wrap_output_fn``, compiled by itself under graph.compile_model).
     ``count_with_loss`` (graph.compile_model): the training step's correctness is computed in the loss's
-    compiled function, fused with it (the recipe's ``loss_and_correct`` where it has one); otherwise the metrics stream computes it from the output, beside
+    compiled function, fused with it (in one function with the loss where the criterion carries one:
+    trainer.recipe.fused_with_top1); otherwise the metrics stream computes it from the output, beside
     backward (uncompiled, a kernel of its own either way, and off the step's critical path there)."""
     call = model_call(recipe, memory_format)
     with_correct = recipe.correct if accuracy and count_with_loss else None
-    if with_correct is not None and recipe.loss_and_correct is not None:
-        measure = recipe.loss_and_correct  # the recipe's own fused form of the two
-    else:
-        measure = loss_and_correct(mean_loss(recipe.criterion), with_correct)
+    fused = measure_with_top1(recipe) if with_correct is not None else None  # the criterion's own pair, fused
+    measure = fused if fused is not None else loss_and_correct(mean_loss(recipe.criterion), with_correct)
     device_type, autocast = settings.device.type, settings.autocast
     if with_loss:
         module = executor.wrap_model(ModelAndLoss(model, call, measure, device_type), sample_inputs, autocast)
