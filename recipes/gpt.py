@@ -34,7 +34,7 @@ from recipes.subset import seeded_subset
 from recipes.tokens import dtype_for_vocab, input_dtype, token_splits, windows
 from trainer.step.activation_checkpointing import checkpointed
 from trainer.run.errors import ConfigError
-from trainer.recipe import Batch, Datasets, Recipe, Split, fused_with_top1, top1_correct
+from trainer.recipe import Batch, Datasets, Recipe, Split, fused_with_top1, label_scores_highest, top1_correct
 from trainer.run.runtime import Runtime
 
 BYTES = 256  # the vocabulary of byte-level text: one token per byte
@@ -317,9 +317,7 @@ def next_token_loss_and_top1(label_smoothing: float = 0.0):
             kept = labels != IGNORE_INDEX
             smooth = torch.where(kept, -log_probs.sum(dim=1), 0.0).sum() / kept.sum()
             loss = (1 - label_smoothing) * loss + smooth * (label_smoothing / x.shape[1])
-        label = labels.clamp(0, x.shape[1] - 1).long()
-        correct = (x.gather(1, label.unsqueeze(1)) >= best).squeeze(1) & (label == labels)
-        return loss, correct.view_as(target)
+        return loss, label_scores_highest(x, labels, best.squeeze(1)).view_as(target)
 
     return loss_and_correct
 
