@@ -4,6 +4,7 @@ side in one call, and what each lever of issue 24 is worth.
     python scripts/bench_gpt2.py                              # micro-batches 16 and 32
     python scripts/bench_gpt2.py --batch-sizes 16,32,64 --levers
     python scripts/bench_gpt2.py --batch-sizes 16 --levers graphed,accuracy
+    python scripts/bench_gpt2.py --batch-sizes 16 --repeats 3                # 3 pairs, alternating who goes first
     python scripts/bench_gpt2.py --autotune --inductor-cache .inductor_cache
     python scripts/bench_gpt2.py --batch-sizes 16 recipe.data.batch_size=8   # refused: the script sets it
 
@@ -18,6 +19,10 @@ biases (``biases``), as ``graph=full`` (model not compiled, ``full``) and ``grap
 sharing one inductor cache (``--inductor-cache``, default a fresh directory): the first run
 fills it unless it was carried in, the second finds it. Milliseconds are the median step
 (after warm-up and capture), both over runs of ``--steps``; tokens/s = micro-batch x 1024 / that.
+``--repeats N`` runs the reference and the project N times each at every micro-batch, in pairs that
+alternate which of the two goes first (an H200 under sustained load slows by up to 4%, so the run
+that always went second would always be the warmer one): a row then gives the median of its runs and
+"vs reference" the median of the pairs' ratios, with their range.
 Prints a markdown table; writes it and the numbers to --output (default
 scripts/results/gpt2_vs_reference.json and .md).
 """
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -62,6 +68,9 @@ def main() -> int:
                         help="steps per run, the reference's included (its first 12 untimed, as train.py's warm-up "
                              "and capture): under sustained load an H200's step slows by up to 4%%, so runs of "
                              "different lengths are not comparable")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of the reference and of the project at each micro-batch, in pairs alternating "
+                             "which goes first; rows give medians and the pairs' range")
     parser.add_argument("--levers", nargs="?", const=",".join(LEVERS), default="",
                         help=f"one run per lever at the first micro-batch: all, or some of {', '.join(LEVERS)}")
     parser.add_argument("--autotune", action="store_true",
@@ -77,14 +86,19 @@ def main() -> int:
     unknown = sorted(set(levers) - set(LEVERS))
     if unknown:
         parser.error(f"--levers: no lever {', '.join(unknown)}; the levers are {', '.join(LEVERS)}")
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, not {args.repeats}")
     rows: List[Dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as scratch:
-        def project(name: str, batch: int, *extra: str, env: Optional[Dict[str, str]] = None) -> None:
-            rows.append(run_project(name, batch, args, [*extra], Path(scratch, str(len(rows))), env))
+        def project(name: str, batch: int, *extra: str, env: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
+            return run_project(name, batch, args, [*extra], Path(scratch, str(len(rows))), env)
 
         for batch in sizes:
-            rows.append(run_reference("reference", batch, args))
-            project("project: full_compiled, recipe defaults", batch)
+            for repeat in range(args.repeats):
+                pair = [lambda: run_reference("reference", batch, args),
+                        lambda: project("project: full_compiled, recipe defaults", batch)]
+                for run in (pair if repeat % 2 == 0 else pair[::-1]):  # who goes first alternates
+                    rows.append({**run(), "repeat": repeat})
         first = sizes[0]
         for lever in levers:
             if lever in REFERENCE_LEVERS:
@@ -92,19 +106,19 @@ def main() -> int:
                 rows.append(run_reference(name, first, args, *extra))
             else:
                 name, override = PROJECT_LEVERS[lever]
-                project(name, first, override)
+                rows.append(project(name, first, override))
         if args.autotune:
             cache = args.inductor_cache or Path(scratch, "inductor")
             carried = cache.is_dir() and any(cache.iterdir())
             env = {"TORCHINDUCTOR_CACHE_DIR": str(cache.resolve())}
             for turn in ("carried cache" if carried else "cold cache", "warm cache"):
-                project(f"project: max_autotune_no_cudagraphs, {turn}", sizes[0],
-                        "graph.compile_mode=max_autotune_no_cudagraphs", env=env)
-    table = markdown(rows)
+                rows.append(project(f"project: max_autotune_no_cudagraphs, {turn}", sizes[0],
+                                    "graph.compile_mode=max_autotune_no_cudagraphs", env=env))
+    table = markdown(combined(rows))
     print(table)
     output = args.output or REPO / "scripts" / "results" / "gpt2_vs_reference.json"
     output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps({"rows": rows}, indent=2) + "\n")
+    output.write_text(json.dumps({"rows": combined(rows), "runs": rows}, indent=2) + "\n")
     output.with_suffix(".md").write_text(table + "\n")
     return 0
 
@@ -132,15 +146,52 @@ def run_project(name: str, batch: int, args, extra: List[str], run_dir: Path,
             "wall_s": wall, "command": " ".join(c for c in command[1:-1])}
 
 
+def combined(runs: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """One row per run name and micro-batch, in the order first run: the median of its runs' step times (tokens/s
+    from that), MFU and wall time, the highest peak memory, ``runs`` how many. ``vs_reference``: its tokens/s over
+    the reference's at the micro-batch; where both ran in repeated pairs, the median of the pairs' ratios (the
+    project's repeat i over the reference's repeat i) and ``vs_range`` their lowest and highest."""
+    groups: Dict[tuple, List[Dict[str, Any]]] = {}
+    for run in runs:
+        groups.setdefault((run["name"], run["batch_size"]), []).append(run)
+    reference = {batch: {r.get("repeat"): r["tokens_per_s"] for r in group}
+                 for (name, batch), group in groups.items() if name == "reference"}
+    rows = []
+    for (name, batch), group in groups.items():
+        ms = median([r["step_ms"] for r in group])
+        row = {**group[0], "step_ms": ms, "tokens_per_s": batch * CONTEXT * 1e3 / ms, "runs": len(group),
+               "mfu_pct": median([r["mfu_pct"] for r in group if r.get("mfu_pct") is not None]),
+               "peak_allocated_mib": max((r["peak_allocated_mib"] for r in group
+                                          if r.get("peak_allocated_mib") is not None), default=None),
+               "wall_s": median([r["wall_s"] for r in group])}
+        row.pop("repeat", None)
+        theirs = reference.get(batch, {})
+        pairs = [r["tokens_per_s"] / theirs[r["repeat"]] for r in group if r.get("repeat") in theirs]
+        if len(pairs) > 1 and name != "reference":
+            row["vs_reference"], row["vs_range"] = median(pairs), [min(pairs), max(pairs)]
+        elif theirs:
+            row["vs_reference"] = row["tokens_per_s"] / (batch * CONTEXT * 1e3 / median(
+                [r["step_ms"] for r in groups[("reference", batch)]]))
+        rows.append(row)
+    return rows
+
+
+def median(values: List[float]) -> Optional[float]:
+    return statistics.median(values) if values else None
+
+
 def markdown(rows: List[Dict[str, Any]]) -> str:
-    """One line per run, each with its tokens/s over the reference's at the same micro-batch."""
-    reference = {r["batch_size"]: r["tokens_per_s"] for r in rows if r["name"] == "reference"}
-    lines = ["| run | micro-batch | ms/step (median) | tokens/s | vs reference | MFU | peak MiB | wall s |",
-             "|---|---|---|---|---|---|---|---|"]
+    """One line per row of ``combined``: with repeated pairs, medians and the range of the pairs' ratios."""
+    repeated = any(r["runs"] > 1 for r in rows)
+    lines = ["| run | micro-batch | " + ("runs | " if repeated else "") + "ms/step (median) | tokens/s | "
+             "vs reference | MFU | peak MiB | wall s |",
+             "|---|---|" + ("---|" if repeated else "") + "---|---|---|---|---|---|"]
     for r in rows:
-        ratio = r["tokens_per_s"] / reference[r["batch_size"]] if r["batch_size"] in reference else None
-        cells = [r["name"], str(r["batch_size"]), f"{r['step_ms']:.2f}", f"{r['tokens_per_s']:,.0f}",
-                 _shown(ratio, "{:.3f}x"), _shown(r.get("mfu_pct"), "{:.1f}%"),
+        ratio = _shown(r.get("vs_reference"), "{:.3f}x")
+        if r.get("vs_range"):
+            ratio += " ({:.3f}-{:.3f})".format(*r["vs_range"])
+        cells = [r["name"], str(r["batch_size"]), *([str(r["runs"])] if repeated else []), f"{r['step_ms']:.2f}",
+                 f"{r['tokens_per_s']:,.0f}", ratio, _shown(r.get("mfu_pct"), "{:.1f}%"),
                  _shown(r.get("peak_allocated_mib"), "{:,.0f}"), f"{r['wall_s']:.0f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -738,3 +738,30 @@ def test_the_pretrained_benchmark_refuses_an_override_of_what_it_compares():
     done = script("bench_pretrained.py", "--size", "tiny", "--", "train.fsdp.init=host", timeout=60)
     assert done.returncode == 2, done.output[-3000:]
     assert "'train.fsdp.init=host' is set by this script for every run: drop it" in done.stderr
+
+
+def test_bench_gpt2_repeats_give_medians_and_the_range_of_each_pairs_ratio():
+    from scripts.bench_gpt2 import combined, markdown
+
+    def run(name, ms, repeat=None):
+        return {"name": name, "batch_size": 16, "step_ms": ms, "tokens_per_s": 16 * 1024 * 1e3 / ms, "mfu_pct": 40.0,
+                "peak_allocated_mib": 8000.0 + ms, "wall_s": 50.0, "command": name,
+                **({} if repeat is None else {"repeat": repeat})}
+
+    ours = "project: full_compiled, recipe defaults"
+    # Pair 1 ran with the reference first, pair 2 with ours first: the ratio is taken within each pair
+    runs = [run("reference", 33.0, 0), run(ours, 33.3, 0), run(ours, 32.0, 1), run("reference", 32.0, 1),
+            run("reference", 34.0, 2), run(ours, 34.0, 2), run("project: accuracy off", 33.5)]
+    rows = {r["name"]: r for r in combined(runs)}
+    assert [r["name"] for r in combined(runs)] == ["reference", ours, "project: accuracy off"]
+    assert rows[ours]["runs"] == 3 and rows[ours]["step_ms"] == 33.3  # the median run
+    assert rows[ours]["peak_allocated_mib"] == 8034.0  # the highest
+    assert rows[ours]["vs_reference"] == pytest.approx(1.0)  # median of 33.0/33.3, 1.0, 1.0
+    assert rows[ours]["vs_range"] == pytest.approx([33.0 / 33.3, 1.0])
+    assert "vs_range" not in rows["reference"] and rows["reference"]["vs_reference"] == pytest.approx(1.0)
+    assert rows["project: accuracy off"]["vs_reference"] == pytest.approx(33.0 / 33.5)  # against the median run
+    table = markdown(list(rows.values()))
+    assert "| project: full_compiled, recipe defaults | 16 | 3 | 33.30 |" in table
+    assert "1.000x (0.991-1.000)" in table
+    single = markdown(combined([run("reference", 33.0, 0), run(ours, 33.3, 0)]))
+    assert "runs" not in single and "0.991x |" in single

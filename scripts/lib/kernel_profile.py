@@ -153,9 +153,10 @@ def device_events(prof, device: int) -> list:
             and not getattr(e, "is_user_annotation", False)]
 
 
-def profile_steps(next_step: Callable[[], Any], count: int, device: int) -> Dict[str, Any]:
+def profile_steps(next_step: Callable[[], Any], count: int, device: int, top: int = 80) -> Dict[str, Any]:
     """``count`` calls of ``next_step`` under torch.profiler, read as ``summary`` reads a step: the GPU work per
-    step on ``device`` (an index), ``{"steps": count, **summary}``. For a script's own loop after its timed steps
+    step on ``device`` (an index), ``{"steps": count, **summary}`` with its ``top`` kernels (enough of the tail to
+    set beside another step's kernel by kernel). For a script's own loop after its timed steps
     (scripts/lib/torchtitan_worker.py, scripts/reference_gpt2.py), so that it times nothing."""
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -165,4 +166,4 @@ def profile_steps(next_step: Callable[[], Any], count: int, device: int) -> Dict
             next_step()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-    return {"steps": count, **summary(device_events(prof, device), count)}
+    return {"steps": count, **summary(device_events(prof, device), count, top=top)}
