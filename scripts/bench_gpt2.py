@@ -131,7 +131,8 @@ def run_reference(name: str, batch: int, args, *extra: str) -> Dict[str, Any]:
         result = json.loads(Path(out.name).read_text())
     return {"name": name, "batch_size": batch, "step_ms": result["step_ms_median"],
             "tokens_per_s": result["tokens_per_s"], "mfu_pct": result.get("mfu_pct"),
-            "peak_allocated_mib": result.get("peak_allocated_mib"), "wall_s": wall, "command": " ".join(command[1:-2])}
+            "peak_allocated_mib": result.get("peak_allocated_mib"), "power": result.get("power"), "wall_s": wall,
+            "command": " ".join(command[1:-2])}
 
 
 def run_project(name: str, batch: int, args, extra: List[str], run_dir: Path,

@@ -23,7 +23,9 @@ graph as in eager. ``--memory`` records the allocator's history from the build t
 once, the most freed but waiting on another stream, per stream, each stream named where the run knows it
 (capture, metrics, FSDP2's); a graph's pool reserved far above its most live is memory the capture could not
 reuse.
-Prints a line and writes JSON to --output.
+The timed steps also sample the GPU's power draw and SM clock (scripts/lib/gpu_power.py): at the power
+limit a step takes its energy over the limit, so ``power.joules_per_step`` compares two steps where their
+kernel lists look alike. Prints a line and writes JSON to --output.
 
     python scripts/profile_step.py recipe=gpt_tiny train.parallel=fsdp2 graph=full --steps 20 --streams
 """
@@ -32,10 +34,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from scripts.lib.gpu_power import PowerSampler, describe as describe_power, device_selector  # noqa: E402
 from scripts.lib.kernel_profile import device_events, summary  # noqa: E402
 from scripts.lib.memory_pools import describe as describe_pools, pool_report  # noqa: E402
 from scripts.lib.refuse import refuse  # noqa: E402
@@ -78,7 +82,10 @@ def profile_job(session, args) -> int:
     pools = memory_pools(args.memory)
     for _ in range(args.steps):  # settle
         trainer.next_step()
-    wall_ms = time_steps(trainer, args.steps)["step_ms_mean"]  # train.py's timer, outside the profiler's overhead
+    with PowerSampler(device_selector(torch.cuda.current_device())) as power:  # the GPU's draw and clock meanwhile
+        start = time.monotonic()
+        wall_ms = time_steps(trainer, args.steps)["step_ms_mean"]  # train.py's timer, outside the profiler's overhead
+        end = time.monotonic()
 
     # The profiler's window is not timed: CUPTI gives its kernels' spans; the sync keeps them all inside it.
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -94,6 +101,7 @@ def profile_job(session, args) -> int:
         "precision": trainer.plan.precision, "step_ms": wall_ms, "gpu_busy_ms": found["gpu_busy_ms"],
         "gpu_busy_fraction": found["gpu_busy_ms"] / wall_ms, "kernel_ms": found["kernel_ms"],
         "gpu_ops_per_step": found["gpu_ops_per_step"], "kinds": found["kinds"],
+        "power": power.window(start, end, wall_ms),
     }
     units_per_s = trainer.global_batch * trainer.recipe.units_per_sample * 1e3 / wall_ms
     result[f"{trainer.recipe.unit}_per_s"] = units_per_s
@@ -114,7 +122,8 @@ def profile_job(session, args) -> int:
     if not trainer.rt.is_main:  # one report: rank 0's (every rank ran the same steps)
         return 0
     print(json.dumps({k: v for k, v in result.items()
-                      if k not in ("top_kernels", "idle_gaps", "streams", "kinds", "memory_pools")}))
+                      if k not in ("top_kernels", "idle_gaps", "streams", "kinds", "memory_pools", "power")}))
+    print(describe_power(result["power"]))
     for line in describe_pools(result.get("memory_pools", []), result.get("stream_names")):
         print(line)
     for row in result["kinds"]:

@@ -16,6 +16,7 @@ weight decay 0.1 on matrices only), gradient clipping at 1.0, ``torch.compile(mo
 (mode default), random tokens already on the GPU (the data costs nothing), one micro-batch
 per step, the loss computed inside the compiled forward. Prints milliseconds per step (median over --steps after --warmup), tokens/s and
 MFU against the GPU's dense bf16 peak (trainer/metrics/perf.py's table; 6N + 12·L·d·T FLOPs per token).
+and the GPU's power draw, SM clock and energy a step over the timed steps (scripts/lib/gpu_power.py).
 """
 from __future__ import annotations
 
@@ -24,11 +25,13 @@ import functools
 import json
 import math
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from scripts.lib.gpu_power import PowerSampler, describe as describe_power, device_selector  # noqa: E402
 from scripts.lib.refuse import refuse  # noqa: E402
 
 LAYERS, HEADS, WIDTH, CONTEXT, VOCAB = 12, 12, 768, 1024, 50304
@@ -84,14 +87,18 @@ def main() -> int:
     else:
         step = lambda x, y: train_step(compiled, x, y)  # noqa: E731
     timer = graphing.StepTimer(torch.device("cuda"))  # train.py's timer: the same "ms/step" as its results
-    for i in range(args.warmup + args.steps):
-        if i == args.warmup:
-            timer.restart()  # the timed steps start after the warm-up's work queued so far
-        loss = step(*_split(tokens[i % len(tokens)]))
-        if i >= args.warmup:
-            timer.step("timed")
-    timer.collect()
+    with PowerSampler(device_selector(torch.cuda.current_device())) as power:  # the GPU's draw and clock meanwhile
+        for i in range(args.warmup + args.steps):
+            if i == args.warmup:
+                timer.restart()  # the timed steps start after the warm-up's work queued so far
+                start = time.monotonic()
+            loss = step(*_split(tokens[i % len(tokens)]))
+            if i >= args.warmup:
+                timer.step("timed")
+        timer.collect()
+        end = time.monotonic()
     ms = timer.summary("timed")["step_ms_median"]
+    power_used = power.window(start, end, timer.summary("timed")["step_ms_mean"])
     profiled = None
     if args.profile_steps:  # after the timing, on the same batches again
         from scripts.lib.kernel_profile import profile_steps
@@ -108,11 +115,12 @@ def main() -> int:
               "step_ms_median": ms, "tokens_per_s": tokens_per_s, "final_loss": float(loss),
               "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
               "mfu_pct": 100 * tokens_per_s * flops_per_token / (peak[1] * 1e12) if peak else None,
-              **({"profile": profiled} if profiled else {})}
+              "power": power_used, **({"profile": profiled} if profiled else {})}
     print(f"reference GPT-2 small{' (GraphedStep)' if args.graphed else ''}"
           f"{', chunked loss' if args.loss == 'chunked' else ''}, {args.batch_size}x{CONTEXT}: "
           f"{ms:.2f} ms/step, {tokens_per_s:,.0f} tokens/s"
           + (f", {result['mfu_pct']:.1f}% MFU ({peak[0]})" if peak else ""))
+    print(describe_power(power_used))
     if args.output:
         args.output.write_text(json.dumps(result, indent=2) + "\n")
     return 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import statistics
 import textwrap
 import time
 from pathlib import Path
@@ -765,3 +766,61 @@ def test_bench_gpt2_repeats_give_medians_and_the_range_of_each_pairs_ratio():
     assert "1.000x (0.991-1.000)" in table
     single = markdown(combined([run("reference", 33.0, 0), run(ours, 33.3, 0)]))
     assert "runs" not in single and "0.991x |" in single
+
+
+def test_the_power_sampler_reads_nvidia_smis_samples_inside_the_timed_window(tmp_path, monkeypatch):
+    """scripts/lib/gpu_power.py runs nvidia-smi in the background; here a stand-in of the same name on PATH prints
+    nvidia-smi's csv,noheader,nounits lines for the fields asked (checked), at the interval asked."""
+    from scripts.lib.gpu_power import FIELDS, PowerSampler, describe, parse_line
+
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text(f"""#!{sys.executable}
+import sys, time
+args = sys.argv[1:]
+assert "--query-gpu={','.join(FIELDS)}" in args and "--format=csv,noheader,nounits" in args, args
+assert "--id=GPU-1234" in args, args
+interval = int(next(a for a in args if a.startswith("--loop-ms=")).split("=")[1]) / 1e3
+power = 690.0
+while True:
+    print(f"{{power:.2f}}, 700.00, 1740, 49, 0x0000000000000004", flush=True)
+    print("[N/A], 700.00, 1770, 50, 0x0000000000000000", flush=True)  # a field it cannot read is left out
+    power += 2.0
+    time.sleep(interval)
+""")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    with PowerSampler("GPU-1234", interval_ms=20) as power:
+        deadline = time.monotonic() + 30
+        while len(power.samples) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        start = time.monotonic()
+        while len(power.samples) < 24 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        end = time.monotonic()
+    assert power._proc.poll() is not None, "nvidia-smi is stopped with the sampler"
+    inside = [s for t, s in power.samples if start <= t <= end]
+    window = power.window(start, end, step_ms=33.0)
+    assert window["samples"] == len(inside) >= 5
+    draws = sorted(s["power.draw"] for s in inside if "power.draw" in s)
+    assert window["power_w"] == pytest.approx(statistics.median(draws))
+    assert window["joules_per_step"] == pytest.approx(window["power_w"] * 0.033)
+    assert window["power_limit_w"] == 700.0 and window["sm_clock_mhz"] in (1740.0, 1755.0, 1770.0)
+    assert 0.3 < window["power_capped_fraction"] < 0.7 and window["temperature_max_c"] == 50.0
+    assert "power-capped in" in describe(window) and "J a step" in describe(window)
+    later = power.window(end + 1, end + 2, 33.0)  # no sample in it: only how many and why
+    assert set(later) == {"samples", "why"} and later["samples"] == 0 and "fewer than 5" in later["why"]
+    assert parse_line("692.86 W, 700.00 W, 1740 MHz, 46, 0x0000000000000004") == {
+        "power.draw": 692.86, "power.limit": 700.0, "clocks.sm": 1740.0, "temperature.gpu": 46.0,
+        "clocks_event_reasons.active": 4.0}
+    assert parse_line("No devices were found") is None
+
+
+def test_without_nvidia_smi_the_power_is_not_measured_and_says_why(monkeypatch, tmp_path):
+    from scripts.lib.gpu_power import PowerSampler, describe
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # nothing there
+    with PowerSampler("GPU-1234") as power:
+        pass
+    window = power.window(0.0, 1e12, 33.0)
+    assert window == {"samples": 0, "why": "no nvidia-smi on PATH"}
+    assert describe(window) == "power: not measured (no nvidia-smi on PATH)"
