@@ -5,6 +5,7 @@ side in one call, and what each lever of issue 24 is worth.
     python scripts/bench_gpt2.py --batch-sizes 16,32,64 --levers
     python scripts/bench_gpt2.py --batch-sizes 16 --levers graphed,accuracy
     python scripts/bench_gpt2.py --batch-sizes 16 --repeats 3                # 3 pairs, alternating who goes first
+    python scripts/bench_gpt2.py --batch-sizes 16 --profile 30              # and both steps profiled side by side
     python scripts/bench_gpt2.py --autotune --inductor-cache .inductor_cache
     python scripts/bench_gpt2.py --batch-sizes 16 recipe.data.batch_size=8   # refused: the script sets it
 
@@ -22,7 +23,11 @@ fills it unless it was carried in, the second finds it. Milliseconds are the med
 ``--repeats N`` runs the reference and the project N times each at every micro-batch, in pairs that
 alternate which of the two goes first (an H200 under sustained load slows by up to 4%, so the run
 that always went second would always be the warmer one): a row then gives the median of its runs and
-"vs reference" the median of the pairs' ratios, with their range.
+"vs reference" the median of the pairs' ratios, with their range. ``--profile N`` then profiles both steps
+at the first micro-batch, N steps each under torch.profiler (scripts/lib/kernel_profile.py reads both alike;
+the project's through scripts/profile_step.py), and adds where each step's time goes: busy and idle GPU time,
+kernels by kind, the GPU's power, clock and joules a step over timed steps (scripts/lib/gpu_power.py: at the
+power cap two steps with the same kernels differ by their energy), and the kernels that differ most.
 Prints a markdown table; writes it and the numbers to --output (default
 scripts/results/gpt2_vs_reference.json and .md).
 """
@@ -71,6 +76,9 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs of the reference and of the project at each micro-batch, in pairs alternating "
                              "which goes first; rows give medians and the pairs' range")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="profile both steps at the first micro-batch, N steps each (30: enough timed steps "
+                             "for the power samples), and report them side by side")
     parser.add_argument("--levers", nargs="?", const=",".join(LEVERS), default="",
                         help=f"one run per lever at the first micro-batch: all, or some of {', '.join(LEVERS)}")
     parser.add_argument("--autotune", action="store_true",
@@ -88,6 +96,8 @@ def main() -> int:
         parser.error(f"--levers: no lever {', '.join(unknown)}; the levers are {', '.join(LEVERS)}")
     if args.repeats < 1:
         parser.error(f"--repeats must be at least 1, not {args.repeats}")
+    if args.profile < 0:
+        parser.error(f"--profile takes a number of steps, not {args.profile}")
     rows: List[Dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as scratch:
         def project(name: str, batch: int, *extra: str, env: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
@@ -114,11 +124,16 @@ def main() -> int:
             for turn in ("carried cache" if carried else "cold cache", "warm cache"):
                 rows.append(project(f"project: max_autotune_no_cudagraphs, {turn}", sizes[0],
                                     "graph.compile_mode=max_autotune_no_cudagraphs", env=env))
+        profiles = {"reference": profile_reference(sizes[0], args),
+                    "project": profile_project(sizes[0], args, Path(scratch, "profile"))} if args.profile else None
     table = markdown(combined(rows))
+    if profiles:
+        table += "\n\n" + profile_markdown(profiles["reference"], profiles["project"])
     print(table)
     output = args.output or REPO / "scripts" / "results" / "gpt2_vs_reference.json"
     output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps({"rows": combined(rows), "runs": rows}, indent=2) + "\n")
+    output.write_text(json.dumps({"rows": combined(rows), "runs": rows, **({"profiles": profiles} if profiles else {})},
+                                 indent=2) + "\n")
     output.with_suffix(".md").write_text(table + "\n")
     return 0
 
@@ -145,6 +160,69 @@ def run_project(name: str, batch: int, args, extra: List[str], run_dir: Path,
     return {"name": name, "batch_size": batch, "step_ms": ms, "tokens_per_s": batch * CONTEXT * 1e3 / ms,
             "mfu_pct": result.get("perf/mfu_pct"), "peak_allocated_mib": result.get("perf/peak_allocated_mib"),
             "wall_s": wall, "command": " ".join(c for c in command[1:-1])}
+
+
+PROFILED = ("step_ms", "power", "gpu_busy_ms", "kernel_ms", "gpu_ops_per_step", "kinds", "idle_ms", "idle_gaps",
+            "top_kernels")  # what a side's profile keeps
+
+
+def profile_reference(batch: int, args) -> Dict[str, Any]:
+    """The reference at ``batch``: its usual run, then ``args.profile`` steps profiled (reference_gpt2.py)."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        command = [sys.executable, "scripts/reference_gpt2.py", "--batch-size", str(batch), "--warmup", str(WARMUP),
+                   "--steps", str(args.steps - WARMUP), "--profile-steps", str(args.profile), "--output", out.name]
+        run_or_exit("bench_gpt2", "reference, profiled", command, args.timeout)
+        result = json.loads(Path(out.name).read_text())
+    found = {**result["profile"], "step_ms": result["step_ms_median"], "power": result.get("power")}
+    return {key: found.get(key) for key in PROFILED}
+
+
+def profile_project(batch: int, args, folder: Path) -> Dict[str, Any]:
+    """The project at ``batch`` through scripts/profile_step.py: ``args.profile`` steps to settle, as many timed
+    (with the power sampled), as many profiled."""
+    out = folder / "profile.json"
+    folder.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "scripts/profile_step.py", "--steps", str(args.profile), "--top", "80", "--gaps", "8",
+               "--output", str(out), *args.train_options, *PROJECT, *args.overrides, f"recipe.data.batch_size={batch}",
+               f"run_dir={folder / 'run'}"]
+    run_or_exit("bench_gpt2", "project, profiled", command, args.timeout)
+    result = json.loads(out.read_text())
+    return {key: result.get(key) for key in PROFILED}
+
+
+def profile_markdown(reference: Dict[str, Any], project: Dict[str, Any], differing: int = 15) -> str:
+    """Both profiled steps side by side (``profile_reference``, ``profile_project``), then the ``differing``
+    kernels whose time per step differs most (scripts/lib/kernel_profile.kernel_diff)."""
+    from scripts.lib.kernel_profile import kernel_diff
+
+    sides = (reference, project)
+
+    def power(side: Dict[str, Any], key: str) -> Optional[float]:
+        return (side.get("power") or {}).get(key)
+
+    def row(name: str, values, form: str = "{:.2f}") -> str:
+        return f"| {name} | " + " | ".join(_shown(v, form) for v in values) + " |"
+
+    kinds = list(dict.fromkeys(k["kind"] for side in sides for k in side.get("kinds") or []))
+    ms_of = [{k["kind"]: k["ms_per_step"] for k in side.get("kinds") or []} for side in sides]
+    lines = ["Where the step goes, profiled (ms a step; kinds overlap across streams):", "",
+             "| | reference | project |", "|---|---|---|",
+             row("step (timed)", [s.get("step_ms") for s in sides]),
+             row("GPU busy", [s.get("gpu_busy_ms") for s in sides]),
+             row("GPU idle (between kernels)", [s.get("idle_ms") for s in sides]),
+             row("kernels a step", [s.get("gpu_ops_per_step") for s in sides], "{:,.0f}"),
+             *(row(kind, [m.get(kind) for m in ms_of]) for kind in kinds),
+             row("power (W, median over timed steps)", [power(s, "power_w") for s in sides], "{:.0f}"),
+             row("SM clock (MHz, median)", [power(s, "sm_clock_mhz") for s in sides], "{:.0f}"),
+             row("samples at the power cap", [power(s, "power_capped_fraction") for s in sides], "{:.0%}"),
+             row("energy a step (J)", [power(s, "joules_per_step") for s in sides])]
+    lines += ["", "The kernels whose time differs most (ms a step, launches a step; '—': not among that side's "
+              "busiest):", "", "| kernel | reference | project | project - reference |", "|---|---|---|---|"]
+    for k in kernel_diff(reference.get("top_kernels") or [], project.get("top_kernels") or [], differing):
+        cells = [f"{_shown(k[f'{side}_ms'], '{:.3f}')} ({_shown(k[f'{side}_per_step'], '{:.0f}')}x)"
+                 if k[f"{side}_ms"] is not None else "—" for side in ("first", "second")]
+        lines.append(f"| {k['name'][:90]} | {cells[0]} | {cells[1]} | {k['diff_ms']:+.3f} |")
+    return "\n".join(lines)
 
 
 def combined(runs: List[Dict[str, Any]]) -> List[Dict[str, Any]]:

@@ -824,3 +824,33 @@ def test_without_nvidia_smi_the_power_is_not_measured_and_says_why(monkeypatch, 
     window = power.window(0.0, 1e12, 33.0)
     assert window == {"samples": 0, "why": "no nvidia-smi on PATH"}
     assert describe(window) == "power: not measured (no nvidia-smi on PATH)"
+
+
+def test_bench_gpt2_sets_both_profiled_steps_side_by_side_and_names_the_kernels_that_differ():
+    """From the two profiles of issue 50 (scripts/results/gpt2_profiled_pair.json, one H200), as bench_gpt2
+    --profile writes them: the step, busy and idle time, kinds and power rows, then the kernels by difference."""
+    from scripts.bench_gpt2 import PROFILED, profile_markdown
+    from scripts.lib.kernel_profile import kernel_diff
+
+    saved = json.loads((ROOT / "scripts" / "results" / "gpt2_profiled_pair.json").read_text())
+    reference = {**saved["reference_profile"]["profile"], "step_ms": saved["reference_profile"]["step_ms_median"]}
+    project = saved["project_profile"]
+    reference, project = ({k: side.get(k) for k in PROFILED} for side in (reference, project))
+    project["power"] = {"samples": 67, "power_w": 691.6, "sm_clock_mhz": 1740.0, "power_capped_fraction": 0.957,
+                        "joules_per_step": 22.88}
+    table = profile_markdown(reference, project, differing=4)
+    assert "| GPU busy | 31.65 | 32.82 |" in table and "| kernels a step | 653 | 677 |" in table
+    assert "| matmuls | 17.08 | 17.78 |" in table
+    assert "| power (W, median over timed steps) | — | 692 |" in table  # the reference's run had no power then
+    assert "| samples at the power cap | — | 96% |" in table and "| energy a step (J) | — | 22.88 |" in table
+    differing = table.split("project - reference |")[1].strip().splitlines()[1:]
+    assert len(differing) == 4
+    # The loss's kernel differs in name (ours carries the top-1): each side's own is one of the largest rows.
+    assert any("prepare_softmax_online" in line and "| — |" in line and "+1.2" in line for line in differing)
+    assert any("_log_softmax_prepare_softmax_online" in line and line.rstrip().endswith("-1.187 |") for line in differing)
+    rows = kernel_diff(reference["top_kernels"], project["top_kernels"], n=200)
+    assert len(rows) == len({r["name"] for r in reference["top_kernels"] + project["top_kernels"]})
+    same = next(r for r in rows if r["name"].startswith("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT"))
+    assert same["first_per_step"] == same["second_per_step"] == 49.0
+    assert same["diff_ms"] == pytest.approx(same["second_ms"] - same["first_ms"])
+    assert [abs(r["diff_ms"]) for r in rows] == sorted((abs(r["diff_ms"]) for r in rows), reverse=True)

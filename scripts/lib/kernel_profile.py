@@ -129,6 +129,22 @@ def idle_gaps(events, steps: int, n: int) -> Tuple[float, List[Dict[str, Any]]]:
                                    for (a, b), (us, c) in rows]
 
 
+def kernel_diff(first: Sequence[Dict[str, Any]], second: Sequence[Dict[str, Any]], n: int = 15
+                ) -> List[Dict[str, Any]]:
+    """Two steps' ``top_kernels`` matched by name: each kernel's ms and launches per step on either side (None
+    where that side's list lacks it) and ``diff_ms``, the second's ms minus the first's (a missing side counts
+    0), the ``n`` largest differences first. A kernel in one list only may still run on the other side below its
+    list's cutoff: compare lists long enough to hold each other's tails."""
+    a, b = ({row["name"]: row for row in rows} for rows in (first, second))
+    rows = [{"name": name, "first_ms": a[name]["ms_per_step"] if name in a else None,
+             "first_per_step": a[name]["per_step"] if name in a else None,
+             "second_ms": b[name]["ms_per_step"] if name in b else None,
+             "second_per_step": b[name]["per_step"] if name in b else None,
+             "diff_ms": (b[name]["ms_per_step"] if name in b else 0.0) - (a[name]["ms_per_step"] if name in a else 0.0)}
+            for name in dict.fromkeys([*a, *b])]
+    return sorted(rows, key=lambda r: -abs(r["diff_ms"]))[:n]
+
+
 def summary(events, steps: int, top: int = 25, gaps: int = 8) -> Dict[str, Any]:
     """Everything above for one profile: busy and kernel ms per step, ops per step, the kinds, the collectives
     and how much of them ran beside compute, idle time and its largest gaps, the ``top`` kernels, the streams."""
