@@ -167,10 +167,11 @@ PROFILED = ("step_ms", "power", "gpu_busy_ms", "kernel_ms", "gpu_ops_per_step", 
 
 
 def profile_reference(batch: int, args) -> Dict[str, Any]:
-    """The reference at ``batch``: its usual run, then ``args.profile`` steps profiled (reference_gpt2.py)."""
+    """The reference at ``batch``: its usual run with the power sampled, then ``args.profile`` steps profiled
+    (reference_gpt2.py)."""
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         command = [sys.executable, "scripts/reference_gpt2.py", "--batch-size", str(batch), "--warmup", str(WARMUP),
-                   "--steps", str(args.steps - WARMUP), "--profile-steps", str(args.profile), "--output", out.name]
+                   "--steps", str(args.steps - WARMUP), "--profile-steps", str(args.profile), "--power", "--output", out.name]
         run_or_exit("bench_gpt2", "reference, profiled", command, args.timeout)
         result = json.loads(Path(out.name).read_text())
     found = {**result["profile"], "step_ms": result["step_ms_median"], "power": result.get("power")}
@@ -182,8 +183,8 @@ def profile_project(batch: int, args, folder: Path) -> Dict[str, Any]:
     (with the power sampled), as many profiled."""
     out = folder / "profile.json"
     folder.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "scripts/profile_step.py", "--steps", str(args.profile), "--top", "80", "--gaps", "8",
-               "--output", str(out), *args.train_options, *PROJECT, *args.overrides, f"recipe.data.batch_size={batch}",
+    command = [sys.executable, "scripts/profile_step.py", "--steps", str(args.profile), "--power", "--top", "80",
+               "--gaps", "8", "--output", str(out), *args.train_options, *PROJECT, *args.overrides, f"recipe.data.batch_size={batch}",
                f"run_dir={folder / 'run'}"]
     run_or_exit("bench_gpt2", "project, profiled", command, args.timeout)
     result = json.loads(out.read_text())

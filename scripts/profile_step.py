@@ -23,7 +23,7 @@ graph as in eager. ``--memory`` records the allocator's history from the build t
 once, the most freed but waiting on another stream, per stream, each stream named where the run knows it
 (capture, metrics, FSDP2's); a graph's pool reserved far above its most live is memory the capture could not
 reuse.
-The timed steps also sample the GPU's power draw and SM clock (scripts/lib/gpu_power.py): at the power
+``--power`` samples the GPU's power draw and SM clock over the timed steps (scripts/lib/gpu_power.py): at the power
 limit a step takes its energy over the limit, so ``power.joules_per_step`` compares two steps where their
 kernel lists look alike. Prints a line and writes JSON to --output.
 
@@ -39,7 +39,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scripts.lib.gpu_power import PowerSampler, describe as describe_power, device_selector  # noqa: E402
+from scripts.lib.gpu_power import describe as describe_power, sampler  # noqa: E402
 from scripts.lib.kernel_profile import device_events, summary  # noqa: E402
 from scripts.lib.memory_pools import describe as describe_pools, pool_report  # noqa: E402
 from scripts.lib.refuse import refuse  # noqa: E402
@@ -56,6 +56,8 @@ def main() -> int:
     parser.add_argument("--gaps", type=int, default=0, help="list the N places the GPU sat idle longest per step")
     parser.add_argument("--streams", action="store_true",
                         help="list the CUDA streams the kernels ran on, and the collectives' overlap with compute")
+    parser.add_argument("--power", action="store_true",
+                        help="sample the GPU's power draw and SM clock over the timed steps (nvidia-smi, every 100 ms)")
     parser.add_argument("--memory", action="store_true",
                         help="record the allocator's history from the build to the first graph and say what each "
                              "memory pool holds: reserved, most live at once, most waiting to be freed, per stream")
@@ -82,7 +84,7 @@ def profile_job(session, args) -> int:
     pools = memory_pools(args.memory)
     for _ in range(args.steps):  # settle
         trainer.next_step()
-    with PowerSampler(device_selector(torch.cuda.current_device())) as power:  # the GPU's draw and clock meanwhile
+    with sampler(args.power, torch.cuda.current_device()) as power:  # --power: the GPU's draw, clock
         start = time.monotonic()
         wall_ms = time_steps(trainer, args.steps)["step_ms_mean"]  # train.py's timer, outside the profiler's overhead
         end = time.monotonic()
@@ -101,8 +103,9 @@ def profile_job(session, args) -> int:
         "precision": trainer.plan.precision, "step_ms": wall_ms, "gpu_busy_ms": found["gpu_busy_ms"],
         "gpu_busy_fraction": found["gpu_busy_ms"] / wall_ms, "kernel_ms": found["kernel_ms"],
         "gpu_ops_per_step": found["gpu_ops_per_step"], "kinds": found["kinds"],
-        "power": power.window(start, end, wall_ms),
     }
+    if args.power:
+        result["power"] = power.window(start, end, wall_ms)
     units_per_s = trainer.global_batch * trainer.recipe.units_per_sample * 1e3 / wall_ms
     result[f"{trainer.recipe.unit}_per_s"] = units_per_s
     result[f"{trainer.recipe.unit}_per_s_per_gpu"] = units_per_s / trainer.rt.world_size
@@ -123,7 +126,8 @@ def profile_job(session, args) -> int:
         return 0
     print(json.dumps({k: v for k, v in result.items()
                       if k not in ("top_kernels", "idle_gaps", "streams", "kinds", "memory_pools", "power")}))
-    print(describe_power(result["power"]))
+    if args.power:
+        print(describe_power(result["power"]))
     for line in describe_pools(result.get("memory_pools", []), result.get("stream_names")):
         print(line)
     for row in result["kinds"]:

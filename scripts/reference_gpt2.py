@@ -16,7 +16,8 @@ weight decay 0.1 on matrices only), gradient clipping at 1.0, ``torch.compile(mo
 (mode default), random tokens already on the GPU (the data costs nothing), one micro-batch
 per step, the loss computed inside the compiled forward. Prints milliseconds per step (median over --steps after --warmup), tokens/s and
 MFU against the GPU's dense bf16 peak (trainer/metrics/perf.py's table; 6N + 12·L·d·T FLOPs per token).
-and the GPU's power draw, SM clock and energy a step over the timed steps (scripts/lib/gpu_power.py).
+and, with ``--power``, the GPU's power draw, SM clock and energy a step over the timed steps
+(scripts/lib/gpu_power.py).
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from scripts.lib.gpu_power import PowerSampler, describe as describe_power, device_selector  # noqa: E402
+from scripts.lib.gpu_power import describe as describe_power, sampler  # noqa: E402
 from scripts.lib.refuse import refuse  # noqa: E402
 
 LAYERS, HEADS, WIDTH, CONTEXT, VOCAB = 12, 12, 768, 1024, 50304
@@ -49,6 +50,8 @@ def main() -> int:
                         help="inside: cross-entropy inside the compiled forward (pinned); chunked: the output head "
                              "and loss fused in row chunks that never hold the whole logits (a lever to measure)")
     parser.add_argument("--chunk-rows", type=int, default=4096, help="--loss chunked: tokens per chunk")
+    parser.add_argument("--power", action="store_true",
+                        help="sample the GPU's power draw and SM clock over the timed steps (nvidia-smi, every 100 ms)")
     parser.add_argument("--profile-steps", type=int, default=0,
                         help="after the timed steps, this many more under torch.profiler: the JSON gets their GPU "
                              "work per step, read as scripts/profile_step.py reads train.py's (kernel kinds, top "
@@ -87,7 +90,7 @@ def main() -> int:
     else:
         step = lambda x, y: train_step(compiled, x, y)  # noqa: E731
     timer = graphing.StepTimer(torch.device("cuda"))  # train.py's timer: the same "ms/step" as its results
-    with PowerSampler(device_selector(torch.cuda.current_device())) as power:  # the GPU's draw and clock meanwhile
+    with sampler(args.power, torch.cuda.current_device()) as power:  # --power: the GPU's draw, clock
         for i in range(args.warmup + args.steps):
             if i == args.warmup:
                 timer.restart()  # the timed steps start after the warm-up's work queued so far
@@ -115,12 +118,13 @@ def main() -> int:
               "step_ms_median": ms, "tokens_per_s": tokens_per_s, "final_loss": float(loss),
               "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
               "mfu_pct": 100 * tokens_per_s * flops_per_token / (peak[1] * 1e12) if peak else None,
-              "power": power_used, **({"profile": profiled} if profiled else {})}
+              **({"power": power_used} if power_used else {}), **({"profile": profiled} if profiled else {})}
     print(f"reference GPT-2 small{' (GraphedStep)' if args.graphed else ''}"
           f"{', chunked loss' if args.loss == 'chunked' else ''}, {args.batch_size}x{CONTEXT}: "
           f"{ms:.2f} ms/step, {tokens_per_s:,.0f} tokens/s"
           + (f", {result['mfu_pct']:.1f}% MFU ({peak[0]})" if peak else ""))
-    print(describe_power(power_used))
+    if power_used:
+        print(describe_power(power_used))
     if args.output:
         args.output.write_text(json.dumps(result, indent=2) + "\n")
     return 0

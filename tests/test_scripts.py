@@ -824,6 +824,9 @@ def test_without_nvidia_smi_the_power_is_not_measured_and_says_why(monkeypatch, 
     window = power.window(0.0, 1e12, 33.0)
     assert window == {"samples": 0, "why": "no nvidia-smi on PATH"}
     assert describe(window) == "power: not measured (no nvidia-smi on PATH)"
+    with PowerSampler(None) as off:  # not asked for (the scripts' --power): no process, no numbers
+        pass
+    assert off._proc is None and off.window(0.0, 1e12, 33.0) is None
 
 
 def test_bench_gpt2_sets_both_profiled_steps_side_by_side_and_names_the_kernels_that_differ():

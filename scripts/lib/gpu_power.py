@@ -5,14 +5,15 @@ the step then takes its energy over the limit, and a step with idle gaps (an eag
 higher clock for its kernels than the same kernels back to back in a graph (RESULTS.md, "GPT-2 small:
 alternating pairs"). Two steps are then told apart by their energy, not their kernel list alone:
 
-    with PowerSampler(device_index) as power:
+    with sampler(args.power, device_index) as power:
         start = time.monotonic()
         ... the timed steps, synchronized at the end ...
         end = time.monotonic()
-    result["power"] = power.window(start, end, step_ms)   # None-free dict, or {"samples": n, "why": ...}
+    result["power"] = power.window(start, end, step_ms)   # None when off; {"samples": n, "why": ...} when too few
 
 A machine without nvidia-smi (or a GPU it cannot query) gives ``{"samples": 0, "why": ...}``: the script's other
-numbers are unaffected.
+numbers are unaffected. Sampling is asked for (the scripts' ``--power``), never on by default: a run timed against
+another one carries it only where both do.
 """
 from __future__ import annotations
 
@@ -53,11 +54,17 @@ def parse_line(line: str) -> Optional[Dict[str, float]]:
     return sample
 
 
+def sampler(enabled: bool, device_index: int) -> "PowerSampler":
+    """A PowerSampler of torch's CUDA device ``device_index`` where ``enabled``, else one that samples nothing."""
+    return PowerSampler(device_selector(device_index) if enabled else None)
+
+
 class PowerSampler:
     """nvidia-smi in the background, one sample of FIELDS every ``interval_ms``, each stamped with
-    time.monotonic() as it arrives. ``selector``: nvidia-smi's ``-i`` (``device_selector``)."""
+    time.monotonic() as it arrives. ``selector``: nvidia-smi's ``-i`` (``device_selector``); None: off (no
+    process; ``window`` gives None)."""
 
-    def __init__(self, selector: str, interval_ms: int = 100, executable: str = "nvidia-smi"):
+    def __init__(self, selector: Optional[str], interval_ms: int = 100, executable: str = "nvidia-smi"):
         self.selector, self.interval_ms, self.executable = selector, interval_ms, executable
         self.samples: List[Tuple[float, Dict[str, float]]] = []
         self.why: Optional[str] = None
@@ -65,6 +72,8 @@ class PowerSampler:
         self._reader: Optional[threading.Thread] = None
 
     def __enter__(self) -> "PowerSampler":
+        if self.selector is None:
+            return self
         path = shutil.which(self.executable)
         if path is None:
             self.why = f"no {self.executable} on PATH"
@@ -97,11 +106,13 @@ class PowerSampler:
         if self._reader is not None:
             self._reader.join(timeout=5)
 
-    def window(self, start: float, end: float, step_ms: float) -> Dict[str, Any]:
+    def window(self, start: float, end: float, step_ms: float) -> Optional[Dict[str, Any]]:
         """What the samples between ``start`` and ``end`` (time.monotonic()) say: the median power (W) and SM
         clock (MHz), the power limit, the hottest temperature, the fraction of samples whose clocks were lowered
         to hold the power limit, and ``joules_per_step``: the median power times ``step_ms``. Fewer than
-        MIN_SAMPLES: only ``samples`` and ``why``."""
+        MIN_SAMPLES: only ``samples`` and ``why``. None where sampling was off."""
+        if self.selector is None:
+            return None
         inside = [s for t, s in self.samples if start <= t <= end]
         if len(inside) < MIN_SAMPLES:
             why = self.why or (f"{len(inside)} samples in {end - start:.2f} s, fewer than {MIN_SAMPLES}: time "
