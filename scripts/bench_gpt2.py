@@ -171,7 +171,8 @@ def profile_reference(batch: int, args) -> Dict[str, Any]:
     (reference_gpt2.py)."""
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         command = [sys.executable, "scripts/reference_gpt2.py", "--batch-size", str(batch), "--warmup", str(WARMUP),
-                   "--steps", str(args.steps - WARMUP), "--profile-steps", str(args.profile), "--power", "--output", out.name]
+                   "--steps", str(args.steps - WARMUP), "--profile-steps", str(args.profile), "--power",
+                   "--output", out.name]
         run_or_exit("bench_gpt2", "reference, profiled", command, args.timeout)
         result = json.loads(Path(out.name).read_text())
     found = {**result["profile"], "step_ms": result["step_ms_median"], "power": result.get("power")}
@@ -184,8 +185,8 @@ def profile_project(batch: int, args, folder: Path) -> Dict[str, Any]:
     out = folder / "profile.json"
     folder.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "scripts/profile_step.py", "--steps", str(args.profile), "--power", "--top", "80",
-               "--gaps", "8", "--output", str(out), *args.train_options, *PROJECT, *args.overrides, f"recipe.data.batch_size={batch}",
-               f"run_dir={folder / 'run'}"]
+               "--gaps", "8", "--output", str(out), *args.train_options, *PROJECT, *args.overrides,
+               f"recipe.data.batch_size={batch}", f"run_dir={folder / 'run'}"]
     run_or_exit("bench_gpt2", "project, profiled", command, args.timeout)
     result = json.loads(out.read_text())
     return {key: result.get(key) for key in PROFILED}
@@ -210,7 +211,7 @@ def profile_markdown(reference: Dict[str, Any], project: Dict[str, Any], differi
              "| | reference | project |", "|---|---|---|",
              row("step (timed)", [s.get("step_ms") for s in sides]),
              row("GPU busy", [s.get("gpu_busy_ms") for s in sides]),
-             row("GPU idle (between kernels)", [s.get("idle_ms") for s in sides]),
+             row("GPU idle (no kernel running, profiled)", [s.get("idle_ms") for s in sides]),
              row("kernels a step", [s.get("gpu_ops_per_step") for s in sides], "{:,.0f}"),
              *(row(kind, [m.get(kind) for m in ms_of]) for kind in kinds),
              row("power (W, median over timed steps)", [power(s, "power_w") for s in sides], "{:.0f}"),

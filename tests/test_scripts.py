@@ -850,7 +850,8 @@ def test_bench_gpt2_sets_both_profiled_steps_side_by_side_and_names_the_kernels_
     assert len(differing) == 4
     # The loss's kernel differs in name (ours carries the top-1): each side's own is one of the largest rows.
     assert any("prepare_softmax_online" in line and "| — |" in line and "+1.2" in line for line in differing)
-    assert any("_log_softmax_prepare_softmax_online" in line and line.rstrip().endswith("-1.187 |") for line in differing)
+    assert any("_log_softmax_prepare_softmax_online" in line and line.rstrip().endswith("-1.187 |")
+               for line in differing)
     rows = kernel_diff(reference["top_kernels"], project["top_kernels"], n=200)
     assert len(rows) == len({r["name"] for r in reference["top_kernels"] + project["top_kernels"]})
     same = next(r for r in rows if r["name"].startswith("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT"))
