@@ -120,6 +120,13 @@ def test_launch_mode_past_its_timeout_ends_its_ranks(tmp_path, mark, monkeypatch
     assert f"stopped 'eager' (timeout after {timeout} s): ended 3 processes" in capsys.readouterr().err
 
 
+def default_sigint() -> None:
+    """SIGINT as a terminal gives the command a user types, whatever this suite inherited: a suite started in the
+    background of a non-interactive shell (a CI runner's ``cmd &``) has it ignored, and an ignored SIGINT stays
+    ignored across exec, so the script would never see the Ctrl-C this test sends."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("sig,why,code", [(signal.SIGTERM, "terminated", 128 + signal.SIGTERM),
                                           (signal.SIGINT, "interrupted", -signal.SIGINT)], ids=["sigterm", "ctrl-c"])
 def test_a_script_stopped_while_its_run_hangs_ends_the_run_first(tmp_path, mark, sig, why, code):
@@ -127,7 +134,7 @@ def test_a_script_stopped_while_its_run_hangs_ends_the_run_first(tmp_path, mark,
     KeyboardInterrupt: either way the run's processes are ended before the script exits as it would have."""
     script = subprocess.Popen([sys.executable, str(ROOT / "tests" / "helpers" / "run_captured_cli.py"), "600",
                                *hanging_ranks(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, start_new_session=True)
+                              text=True, start_new_session=True, preexec_fn=default_sigint)
     try:
         wait_for_ranks(tmp_path, script)
         script.send_signal(sig)
