@@ -6,6 +6,7 @@ side in one call, and what each lever of issue 24 is worth.
     python scripts/bench_gpt2.py --batch-sizes 16 --levers graphed,accuracy
     python scripts/bench_gpt2.py --batch-sizes 16 --repeats 3                # 3 pairs, alternating who goes first
     python scripts/bench_gpt2.py --batch-sizes 16 --profile 30              # and both steps profiled side by side
+    python scripts/bench_gpt2.py --batch-sizes 16 --data uniform            # the project on the reference's data
     python scripts/bench_gpt2.py --autotune --inductor-cache .inductor_cache
     python scripts/bench_gpt2.py --batch-sizes 16 recipe.data.batch_size=8   # refused: the script sets it
 
@@ -28,6 +29,11 @@ at the first micro-batch, N steps each under torch.profiler (scripts/lib/kernel_
 the project's through scripts/profile_step.py), and adds where each step's time goes: busy and idle GPU time,
 kernels by kind, the GPU's power, clock and joules a step over timed steps (scripts/lib/gpu_power.py: at the
 power cap two steps with the same kernels differ by their energy), and the kernels that differ most.
+The reference trains on uniform random token ids; the project, as a user runs it, on the recipe's synthetic
+language (4,096 distinct ids in Markov order, which it learns). What the data is changes what the kernels
+compute, and at the power cap how fast they run: ``--data uniform`` has the project train on uniform random
+ids too (token files written to a scratch directory, read as ``recipe.data.source=tokens``), every project run
+of the call.
 Prints a markdown table; writes it and the numbers to --output (default
 scripts/results/gpt2_vs_reference.json and .md).
 """
@@ -45,6 +51,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from scripts.lib.launch import check_overrides, run_or_exit  # noqa: E402
+from scripts.reference_gpt2 import VOCAB  # noqa: E402
 from trainer.run.cli import script_config  # noqa: E402
 
 CONTEXT = 1024
@@ -79,6 +86,9 @@ def main() -> int:
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="profile both steps at the first micro-batch, N steps each (30: enough timed steps "
                              "for the power samples), and report them side by side")
+    parser.add_argument("--data", choices=("recipe", "uniform"), default="recipe",
+                        help="the project's tokens: the recipe's synthetic language (as a user runs it), or uniform "
+                             "random ids over the vocabulary, the reference's own data")
     parser.add_argument("--levers", nargs="?", const=",".join(LEVERS), default="",
                         help=f"one run per lever at the first micro-batch: all, or some of {', '.join(LEVERS)}")
     parser.add_argument("--autotune", action="store_true",
@@ -96,12 +106,18 @@ def main() -> int:
         parser.error(f"--levers: no lever {', '.join(unknown)}; the levers are {', '.join(LEVERS)}")
     if args.repeats < 1:
         parser.error(f"--repeats must be at least 1, not {args.repeats}")
+    mine = [o for o in args.overrides if o.lstrip("+~").split("=")[0] in ("recipe.data.source", "recipe.data.root")]
+    if args.data == "uniform" and mine:
+        parser.error(f"--data uniform sets recipe.data.source and recipe.data.root itself: drop {' '.join(mine)}")
     if args.profile < 0:
         parser.error(f"--profile takes a number of steps, not {args.profile}")
     rows: List[Dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as scratch:
+        data = uniform_tokens(Path(scratch, "uniform")) if args.data == "uniform" else []
+        named = ", uniform tokens" if args.data == "uniform" else ""
+
         def project(name: str, batch: int, *extra: str, env: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
-            return run_project(name, batch, args, [*extra], Path(scratch, str(len(rows))), env)
+            return run_project(name + named, batch, args, [*data, *extra], Path(scratch, str(len(rows))), env)
 
         for batch in sizes:
             for repeat in range(args.repeats):
@@ -124,16 +140,18 @@ def main() -> int:
             for turn in ("carried cache" if carried else "cold cache", "warm cache"):
                 rows.append(project(f"project: max_autotune_no_cudagraphs, {turn}", sizes[0],
                                     "graph.compile_mode=max_autotune_no_cudagraphs", env=env))
-        profiles = {"reference": profile_reference(sizes[0], args),
-                    "project": profile_project(sizes[0], args, Path(scratch, "profile"))} if args.profile else None
+        profiles = None
+        if args.profile:
+            profiles = {"reference": profile_reference(sizes[0], args),
+                        "project": profile_project(sizes[0], args, Path(scratch, "profile"), data)}
     table = markdown(combined(rows))
     if profiles:
         table += "\n\n" + profile_markdown(profiles["reference"], profiles["project"])
     print(table)
     output = args.output or REPO / "scripts" / "results" / "gpt2_vs_reference.json"
     output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps({"rows": combined(rows), "runs": rows, **({"profiles": profiles} if profiles else {})},
-                                 indent=2) + "\n")
+    output.write_text(json.dumps({"data": args.data, "rows": combined(rows), "runs": rows,
+                                  **({"profiles": profiles} if profiles else {})}, indent=2) + "\n")
     output.with_suffix(".md").write_text(table + "\n")
     return 0
 
@@ -148,6 +166,24 @@ def run_reference(name: str, batch: int, args, *extra: str) -> Dict[str, Any]:
             "tokens_per_s": result["tokens_per_s"], "mfu_pct": result.get("mfu_pct"),
             "peak_allocated_mib": result.get("peak_allocated_mib"), "power": result.get("power"), "wall_s": wall,
             "command": " ".join(command[1:-2])}
+
+
+def uniform_tokens(folder: Path, sequences: int = 8192, seed: int = 0) -> List[str]:
+    """Token files (recipes/tokens.py) of ids drawn uniformly over the reference's vocabulary, as its own random
+    batches are: ``sequences`` training windows of CONTEXT tokens and 16 for evaluation. Returns the overrides
+    that have the project train on them."""
+    import numpy as np
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    counts = {"train.bin": sequences * CONTEXT + 1, "val.bin": 16 * CONTEXT + 1}
+    for name, count in counts.items():
+        rng.integers(0, VOCAB, size=count, dtype=np.uint16).tofile(folder / name)
+    (folder / "meta.json").write_text(json.dumps({
+        "tokenizer": "uniform random ids (scripts/bench_gpt2.py --data uniform)", "vocab_size": VOCAB,
+        "dtype": "uint16", "tokens": counts, "sources": []}, indent=2) + "\n")
+    return ["recipe.data.source=tokens", f"recipe.data.root={folder}", f"recipe.data.train_size={sequences}",
+            "recipe.data.test_size=16"]
 
 
 def run_project(name: str, batch: int, args, extra: List[str], run_dir: Path,
@@ -179,13 +215,13 @@ def profile_reference(batch: int, args) -> Dict[str, Any]:
     return {key: found.get(key) for key in PROFILED}
 
 
-def profile_project(batch: int, args, folder: Path) -> Dict[str, Any]:
+def profile_project(batch: int, args, folder: Path, data: List[str]) -> Dict[str, Any]:
     """The project at ``batch`` through scripts/profile_step.py: ``args.profile`` steps to settle, as many timed
     (with the power sampled), as many profiled."""
     out = folder / "profile.json"
     folder.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "scripts/profile_step.py", "--steps", str(args.profile), "--power", "--top", "80",
-               "--gaps", "8", "--output", str(out), *args.train_options, *PROJECT, *args.overrides,
+               "--gaps", "8", "--output", str(out), *args.train_options, *PROJECT, *args.overrides, *data,
                f"recipe.data.batch_size={batch}", f"run_dir={folder / 'run'}"]
     run_or_exit("bench_gpt2", "project, profiled", command, args.timeout)
     result = json.loads(out.read_text())

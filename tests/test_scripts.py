@@ -858,3 +858,38 @@ def test_bench_gpt2_sets_both_profiled_steps_side_by_side_and_names_the_kernels_
     assert same["first_per_step"] == same["second_per_step"] == 49.0
     assert same["diff_ms"] == pytest.approx(same["second_ms"] - same["first_ms"])
     assert [abs(r["diff_ms"]) for r in rows] == sorted((abs(r["diff_ms"]) for r in rows), reverse=True)
+
+
+def test_bench_gpt2_writes_the_references_uniform_tokens_as_files_the_recipe_trains_on(tmp_path):
+    """--data uniform: the project reads uniform random ids over GPT-2's vocabulary (the reference's own data)
+    from token files, through the recipe's own reader and checks."""
+    import numpy as np
+
+    from conf.schema import compose
+    from recipes.tokens import token_splits
+    from scripts.bench_gpt2 import PROJECT, uniform_tokens
+    from scripts.reference_gpt2 import CONTEXT, VOCAB
+
+    overrides = uniform_tokens(tmp_path / "uniform", sequences=64)
+    cfg = compose([*PROJECT, *overrides])
+    assert cfg.recipe.data.source == "tokens" and cfg.recipe.data.root == str(tmp_path / "uniform")
+    assert cfg.recipe.model.vocab == VOCAB and cfg.recipe.model.context == CONTEXT
+    train, test = token_splits(cfg.recipe.data.root, CONTEXT, VOCAB)
+    assert len(train) == 64 and len(test) == 16
+    ids = np.fromfile(tmp_path / "uniform" / "train.bin", dtype=np.uint16)
+    assert ids.max() < VOCAB and ids.max() > VOCAB - 100 and len(np.unique(ids)) > 0.7 * VOCAB  # the whole range
+    sixteenths = np.bincount(ids.astype(np.int64) * 16 // VOCAB, minlength=16)  # flat: each sixteenth of the range alike (4,096 +- 64)
+    assert np.abs(sixteenths / sixteenths.mean() - 1).max() < 0.1, sixteenths
+    x, y = train[3]
+    assert torch_equal(x[1:], y[:-1])
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return bool(torch.equal(torch.as_tensor(a).long(), torch.as_tensor(b).long()))
+
+
+def test_bench_gpt2_refuses_data_settings_that_data_uniform_sets_itself(tmp_path):
+    proc = script("bench_gpt2.py", "--data", "uniform", "recipe.data.source=synthetic", timeout=120)
+    assert proc.returncode == 2 and "--data uniform sets recipe.data.source" in proc.stderr, proc.stderr[-2000:]
