@@ -456,14 +456,18 @@ def test_an_export_in_bf16_holds_each_trained_weight_rounded_once_and_its_config
 
 
 @pytest.mark.fast
-def test_what_an_export_cannot_write_is_refused_naming_the_path(train_here, tmp_path):
+def test_what_an_export_cannot_write_is_refused_naming_the_path(train_here, tmp_path, capsys):
+    from scripts.export_hf import main as export_hf  # in this process: the fast tier launches nothing
+
     done = train_here([*DEBUG, "train.max_steps=1", "train.eval=false", "checkpoint.save=false"], tmp_path / "nockpt")
     assert done.returncode == 0, done.stderr[-3000:]
     for run_dir, out, message in ((done.run_dir, tmp_path / "new", "holds no checkpoint to export"),
                                   (done.run_dir, tmp_path, "exists: give a new directory"),
                                   (tmp_path, tmp_path / "new2", "is not a run directory")):
-        refused = export(run_dir, out)
-        assert refused.returncode == 2 and refused.stderr.count(message) == 1, refused.stderr[-3000:]
+        with pytest.raises(SystemExit) as refused:
+            export_hf([str(run_dir), "--out", str(out)])
+        stderr = capsys.readouterr().err
+        assert refused.value.code == 2 and stderr.count(message) == 1, stderr[-3000:]
         assert not (tmp_path / "new").exists()
 
 
