@@ -827,6 +827,9 @@ def test_without_nvidia_smi_the_power_is_not_measured_and_says_why(monkeypatch, 
     with PowerSampler(None) as off:  # not asked for (the scripts' --power): no process, no numbers
         pass
     assert off._proc is None and off.window(0.0, 1e12, 33.0) is None
+    unreadable = {"samples": 9, "power_w": None, "power_limit_w": 700.0, "sm_clock_mhz": 1740.0,
+                  "power_capped_fraction": None, "temperature_max_c": None, "joules_per_step": None}
+    assert describe(unreadable) == "power: ? W of 700, SM 1740 MHz, ? J a step"  # a field it could not read
 
 
 def test_bench_gpt2_sets_both_profiled_steps_side_by_side_and_names_the_kernels_that_differ():

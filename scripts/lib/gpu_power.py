@@ -80,8 +80,12 @@ class PowerSampler:
             return self
         command = [path, f"--query-gpu={','.join(FIELDS)}", "--format=csv,noheader,nounits",
                    f"--loop-ms={self.interval_ms}", f"--id={self.selector}"]
-        self._proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                      bufsize=1)
+        try:
+            self._proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                          bufsize=1)
+        except OSError as e:  # found but not runnable here
+            self.why = f"{self.executable} did not start: {e}"
+            return self
         self._reader = threading.Thread(target=self._read, name="gpu-power", daemon=True)
         self._reader.start()
         return self
@@ -140,8 +144,10 @@ def describe(power: Optional[Dict[str, Any]]) -> str:
         return "power: not sampled"
     if "power_w" not in power:
         return f"power: not measured ({power.get('why')})"
+    def shown(key: str, form: str) -> str:  # a field nvidia-smi could not read: "?"
+        return "?" if power.get(key) is None else form.format(power[key])
+
     capped = power.get("power_capped_fraction")
-    return (f"power: {power['power_w']:.0f} W of {power.get('power_limit_w') or float('nan'):.0f}, "
-            f"SM {power.get('sm_clock_mhz') or float('nan'):.0f} MHz, "
-            f"{power['joules_per_step']:.2f} J a step"
+    return (f"power: {shown('power_w', '{:.0f}')} W of {shown('power_limit_w', '{:.0f}')}, "
+            f"SM {shown('sm_clock_mhz', '{:.0f}')} MHz, {shown('joules_per_step', '{:.2f}')} J a step"
             + (f", power-capped in {100 * capped:.0f}% of {power['samples']} samples" if capped is not None else ""))
