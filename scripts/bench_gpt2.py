@@ -50,7 +50,7 @@ from typing import Any, Dict, List, Optional
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from scripts.lib.launch import check_overrides, run_or_exit  # noqa: E402
+from scripts.lib.launch import check_overrides, override_key, run_or_exit  # noqa: E402
 from scripts.reference_gpt2 import VOCAB  # noqa: E402
 from trainer.run.cli import script_config  # noqa: E402
 
@@ -106,7 +106,7 @@ def main() -> int:
         parser.error(f"--levers: no lever {', '.join(unknown)}; the levers are {', '.join(LEVERS)}")
     if args.repeats < 1:
         parser.error(f"--repeats must be at least 1, not {args.repeats}")
-    mine = [o for o in args.overrides if o.lstrip("+~").split("=")[0] in ("recipe.data.source", "recipe.data.root")]
+    mine = [o for o in args.overrides if override_key(o) in ("recipe.data.source", "recipe.data.root")]
     if args.data == "uniform" and mine:
         parser.error(f"--data uniform sets recipe.data.source and recipe.data.root itself: drop {' '.join(mine)}")
     if args.profile < 0:
@@ -144,13 +144,14 @@ def main() -> int:
         if args.profile:
             profiles = {"reference": profile_reference(sizes[0], args),
                         "project": profile_project(sizes[0], args, Path(scratch, "profile"), data)}
-    table = markdown(combined(rows))
+    summary = combined(rows)
+    table = markdown(summary)
     if profiles:
         table += "\n\n" + profile_markdown(profiles["reference"], profiles["project"])
     print(table)
     output = args.output or REPO / "scripts" / "results" / "gpt2_vs_reference.json"
     output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps({"data": args.data, "rows": combined(rows), "runs": rows,
+    output.write_text(json.dumps({"data": args.data, "rows": summary, "runs": rows,
                                   **({"profiles": profiles} if profiles else {})}, indent=2) + "\n")
     output.with_suffix(".md").write_text(table + "\n")
     return 0
@@ -174,14 +175,17 @@ def uniform_tokens(folder: Path, sequences: int = 8192, seed: int = 0) -> List[s
     that have the project train on them."""
     import numpy as np
 
+    from recipes.tokens import META, SPLIT_FILES, dtype_for_vocab
+
     folder.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
-    counts = {"train.bin": sequences * CONTEXT + 1, "val.bin": 16 * CONTEXT + 1}
+    dtype = dtype_for_vocab(VOCAB)
+    counts = dict(zip(SPLIT_FILES, (sequences * CONTEXT + 1, 16 * CONTEXT + 1)))
     for name, count in counts.items():
-        rng.integers(0, VOCAB, size=count, dtype=np.uint16).tofile(folder / name)
-    (folder / "meta.json").write_text(json.dumps({
+        rng.integers(0, VOCAB, size=count, dtype=dtype).tofile(folder / name)
+    (folder / META).write_text(json.dumps({
         "tokenizer": "uniform random ids (scripts/bench_gpt2.py --data uniform)", "vocab_size": VOCAB,
-        "dtype": "uint16", "tokens": counts, "sources": []}, indent=2) + "\n")
+        "dtype": dtype, "tokens": counts, "sources": []}, indent=2) + "\n")
     return ["recipe.data.source=tokens", f"recipe.data.root={folder}", f"recipe.data.train_size={sequences}",
             "recipe.data.test_size=16"]
 
@@ -271,11 +275,12 @@ def combined(runs: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     groups: Dict[tuple, List[Dict[str, Any]]] = {}
     for run in runs:
         groups.setdefault((run["name"], run["batch_size"]), []).append(run)
+    step_ms = {key: median([r["step_ms"] for r in group]) for key, group in groups.items()}
     reference = {batch: {r.get("repeat"): r["tokens_per_s"] for r in group}
                  for (name, batch), group in groups.items() if name == "reference"}
     rows = []
     for (name, batch), group in groups.items():
-        ms = median([r["step_ms"] for r in group])
+        ms = step_ms[(name, batch)]
         row = {**group[0], "step_ms": ms, "tokens_per_s": batch * CONTEXT * 1e3 / ms, "runs": len(group),
                "mfu_pct": median([r["mfu_pct"] for r in group if r.get("mfu_pct") is not None]),
                "peak_allocated_mib": max((r["peak_allocated_mib"] for r in group
@@ -286,9 +291,8 @@ def combined(runs: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
         pairs = [r["tokens_per_s"] / theirs[r["repeat"]] for r in group if r.get("repeat") in theirs]
         if len(pairs) > 1 and name != "reference":
             row["vs_reference"], row["vs_range"] = median(pairs), [min(pairs), max(pairs)]
-        elif theirs:
-            row["vs_reference"] = row["tokens_per_s"] / (batch * CONTEXT * 1e3 / median(
-                [r["step_ms"] for r in groups[("reference", batch)]]))
+        elif theirs:  # tokens/s over the reference's median run's: its step time over ours
+            row["vs_reference"] = step_ms[("reference", batch)] / ms
         rows.append(row)
     return rows
 

@@ -15,8 +15,8 @@ bf16 autocast with fp32 weights, TF32 matmuls, AdamW (fused, lr 6e-4, betas 0.9/
 weight decay 0.1 on matrices only), gradient clipping at 1.0, ``torch.compile(model)``
 (mode default), random tokens already on the GPU (the data costs nothing), one micro-batch
 per step, the loss computed inside the compiled forward. Prints milliseconds per step (median over --steps after --warmup), tokens/s and
-MFU against the GPU's dense bf16 peak (trainer/metrics/perf.py's table; 6N + 12·L·d·T FLOPs per token).
-and, with ``--power``, the GPU's power draw, SM clock and energy a step over the timed steps
+MFU against the GPU's dense bf16 peak (trainer/metrics/perf.py's table; 6N + 12·L·d·T FLOPs per token);
+with ``--power`` also the GPU's power draw, SM clock and energy a step over the timed steps
 (scripts/lib/gpu_power.py).
 """
 from __future__ import annotations
@@ -100,8 +100,9 @@ def main() -> int:
                 timer.step("timed")
         timer.collect()
         end = time.monotonic()
-    ms = timer.summary("timed")["step_ms_median"]
-    power_used = power.window(start, end, timer.summary("timed")["step_ms_mean"])
+    timed = timer.summary("timed")
+    ms = timed["step_ms_median"]
+    power_used = power.window(start, end, timed["step_ms_mean"])
     profiled = None
     if args.profile_steps:  # after the timing, on the same batches again
         from scripts.lib.kernel_profile import profile_steps

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import statistics
+import sys
 import textwrap
 import time
 from pathlib import Path
@@ -867,6 +867,7 @@ def test_bench_gpt2_writes_the_references_uniform_tokens_as_files_the_recipe_tra
     """--data uniform: the project reads uniform random ids over GPT-2's vocabulary (the reference's own data)
     from token files, through the recipe's own reader and checks."""
     import numpy as np
+    import torch
 
     from conf.schema import compose
     from recipes.tokens import token_splits
@@ -884,13 +885,7 @@ def test_bench_gpt2_writes_the_references_uniform_tokens_as_files_the_recipe_tra
     sixteenths = np.bincount(ids.astype(np.int64) * 16 // VOCAB, minlength=16)  # flat: each sixteenth of the range alike (4,096 +- 64)
     assert np.abs(sixteenths / sixteenths.mean() - 1).max() < 0.1, sixteenths
     x, y = train[3]
-    assert torch_equal(x[1:], y[:-1])
-
-
-def torch_equal(a, b) -> bool:
-    import torch
-
-    return bool(torch.equal(torch.as_tensor(a).long(), torch.as_tensor(b).long()))
+    assert torch.equal(x[1:].long(), y[:-1])
 
 
 def test_bench_gpt2_refuses_data_settings_that_data_uniform_sets_itself(tmp_path):
