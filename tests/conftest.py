@@ -12,13 +12,14 @@ from typing import List, Optional
 import pytest
 
 from helpers.launches import LOGS, Finished, launch
-from helpers.processes import SESSION, marked_pids
+from helpers.processes import SESSION, WARM_DIR, marked_pids
 from helpers.shared_runs import TWO_RANKS_ON_CIFAR
 
 
 @pytest.fixture(scope="session", autouse=True)
 def no_launch_outlives_the_session():
-    """A launch a test abandoned (an error between start and finish) is killed when the session ends."""
+    """A launch a test abandoned (an error between start and finish), and the warm server (helpers/warm.py), are
+    killed when the session ends."""
     yield
     for pid in marked_pids(SESSION, prefix=True):
         try:
@@ -26,6 +27,7 @@ def no_launch_outlives_the_session():
         except ProcessLookupError:
             pass
     shutil.rmtree(LOGS, ignore_errors=True)
+    shutil.rmtree(WARM_DIR, ignore_errors=True)
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ from scripts.lib import launch, process_tree
 pytestmark = pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds processes through /proc")
 
 ROOT = Path(__file__).resolve().parents[1]
-TIMEOUT_S = 15  # the ranks are in their group after about 5 s on 2 idle cores
+TIMEOUT_S = 8  # the ranks are in their group after about 5 s on 2 idle cores (a later try: 4x)
 T = TypeVar("T")
 
 

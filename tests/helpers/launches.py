@@ -23,6 +23,7 @@ from typing import Callable, Dict, List, Optional
 
 import pytest
 
+from helpers import warm as warm_forks
 from helpers.fault_injection import FAULT_ENVS, KILL_AT_STEP_ENV
 from helpers.paths import ROOT
 from helpers.processes import MARK, SESSION, cmdline, marked_pids, stacks
@@ -87,13 +88,14 @@ class Launch:
     tests/helpers/fault_injection.py. ``torchrun_args``: ``torchrun()``'s keywords (rdzv_endpoint, rdzv_id, max_restarts,
     extra). Output goes to files in ``log_dir`` (a pipe that a rank inherits can keep its reader waiting), stderr
     into stdout's file with ``merge_output``. The launch runs in a session of its own, like a terminal's job: a
-    signal to its group (``os.killpg(launch.proc.pid, ...)``) reaches torchrun and every rank.
+    signal to its group (``os.killpg(launch.proc.pid, ...)``) reaches torchrun and every rank. Without CUDA its
+    Python processes are forks of a warm interpreter (helpers/warm.py) unless ``warm`` is False.
     """
 
     def __init__(self, args: List[str], log_dir: Path, *, script: str = "train.py", nproc: Optional[int] = None,
                  torchrun_args: Optional[Dict] = None, env: Optional[Dict[str, str]] = None,
                  faults: Optional[Dict[str, str]] = None, kill_at_step: Optional[str] = None,
-                 merge_output: bool = False, cwd: Path = ROOT, name: str = "launch"):
+                 merge_output: bool = False, cwd: Path = ROOT, name: str = "launch", warm: bool = True):
         faults = dict(faults or {})
         if kill_at_step is not None:
             faults[KILL_AT_STEP_ENV] = kill_at_step
@@ -101,6 +103,9 @@ class Launch:
             assert script == "train.py", "faults are injected into train.py only"
             script = "tests/helpers/fault_injection.py"
         launcher = [sys.executable] if nproc is None else torchrun(nproc, **(torchrun_args or {}))
+        warm_launcher = warm_forks.command(launcher, env or {}) if warm else None
+        if warm_launcher is not None:
+            launcher, env = warm_launcher, {**warm_forks.env(), **(env or {})}
         self.marker = f"{SESSION}-{uuid.uuid4().hex}"
         full_env = {k: v for k, v in os.environ.items() if k != "WANDB_MODE" and k not in FAULT_ENVS}  # W&B offline
         full_env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true", **faults,
