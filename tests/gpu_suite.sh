@@ -33,7 +33,7 @@ run_queue() {  # $1: the GPUs this worker's pytest sees ("2,3")
     started=$SECONDS
     CUDA_VISIBLE_DEVICES=$1 timeout $((deadline + 120 - (SECONDS - began))) \
       python3 -m pytest -m gpu -q -p no:cacheprovider -rfEs $PYTEST_ARGS "$file" > "$logs/$name.txt" 2>&1
-    echo "$name: rc=$? $((SECONDS - started)) s on GPUs $1: $(grep -E '(passed|failed|error|no tests ran)' "$logs/$name.txt" | tail -1)" \
+    echo "$name: rc=$? $((SECONDS - started)) s on GPUs $1: $(grep -E '(passed|failed|error|skipped|no tests ran)' "$logs/$name.txt" | tail -1)" \
       | tee "$logs/$name.sum"
   done
 }
