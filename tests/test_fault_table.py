@@ -106,13 +106,11 @@ class Observed:
 def start(tmp: Path, args: List[str], name: str, run_dir: Optional[Path] = None,
           output_root: Optional[Path] = None, *, nproc: Optional[int] = 2, max_restarts: int = 0, **kw) -> Launch:
     """train.py (tests/helpers/fault_injection.py with ``faults``) under torchrun with ``nproc`` ranks, or as one process
-    (nproc None), in the background; its output (stdout and stderr together) in ``tmp/logs/<name>.out``. Plain
-    interpreters, never warm forks (helpers/warm.py): every row is about how processes end under torchrun, down
-    to which rank's exit its monitor sees first."""
+    (nproc None), in the background; its output (stdout and stderr together) in ``tmp/logs/<name>.out``."""
     extra = [f"run_dir={run_dir}"] if run_dir else []
     launch = Launch([f"output_root={output_root or tmp / name / 'outputs'}", *args, *extra], tmp / "logs",
                     name=name, nproc=nproc, torchrun_args={"rdzv_id": "faults", "max_restarts": max_restarts},
-                    merge_output=True, warm=False, **kw)
+                    merge_output=True, **kw)
     launch.run_dir, launch.torchrun = run_dir, nproc is not None
     return launch
 

@@ -63,11 +63,14 @@ def main():
         signal.signal(sig, relay)
     signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     (status,) = struct.unpack("!i", recv_exact(conn, 4))
+    # Ended at once, as the fork did: an interpreter's exit first puts its signals back to their defaults, and a
+    # SIGTERM then (torchrun stopping this rank as its peer ended) would end this process by the signal, not the
+    # fork's exit code. Nothing here needs flushing.
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
         signal.signal(sig, signal.SIG_DFL)
         os.kill(os.getpid(), sig)
-    sys.exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 1)
+    os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 1)
 
 
 if __name__ == "__main__":
