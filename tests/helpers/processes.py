@@ -62,10 +62,6 @@ def _stat(pid: int, field: int) -> Optional[int]:
         return None
 
 
-def fork_start_time(pid: int) -> Optional[int]:
-    return _stat(pid, 19)
-
-
 def marked_pids(value: str, prefix: bool = False) -> List[int]:
     """Live (not zombie) processes whose environment holds ``MARK=value`` (or a value starting with it), and
     the processes of every warm fork's session whose launch had that mark (each fork is a session's leader)."""
@@ -93,9 +89,10 @@ def cmdline(pid: int) -> str:
         line = Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ").strip()
     except OSError:
         return "(gone)"
-    fork = warm_forks().get(_stat(pid, 3) or 0) if "warm_python.py" in line else None
+    session = _stat(pid, 3) if "warm_python.py" in line else None
+    fork = warm_forks().get(session) if session is not None else None
     if fork is not None:
-        line = f"(warm fork{'' if _stat(pid, 3) == pid else ', a process it forked'}) {fork[1]}"
+        line = f"(warm fork{'' if session == pid else ', a process it forked'}) {fork[1]}"
     return line[:200]
 
 

@@ -76,12 +76,12 @@ def _ready() -> bool:
         (WARM_DIR / "forks").mkdir(parents=True, exist_ok=True)
         env = {k: v for k, v in os.environ.items() if k not in STARTUP_ONLY}
         env.update({"OMP_NUM_THREADS": "1", MARK: f"{SESSION}-warm-server"})
+        server = ROOT / "tests" / "helpers" / "warm_python.py"
         for sock in _sockets():
             with open(sock.with_suffix(".log"), "w") as log:
-                _servers.append(subprocess.Popen(
-                    [sys.executable, str(ROOT / "tests" / "helpers" / "warm_python.py"), str(sock), str(os.getpid())],
-                    cwd=WARM_DIR,
-                    env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True))
+                _servers.append(subprocess.Popen([sys.executable, str(server), str(sock), str(os.getpid())],
+                                                 cwd=WARM_DIR, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                                 stdin=subprocess.DEVNULL, start_new_session=True))
     deadline = time.monotonic() + START_TIMEOUT_S
     for server, sock in zip(_servers, _sockets()):
         while not sock.exists():

@@ -39,9 +39,9 @@ def streams():
 
 def main():
     # How this process found its signals (what python would have kept across the exec), for the fork.
+    # The relayed signals are held until the fork is known, then relayed to it.
     ignored = [int(sig) for sig in RELAYED if signal.getsignal(sig) == signal.SIG_IGN]
-    blocked = [int(sig) for sig in signal.pthread_sigmask(signal.SIG_BLOCK, RELAYED)]  # held until the fork is
-    # known, then relayed to it
+    blocked = [int(sig) for sig in signal.pthread_sigmask(signal.SIG_BLOCK, RELAYED)]
     # Two servers, each with its own string-hash seed: neighbouring ranks fork from different ones, so that, as
     # in separate interpreters, they do not iterate a set of strings in the same order by chance.
     servers = os.environ["GRAPHED_DDP_TEST_WARM_SOCKET"].split(os.pathsep)  # helpers.warm.SOCKET_ENV

@@ -42,6 +42,12 @@ def registry(socket_path: str) -> Path:
     return Path(socket_path).parent / "forks"
 
 
+def _stat(pid: int, field: int) -> str:
+    """A field of /proc/PID/stat counted after the command's name (3: session id, 19: start time); the twin of
+    helpers.processes._stat, which this file, run alone and importing no helpers, cannot import."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[field]
+
+
 def _recv_exact(conn: socket.socket, n: int) -> bytes:
     data = b""
     while len(data) < n:
@@ -151,7 +157,7 @@ def serve(socket_path: str):
             return request, fds
         for fd in fds:
             os.close(fd)
-        started = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+        started = _stat(pid, 19)
         (forks / str(pid)).write_text("\n".join([request["env"].get(MARK, ""),
                                                   " ".join(request["argv"])[:300].replace("\n", " "), started]))
         conn.sendall(struct.pack("!i", pid))
@@ -163,7 +169,7 @@ def kill_session(leader: int) -> None:
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                if int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[3]) == leader:
+                if int(_stat(int(entry), 3)) == leader:
                     os.kill(int(entry), signal.SIGKILL)
             except (OSError, IndexError, ValueError):
                 pass
@@ -196,7 +202,7 @@ def become(request, fds) -> None:
         signal.signal(sig, signal.SIG_IGN if sig in request["ignored"] else default)
     signal.pthread_sigmask(signal.SIG_SETMASK, request["blocked"])
     argv = request["argv"]
-    base = [p for p in sys.path[1:]]  # the server's own folder (sys.path[0]) is not the script's
+    base = sys.path[1:]  # the server's own folder (sys.path[0]) is not the script's
     extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     if argv[0] == "-m":
         sys.argv = [argv[1], *argv[2:]]
