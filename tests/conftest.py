@@ -3,31 +3,27 @@ tests/helpers/ (``from helpers.launches import launch``), importable through pyt
 """
 from __future__ import annotations
 
-import os
 import shutil
-import signal
 from pathlib import Path
 from typing import List, Optional
 
 import pytest
 
+from helpers import warm
 from helpers.launches import LOGS, Finished, launch
-from helpers.processes import SESSION, WARM_DIR, marked_pids
+from helpers.processes import SESSION, marked_pids
 from helpers.shared_runs import TWO_RANKS_ON_CIFAR
+from scripts.lib.process_tree import kill
 
 
 @pytest.fixture(scope="session", autouse=True)
 def no_launch_outlives_the_session():
-    """A launch a test abandoned (an error between start and finish), and the warm server (helpers/warm.py), are
+    """A launch a test abandoned (an error between start and finish), and the warm servers (helpers/warm.py), are
     killed when the session ends."""
     yield
-    for pid in marked_pids(SESSION, prefix=True):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    warm.close()
+    kill(marked_pids(SESSION))
     shutil.rmtree(LOGS, ignore_errors=True)
-    shutil.rmtree(WARM_DIR, ignore_errors=True)
 
 
 @pytest.fixture

@@ -33,6 +33,11 @@
 
 Every row also asserts: no stack trace of ours (torchrun's own report aside), and no process
 of the launch left behind (each launch's processes carry a marker in their environment).
+The launches of the rows about signals, workers and process lifetime (``PLAIN``: SIGINT, SIGTERM, SIGKILL,
+the run's owner meeting a second launch) start plain interpreters, never warm forks (helpers/warm.py): they
+are about how processes end under torchrun, down to which process gets a group's signal and which rank's exit
+its monitor sees first. The other rows' launches may be warm forks, which end, and pass a group's signal on,
+as plain ones do (tests/test_warm_launches.py).
 Under torchrun, "1 (N)" is torchrun's exit status and N every rank's, read from torchrun's
 report (on SIGINT and SIGTERM torchrun prints none: the ranks exit 130 and 143). The rows
 marked in-process run train.py's session in this process (one rank): variants whose
@@ -87,6 +92,10 @@ OFFLINE = {"http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:
 
 # ---- launching, and what a launch leaves --------------------------------------------------
 
+# The launches (by name) that start plain interpreters: those of the rows about signals, workers and lifetime.
+PLAIN = ("sigint", "sigint1", "owner", "second", "fsdp2_owner", "kill")
+
+
 @dataclass
 class Observed:
     code: int  # the launched process's exit status (torchrun's, or python's)
@@ -96,6 +105,7 @@ class Observed:
     left: List[str] = field(default_factory=list)  # processes of the launch alive after it ended
     torchrun: bool = True
     notes: Dict = field(default_factory=dict)
+    warm: bool = False  # its Python processes were warm forks (helpers/warm.py)
 
     @property
     def rank_codes(self) -> List[int]:
@@ -106,11 +116,12 @@ class Observed:
 def start(tmp: Path, args: List[str], name: str, run_dir: Optional[Path] = None,
           output_root: Optional[Path] = None, *, nproc: Optional[int] = 2, max_restarts: int = 0, **kw) -> Launch:
     """train.py (tests/helpers/fault_injection.py with ``faults``) under torchrun with ``nproc`` ranks, or as one process
-    (nproc None), in the background; its output (stdout and stderr together) in ``tmp/logs/<name>.out``."""
+    (nproc None), in the background; its output (stdout and stderr together) in ``tmp/logs/<name>.out``. Plain
+    interpreters, never warm forks, for the launches named in ``PLAIN``."""
     extra = [f"run_dir={run_dir}"] if run_dir else []
     launch = Launch([f"output_root={output_root or tmp / name / 'outputs'}", *args, *extra], tmp / "logs",
                     name=name, nproc=nproc, torchrun_args={"rdzv_id": "faults", "max_restarts": max_restarts},
-                    merge_output=True, **kw)
+                    merge_output=True, warm=name not in PLAIN, **kw)
     launch.run_dir, launch.torchrun = run_dir, nproc is not None
     return launch
 
@@ -120,7 +131,7 @@ def finish(launch: Launch, since: Optional[float] = None, timeout: float = LAUNC
     message); ``seconds``: from ``since`` (the fault) to the launched process's exit."""
     done = launch.finish(timeout)
     return Observed(done.returncode, done.output, launch.run_dir, None if since is None else done.ended - since,
-                    done.left, launch.torchrun)
+                    done.left, launch.torchrun, warm=launch.warm)
 
 
 def run(tmp: Path, args: List[str], name: str, run_dir: Optional[Path] = None, **kw) -> Observed:
@@ -698,6 +709,7 @@ def test_fault(row: Row, jobs: Jobs):
     if isinstance(o, str):
         pytest.skip(f"cannot mount a small tmpfs here ({o}): the injected row covers it")
     o = o[part] if part else o
+    assert not (o.warm and name in PLAIN), "a row about signals, workers or lifetime ran warm forks"
     text = o.output
     assert o.code == row.exit, f"exit {o.code}, expected {row.exit}:\n{text[-3000:]}"
     if row.rank_exit is not None:

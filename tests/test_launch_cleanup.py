@@ -4,7 +4,9 @@ torchrun starts each rank in a session of its own, so killing torchrun (what ``s
 did) orphaned the ranks, which on a GPU machine kept their GPUs through the script's next run. Each test
 here starts two gloo ranks that hang (tests/helpers/hanging_ranks.py) under torchrun, stops the run one way
 (its timeout, a SIGTERM or Ctrl-C of the script) and checks that no process carrying the run's marker
-(scripts/lib/process_tree.py) is left. Real launches (not ``fast``): 10 to 20 s each on 2 idle cores.
+(scripts/lib/process_tree.py) is left. Real launches (not ``fast``): 10 to 20 s each on 2 idle cores. Plain
+interpreters, never warm forks (helpers/warm.py): torchrun and the scripts start ``sys.executable`` here, as they
+do for a user.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from typing import Callable, List, Tuple, TypeVar
 
 import pytest
 
+from helpers.processes import cmdline
 from scripts.lib import launch, process_tree
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds processes through /proc")
@@ -41,11 +44,7 @@ def mark(monkeypatch):
     value = f"test-{uuid.uuid4().hex}"
     monkeypatch.setenv(process_tree.MARK, value)
     yield value
-    for pid in process_tree.marked_pids(value):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    process_tree.kill(process_tree.marked_pids(value))
 
 
 def rank_pids(pid_dir: Path) -> List[int]:
@@ -74,8 +73,7 @@ def assert_all_ended(mark: str, pid_dir: Path) -> None:
     deadline = time.monotonic() + 5
     while (left := process_tree.marked_pids(mark)) and time.monotonic() < deadline:
         time.sleep(0.1)
-    names = [Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")[:200] for pid in left]
-    assert not left, f"processes of the stopped run still alive: {names}"
+    assert not left, f"processes of the stopped run still alive: {[cmdline(pid) for pid in left]}"
     assert not any(process_tree.is_live(pid) for pid in ranks)
 
 

@@ -1,7 +1,9 @@
 """Two nodes, simulated on one machine: two torchrun agents meet through a c10d rendezvous.
 
 This is what `scripts/slurm/train.sbatch` does on a cluster (one agent per node, the
-same --rdzv-id and --rdzv-endpoint everywhere), with gloo on the CPU instead of NCCL.
+same --rdzv-id and --rdzv-endpoint everywhere), with gloo on the CPU instead of NCCL. Its Python processes
+may be warm forks (helpers/warm.py): the test is about agents and ranks agreeing on one job, not about signals
+or how processes end.
 """
 from __future__ import annotations
 

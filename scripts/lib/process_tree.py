@@ -1,9 +1,11 @@
-"""Finding and ending every process of one run, whatever its parent or session.
+"""Finding and ending every process of one run, whatever its parent or session: the one process finder of
+this repo's scripts and tests.
 
 torchrun's elastic agent starts each rank in a session of its own, so a signal to the launched process, or
 to its process group, misses the ranks: a killed torchrun orphans them, and on a GPU machine they keep the
 GPUs. What every process of a run does share is its environment: a launch puts a marker in it (``MARK``),
-which torchrun's ranks, their loader workers and W&B inherit. Linux only (/proc); elsewhere nothing is found.
+which torchrun's ranks, their loader workers and W&B inherit. psutil reads the environments (on Linux from
+/proc; where it cannot, nothing is found).
 """
 from __future__ import annotations
 
@@ -12,8 +14,9 @@ import signal
 import subprocess
 import time
 import uuid
-from pathlib import Path
-from typing import Dict, List, Mapping, Set, Tuple
+from typing import Dict, Iterable, List, Mapping, Set, Tuple
+
+import psutil
 
 MARK = "GRAPHED_DDP_RUN_MARK"  # its value: the markers of the runs a process belongs to, comma-separated
 
@@ -28,28 +31,32 @@ def marked(env: Mapping[str, str]) -> Tuple[Dict[str, str], str]:
 def is_live(pid: int) -> bool:
     """Neither gone nor a zombie (dead, waiting for its parent to reap it)."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
         return False
 
 
 def marked_pids(mark: str) -> List[int]:
     """The live processes, this one aside, whose environment carries ``mark``."""
-    prefix = f"{MARK}=".encode()
-    try:
-        entries = [int(e) for e in os.listdir("/proc") if e.isdigit() and int(e) != os.getpid()]
-    except OSError:
-        return []
     found = []
-    for pid in entries:
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes()
-        except OSError:  # gone, or another user's
+    for proc in psutil.process_iter():
+        if proc.pid == os.getpid():
             continue
-        values = [v[len(prefix):].decode(errors="replace") for v in environ.split(b"\0") if v.startswith(prefix)]
-        if any(mark in value.split(",") for value in values) and is_live(pid):
-            found.append(pid)
+        try:
+            if mark in proc.environ().get(MARK, "").split(",") and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc.pid)
+        except psutil.Error:  # gone, a zombie, or another user's
+            continue
     return found
+
+
+def kill(pids: Iterable[int], sig: int = signal.SIGKILL) -> None:
+    """``sig`` (SIGKILL by default) to each of ``pids`` still there."""
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
 
 
 def end(proc: subprocess.Popen, mark: str, grace: float) -> int:
@@ -71,13 +78,9 @@ def end(proc: subprocess.Popen, mark: str, grace: float) -> int:
         deadline = time.monotonic() + 5
         while (left := marked_pids(mark)) and time.monotonic() < deadline:
             ended.update(left)
-            for pid in left:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            kill(left)
             time.sleep(0.1)
-        if proc.poll() is None:  # no /proc to find it by
+        if proc.poll() is None:  # unmarked where its environment cannot be read
             proc.kill()
         proc.wait()
     return len(ended)

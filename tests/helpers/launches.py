@@ -3,8 +3,8 @@
 ``Launch`` is the tests' one way to start a process: ``python train.py`` (or any script), or torchrun
 with ``nproc`` gloo/NCCL ranks; ``start`` begins one, ``launch`` runs one to its end, ``launch_together``
 runs several side by side. Every launch has a hard time limit: a hung rank fails its test, with the
-stacks of the hung processes, and never hangs the suite. Every process a launch starts carries
-``helpers.processes.MARK`` (conftest kills any left when the session ends).
+stacks of the hung processes, and never hangs the suite. Every process a launch starts carries its marker and
+the session's (helpers/processes.py; conftest kills any left when the session ends).
 """
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ import pytest
 from helpers import warm as warm_forks
 from helpers.fault_injection import FAULT_ENVS, KILL_AT_STEP_ENV
 from helpers.paths import ROOT
-from helpers.processes import MARK, SESSION, cmdline, marked_pids, stacks
+from helpers.processes import SESSION, cmdline, launch_marked, marked_pids, stacks
+from scripts.lib.process_tree import kill
 
 LAUNCH_TIMEOUT_S = 240.0  # one launch, at most, unless a test says otherwise
 LOGS = Path(tempfile.gettempdir()) / f"graphed_ddp_test_launches_{SESSION}"  # launches that name no folder
@@ -89,7 +90,10 @@ class Launch:
     extra). Output goes to files in ``log_dir`` (a pipe that a rank inherits can keep its reader waiting), stderr
     into stdout's file with ``merge_output``. The launch runs in a session of its own, like a terminal's job: a
     signal to its group (``os.killpg(launch.proc.pid, ...)``) reaches torchrun and every rank. Without CUDA its
-    Python processes are forks of a warm interpreter (helpers/warm.py) unless ``warm`` is False.
+    Python processes are forks of a warm interpreter (helpers/warm.py) unless ``warm`` is False: a test about
+    signals, workers or process lifetime passes False, so that it runs plain interpreters as torchrun and users do
+    (``self.warm``: whether it went through the warm client, which still starts a plain python where a fork could
+    not be one).
     """
 
     def __init__(self, args: List[str], log_dir: Path, *, script: str = "train.py", nproc: Optional[int] = None,
@@ -102,14 +106,15 @@ class Launch:
         if faults:
             assert script == "train.py", "faults are injected into train.py only"
             script = "tests/helpers/fault_injection.py"
-        launcher = [sys.executable] if nproc is None else torchrun(nproc, **(torchrun_args or {}))
-        warm_launcher = warm_forks.command(launcher, env or {}) if warm else None
-        if warm_launcher is not None:
-            launcher, env = warm_launcher, {**warm_forks.env(), **(env or {})}
-        self.marker = f"{SESSION}-{uuid.uuid4().hex}"
         full_env = {k: v for k, v in os.environ.items() if k != "WANDB_MODE" and k not in FAULT_ENVS}  # W&B offline
         full_env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true", **faults,
-                         **(env or {}), MARK: self.marker})
+                         **(env or {})})
+        full_env, self.marker = launch_marked(full_env)
+        launcher = [sys.executable] if nproc is None else torchrun(nproc, **(torchrun_args or {}))
+        warm_launcher = warm_forks.command(launcher) if warm else None
+        self.warm = warm_launcher is not None
+        if self.warm:  # the servers' sockets, unless the test names others
+            launcher, full_env = warm_launcher, {**warm_forks.env(), **full_env}
         log_dir.mkdir(parents=True, exist_ok=True)
         self.stdout_path, self.stderr_path = log_dir / f"{name}.out", log_dir / f"{name}.err"
         self.cmd = [*launcher, script, *args]  # script: relative to cwd (the checkout's root by default)
@@ -126,11 +131,7 @@ class Launch:
         return marked_pids(self.marker)
 
     def signal_all(self, sig) -> None:
-        for pid in self.pids():
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
+        kill(self.pids(), sig)
 
     def wait_until(self, ready: Callable[[], bool], what: str, timeout: float = 120) -> None:
         """Polls ``ready()`` while the launch runs; fails the test if it ends or ``timeout`` passes first."""

@@ -4,18 +4,23 @@ A launch's Python process (``python train.py ...``, or each rank torchrun starts
 importing torch, torch._dynamo (which every optimizer's constructor pulls in) and Hydra before it runs a line
 of ours: on the 2-core machines the suite runs on, most of a small launch. This server imports them once, then
 forks a process for each request of ``helpers/warm_client.py``, which stands where ``python`` stood (for
-torchrun, as its ``--no-python`` entry point): the client passes its command line, environment, working folder
-and standard streams; the fork takes them, starts a session of its own, and runs the script as ``python``
-would (``runpy``, ``__main__``, the script's folder first on ``sys.path``, then PYTHONPATH's). Everything else
-is as before: torchrun is torchrun, a rank is a process of its own with its own gloo group, and the client
-relays signals to it and ends with its exit status (or dies by its signal). When the client dies (torchrun
-killed it), the server kills the fork's session.
+torchrun, as its ``--no-python`` entry point): the client passes its command line, environment, working folder,
+umask and standard streams; the fork takes them, starts a session of its own, reseeds the random generators its
+server seeded, and runs the script as ``python`` would (``runpy``, ``__main__``, the script's folder first on
+``sys.path``, then PYTHONPATH's). Everything else is as before: torchrun is torchrun, a rank is a process of its
+own with its own gloo group, and the client relays the signals it gets to the fork's process group (where a
+plain rank's loader workers would get them) and ends with its exit status (or dies by its signal). When the
+client dies (torchrun killed it), the server kills the fork's process group, as the kill would have.
 
-Only third-party modules are preloaded, never this checkout's (a test may run train.py from a copy). A fork's
-/proc environ and cmdline are the server's, so each fork is recorded in ``registry()`` with its launch's mark:
-``helpers.processes.marked_pids`` finds a fork, and any process of its session, by it.
+Only third-party modules are preloaded, never this checkout's (a test may run train.py from a copy). The
+server notes which environment variables its imports read, with their values (``write_reference``): a client
+whose environment differs in one of them starts a plain python instead (helpers/warm_client.py). A fork
+writes its launch's environment over its server's in the memory /proc shows as its environ (the server starts
+with room for it), so scripts/lib/process_tree.py finds a fork, and what it forks, by the launch's marker like
+any process; the command its client was given stands there too, for naming it (helpers.processes.cmdline).
+The server ends when the process that started it does (it watches its parent process, not a thread).
 
-    python tests/helpers/warm_python.py SOCKET PARENT_PID   # started by helpers/warm.py, twice a session
+    python tests/helpers/warm_python.py SOCKET PARENT_PID MARK COMMAND   # by helpers/warm.py, twice a session
 """
 from __future__ import annotations
 
@@ -30,22 +35,39 @@ from pathlib import Path
 
 PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.checkpoint",
            "torch.distributed.elastic.multiprocessing.errors", "torch.utils.data", "hydra", "omegaconf")
-MARK = "GRAPHED_DDP_TEST_LAUNCH"  # helpers.processes.MARK (this file runs alone: it imports no helpers)
+# Another list (comma-separated) in the server's environment: tests/test_warm_launches.py's lifetime test starts a
+# server that preloads nothing.
+PRELOAD_ENV = "GRAPHED_DDP_TEST_WARM_PRELOAD"
 MAX_REQUEST = 1 << 22
+# Read as C libraries load (the OpenMP and MKL thread pools), where os.environ does not see it: a launch that
+# sets one of these otherwise starts plain (helpers/warm_client.py).
+LOADED_PREFIXES = ("OMP_", "MKL_", "KMP_", "GOMP_", "LD_PRELOAD")
+HANDLED = ("PYTHONUNBUFFERED",)  # read by the imports, and taken from the launch by ``become``
 # Signals whose disposition an exec keeps when ignored; a fork takes them as the client found them.
 INHERITED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+PARENT_CHECK_S = 1.0  # how soon the server sees that the process that started it is gone
 
 
-def registry(socket_path: str) -> Path:
-    """The folder beside the socket with a file per fork, named by its pid: its launch's mark, its command line
-    and its start time (helpers.processes.warm_forks reads them)."""
-    return Path(socket_path).parent / "forks"
+def environ_block() -> memoryview:
+    """The memory that /proc/PID/environ shows (the environment this process started with, which a fork keeps):
+    its address from this process's stat (fields 50 and 51), which psutil does not give."""
+    import ctypes
+
+    fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+    start, end = int(fields[47]), int(fields[48])
+    return memoryview((ctypes.c_char * (end - start)).from_address(start)).cast("B")
 
 
-def _stat(pid: int, field: int) -> str:
-    """A field of /proc/PID/stat counted after the command's name (3: session id, 19: start time); the twin of
-    helpers.processes._stat, which this file, run alone and importing no helpers, cannot import."""
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[field]
+def show_environment(block: memoryview, env: dict, first: list) -> None:
+    """In a fork: ``env``, the names in ``first`` first, written over the server's environment as far as it fits,
+    so that /proc shows the launch's. Nothing reads that memory any more: the C library's environment was
+    rebuilt elsewhere by os.environ's clear and update."""
+    data = bytearray()
+    for name in [*(n for n in first if n in env), *(n for n in env if n not in first)]:
+        entry = os.fsencode(f"{name}={env[name]}") + b"\0"
+        if len(data) + len(entry) <= len(block):
+            data += entry
+    block[:] = bytes(data) + bytes(len(block) - len(data))
 
 
 def _recv_exact(conn: socket.socket, n: int) -> bytes:
@@ -68,22 +90,63 @@ def _receive(conn: socket.socket):
     return json.loads(_recv_exact(conn, size)), fds
 
 
-def die_with(parent: int) -> None:
-    """SIGKILL to this server when the pytest process that started it ends, however it ends (a server left
-    behind would hold its imports' memory for good)."""
-    import ctypes
-
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent:  # it ended before the line above
-        os._exit(1)
-
-
-def serve(socket_path: str):
-    """Serves forks until killed; returns (in a fork only) the request that fork is to run."""
+def preload(names) -> set:
+    """Imports ``names``; returns the names of the environment variables those imports asked for by name (not
+    those a sweep over the whole environment, tqdm's for its TQDM_* settings say, went past)."""
     import importlib
 
-    for name in PRELOAD:
-        importlib.import_module(name)
+    read = set()
+    sweeps = []
+    get, iterate = os._Environ.__getitem__, os._Environ.__iter__  # os.environ[...], .get, ``in``, os.getenv; items()
+
+    def recording(environ, name):
+        if not sweeps:
+            read.add(name)
+        return get(environ, name)
+
+    def sweeping(environ):
+        sweeps.append(None)
+        try:
+            yield from iterate(environ)
+        finally:
+            sweeps.pop()
+
+    os._Environ.__getitem__, os._Environ.__iter__ = recording, sweeping
+    try:
+        for name in names:
+            importlib.import_module(name)
+    finally:
+        os._Environ.__getitem__, os._Environ.__iter__ = get, iterate
+    return read
+
+
+def write_reference(path: str, before: dict, read: set) -> None:
+    """What a launch must leave as it was for a fork to be what a fresh python would be: each variable the imports
+    read, or of ``LOADED_PREFIXES``, with its value before the imports and after them (torch sets some itself,
+    TORCHINDUCTOR_CACHE_DIR to its default: a launch may carry either). helpers/warm_client.py reads it."""
+    after = dict(os.environ)
+    names = {n for n in {*before, *after} if n.startswith(LOADED_PREFIXES)} | (read - set(HANDLED))
+    reference = {"names": {n: [before.get(n), after.get(n)] for n in sorted(names)}, "prefixes": LOADED_PREFIXES}
+    Path(path + ".tmp").write_text(json.dumps(reference))
+    os.rename(path + ".tmp", path)
+
+
+def kill_group(leader: int) -> None:
+    """SIGKILL to the process group a fork leads (it, and what it started that did not leave its group)."""
+    try:
+        os.killpg(leader, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def serve(socket_path: str, parent: int):
+    """Serves forks until the process ``parent`` ends; returns (in a fork only) the request that fork is to run.
+    Its parent is watched here rather than by a parent-death signal, which fires when the *thread* that started
+    the server ends (a pool's thread, say)."""
+    before = dict(os.environ)
+    listed = os.environ.get(PRELOAD_ENV)
+    read = preload(PRELOAD if listed is None else list(filter(None, listed.split(","))))
+    write_reference(socket_path + ".json", before, read)
     import gc
     import threading
 
@@ -92,8 +155,6 @@ def serve(socket_path: str):
     # pages: without this each fork copies most of the server's heap as it ends (1 s of a 1.1 s fork).
     gc.collect()
     gc.freeze()
-    forks = registry(socket_path)
-    forks.mkdir(parents=True, exist_ok=True)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(socket_path + ".tmp")
     os.rename(socket_path + ".tmp", socket_path)  # the client connects only once the server listens
@@ -104,9 +165,10 @@ def serve(socket_path: str):
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
     clients = {}  # fork pid -> the client's connection
-    while True:
+    while os.getppid() == parent:
         try:
-            readable, _, _ = select.select([listener, wake_r, *(c for c in clients.values() if c)], [], [])
+            readable, _, _ = select.select([listener, wake_r, *(c for c in clients.values() if c)], [], [],
+                                           PARENT_CHECK_S)
         except InterruptedError:
             continue
         if wake_r in readable:
@@ -129,8 +191,8 @@ def serve(socket_path: str):
                     pass
                 conn.close()
         for pid, conn in list(clients.items()):
-            if conn is not None and conn in readable:  # the client is gone (killed): so is its fork's session
-                kill_session(pid)
+            if conn is not None and conn in readable:  # the client is gone (killed): as if it were the fork
+                kill_group(pid)
                 conn.close()
                 clients[pid] = None
         if listener not in readable:
@@ -144,7 +206,7 @@ def serve(socket_path: str):
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
-        if pid == 0:  # (fork clears the death signal: a fork outlives the server, as a launch would)
+        if pid == 0:
             signal.set_wakeup_fd(-1)
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             for fd in (wake_r, wake_w):
@@ -153,41 +215,43 @@ def serve(socket_path: str):
             for other in clients.values():
                 if other is not None:
                     other.close()
-            conn.close()
-            return request, fds
+            return request, fds, conn
         for fd in fds:
             os.close(fd)
-        started = _stat(pid, 19)
-        (forks / str(pid)).write_text("\n".join([request["env"].get(MARK, ""),
-                                                  " ".join(request["argv"])[:300].replace("\n", " "), started]))
-        conn.sendall(struct.pack("!i", pid))
-        clients[pid] = conn
+        clients[pid] = conn  # the fork sends the client its pid, once it leads a group that the client can signal
+    os._exit(0)  # the process that started this server is gone; its forks run on, as launches would
 
 
-def kill_session(leader: int) -> None:
-    """SIGKILL to every process of the session ``leader`` started (its own group and any other)."""
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                if int(_stat(int(entry), 3)) == leader:
-                    os.kill(int(entry), signal.SIGKILL)
-            except (OSError, IndexError, ValueError):
-                pass
+def reseed() -> None:
+    """New seeds for the generators the server's imports seeded from the system's entropy, which every fork
+    would otherwise share (a fresh interpreter draws its own): Python's ``random``, numpy's and torch's."""
+    if "random" in sys.modules:
+        sys.modules["random"].seed()
+    if "numpy.random" in sys.modules:
+        sys.modules["numpy.random"].seed()
+    if "torch" in sys.modules:
+        sys.modules["torch"].seed()
 
 
-def become(request, fds) -> None:
-    """In the fork: the client's session, streams, folder, environment and command line; then its script."""
+def become(request, fds, conn: socket.socket, block: memoryview, mark_name: str, command_name: str) -> None:
+    """In the fork: the client's session, streams, folder, umask, environment and command line; then its script."""
     import io
     import runpy
 
     os.setsid()
+    conn.sendall(struct.pack("!i", os.getpid()))
+    conn.close()
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)
     os.chdir(request["cwd"])
+    os.umask(request["umask"])
     env = request["env"]
     os.environ.clear()
     os.environ.update(env)
+    argv = request["argv"]
+    show_environment(block, {**env, command_name: " ".join(argv)[:300].replace("\n", " ")}, [mark_name, command_name])
+    reseed()
     unbuffered = bool(env.get("PYTHONUNBUFFERED"))
     sys.stdout = io.TextIOWrapper(open(1, "wb", buffering=0 if unbuffered else -1, closefd=False),
                                   write_through=unbuffered, line_buffering=not unbuffered)
@@ -201,7 +265,6 @@ def become(request, fds) -> None:
         default = signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
         signal.signal(sig, signal.SIG_IGN if sig in request["ignored"] else default)
     signal.pthread_sigmask(signal.SIG_SETMASK, request["blocked"])
-    argv = request["argv"]
     base = sys.path[1:]  # the server's own folder (sys.path[0]) is not the script's
     extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     if argv[0] == "-m":
@@ -216,6 +279,7 @@ def become(request, fds) -> None:
 
 
 if __name__ == "__main__":
-    die_with(int(sys.argv[2]))
-    forked = serve(sys.argv[1])
-    become(*forked)
+    # Read before the imports: a fork writes its launch's environment where its server's started.
+    environment = environ_block()
+    forked = serve(sys.argv[1], int(sys.argv[2]))
+    become(*forked, environment, mark_name=sys.argv[3], command_name=sys.argv[4])
