@@ -305,7 +305,8 @@ def next_token_loss_and_top1(label_smoothing: float = 0.0):
     (gpt2_small, 16 x 1024 tokens on an H200: 0.5 ms of a 33 ms step). The arithmetic is the decomposition
     of ``F.cross_entropy`` (log-softmax, then the label's negative, averaged over the labels not -100;
     label smoothing as torch adds it), so the loss is the criterion's to rounding; the correctness is
-    ``top1_correct``'s, bit for bit: the label's logit against the row's maximum, ties counted as right."""
+    ``top1_correct``'s, bit for bit: argmax's, the label's logit equal to the row's maximum and every logit
+    before it below (``label_scores_highest``; that masked maximum is read in the same pass)."""
 
     def loss_and_correct(logits: torch.Tensor, target: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         x, labels = logits.flatten(0, 1).float(), target.flatten()

@@ -36,9 +36,12 @@ import dataclasses
 import difflib
 import functools
 import inspect
+import json
+import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -49,7 +52,7 @@ from trainer.run.errors import ConfigError, first_line
 from trainer.recipe import Batch, Recipe, blocks_named, top1_correct
 from trainer.run.process import quiet_pytree_registrations
 from trainer.run.runtime import Runtime
-from trainer.parallel.shard_optimizer import local_tensor
+from graphing.sharded import local_tensor
 
 REQUIREMENT = "transformers>=5.17,<6"  # as requirements-hf.txt says
 INSTALL = "pip install -r requirements-hf.txt"
@@ -331,50 +334,87 @@ def tied_names(model: torch.nn.Module) -> List[str]:
 # (an 8B model in one file cost a rank 48.6 GiB of host memory; RESULTS.md).
 EXPORT_FILE_BYTES = 5 * 10**9
 JOIN_THREADS = 4  # files joined at once from the ranks' parts (each thread holds a tensor or two on the host)
+INDEX_FILE = "model.safetensors.index.json"
 
 
-def export_files(state: Dict[str, torch.Tensor]) -> Dict[str, int]:
-    """Each tensor's file number (1..N): in the state dict's order, files of at most ``EXPORT_FILE_BYTES`` (a
-    tensor larger than that alone in its own), as save_pretrained splits them."""
-    files, number, size, limit = {}, 1, 0, EXPORT_FILE_BYTES
-    for name, tensor in state.items():
-        nbytes = tensor.numel() * tensor.element_size()  # a DTensor's: the whole tensor's
-        if size and size + nbytes > limit:
-            number, size = number + 1, 0
-        files[name] = number
-        size += nbytes
-    return files
+def plan_files(layout: Mapping[str, Tuple[Sequence[int], torch.dtype]], max_bytes: Optional[int] = None):
+    """The files of a save_pretrained directory and the tensors in each, from each tensor's (shape, dtype) as it
+    will be written (a DTensor's whole shape; nothing is read): huggingface_hub's
+    ``split_torch_state_dict_into_shards``, save_pretrained's own planner (in ``layout``'s order, files of at most
+    ``max_bytes``, default ``EXPORT_FILE_BYTES``; a larger tensor alone in its own; one file is
+    model.safetensors). Its ``StateDictSplit`` also holds the index. huggingface_hub comes with transformers."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    shaped = {name: torch.empty(tuple(shape), dtype=dtype, device="meta") for name, (shape, dtype) in layout.items()}
+    return split_torch_state_dict_into_shards(shaped, max_shard_size=EXPORT_FILE_BYTES if max_bytes is None
+                                              else max_bytes)
 
 
-def export_pretrained(source: Optional[Path], model: torch.nn.Module, directory: Path,
-                      dtype: torch.dtype = torch.float32) -> None:
-    """``Recipe.export`` (checkpoint.export): the trained model as a save_pretrained directory that transformers,
-    vLLM and the Hub read: its config.json, its weights as safetensors (a tied weight once), and the tokenizer and
-    generation files of ``source`` (recipe.model.path). Every rank writes its own shards through
-    torch.distributed.checkpoint's HuggingFaceStorageWriter, which then joins them into whole tensors file by
-    file: no rank gathers the whole model (under DDP each replicated tensor is written once). ``dtype``
-    (checkpoint.export_dtype): the floating-point weights' in the files, each rank casting its own shards, and
-    config.json's ``dtype``, which transformers loads them in."""
-    import copy
+def write_weights(directory: Path, plan, tensor: Callable[[str], torch.Tensor]) -> None:
+    """The one writer of a save_pretrained directory's weights (checkpoint.export, scripts/export_hf.py,
+    scripts/bench_pretrained.py): ``plan``'s safetensors files (``plan_files``) and, for several, their index,
+    ``tensor(name)`` giving each tensor (whole, or this rank's DTensor shards), written by
+    torch.distributed.checkpoint's HuggingFaceStorageWriter. Under a process group every rank writes its parts of
+    every file and rank 0 joins them into whole files, a thread a file: no rank gathers the model (under DDP each
+    replicated tensor is written once). One process writes a file at a time, asking for its tensors only then, so
+    it holds about one file's tensors and their bytes on the host whatever the model's size. Rank 0 leaves the
+    directory whole."""
     import shutil
 
     import torch.distributed as dist
     from torch.distributed.checkpoint import HuggingFaceStorageWriter, save
 
     distributed = dist.is_available() and dist.is_initialized()
+    files = list(plan.filename_to_tensors)
+    number = {name: i for i, names in enumerate(plan.filename_to_tensors.values(), 1) for name in names}
+    if distributed:
+        # Each rank writes its part of each file into sharded/, then rank 0 joins the parts into whole files.
+        save({name: tensor(name) for name in plan.tensor_to_filename}, storage_writer=HuggingFaceStorageWriter(
+            path=str(directory), fqn_to_index_mapping=number, save_distributed=True, enable_consolidation=True,
+            thread_count_consolidation=min(len(files), JOIN_THREADS)))
+        if dist.get_rank() != 0:
+            return
+        shutil.rmtree(directory / "sharded", ignore_errors=True)  # each rank's part, joined into the files
+    else:
+        for names in plan.filename_to_tensors.values():
+            with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+                warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+                save({name: tensor(name) for name in names}, no_dist=True,
+                     storage_writer=HuggingFaceStorageWriter(path=str(directory), fqn_to_index_mapping=number))
+    # torch numbers every file (model-00001-of-00001.safetensors for one); save_pretrained names one file
+    # model.safetensors, and its index is the plan's (torch's, written a file at a time, holds the last file's).
+    for i, file in enumerate(files, 1):
+        numbered = directory / f"model-{i:05d}-of-{len(files):05d}.safetensors"
+        if numbered.name != file:
+            os.replace(numbered, directory / file)
+    if plan.is_sharded:
+        index = {"metadata": plan.metadata, "weight_map": plan.tensor_to_filename}
+        (directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    else:
+        (directory / INDEX_FILE).unlink(missing_ok=True)
+
+
+def export_pretrained(source: Optional[Path], model: torch.nn.Module, directory: Path,
+                      dtype: torch.dtype = torch.float32) -> None:
+    """``Recipe.export`` (checkpoint.export): the trained model as a save_pretrained directory that transformers,
+    vLLM and the Hub read: its config.json, its weights as safetensors (a tied weight once; ``write_weights``:
+    every rank its own shards, no rank gathering the model), and the tokenizer and generation files of ``source``
+    (recipe.model.path). ``dtype`` (checkpoint.export_dtype): the floating-point weights' in the files, each rank
+    casting its own shards, and config.json's ``dtype``, which transformers loads them in."""
+    import copy
+
+    import torch.distributed as dist
+
     tied = set(tied_names(model))
-    state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in model.state_dict().items() if k not in tied}
-    files = export_files(state)
-    # Under a process group each rank writes its part of each file into sharded/, then rank 0 joins the parts into
-    # whole files, a thread a file; one process writes whole files directly (consolidation would leave them in
-    # sharded/).
-    writer = HuggingFaceStorageWriter(path=str(directory), fqn_to_index_mapping=files, save_distributed=distributed,
-                                      enable_consolidation=distributed,
-                                      thread_count_consolidation=min(max(files.values()), JOIN_THREADS))
-    save(state, storage_writer=writer, no_dist=not distributed)
-    if distributed and dist.get_rank() != 0:
+    state = {k: v for k, v in model.state_dict().items() if k not in tied}
+
+    def written(v: torch.Tensor) -> torch.Tensor:
+        return v.to(dtype) if v.is_floating_point() else v
+
+    plan = plan_files({k: (v.shape, dtype if v.is_floating_point() else v.dtype) for k, v in state.items()})
+    write_weights(directory, plan, lambda name: written(state[name]))
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
         return
-    shutil.rmtree(directory / "sharded", ignore_errors=True)  # each rank's part, joined into the files above
     config = copy.deepcopy(model.config)
     config.use_cache = True  # off while training only (build_model)
     config.dtype = dtype

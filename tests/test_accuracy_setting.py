@@ -29,38 +29,90 @@ def test_without_accuracy_the_same_training_logs_the_loss_alone(train_here, out)
     assert all("accuracy" in line for line in epoch_lines["true"])
 
 
-def test_top1_correct_is_the_label_scoring_highest_ties_included_padding_excluded():
-    """top1_correct compares the label's score with the row's maximum (what a compiled loss reads in its own
-    pass): without ties the argmax's answer, a label tied with the highest counts, a -100 label never does."""
+CLASSES = 8
+NEG = float("-inf")
+
+
+def _argmax_cases(dtype):
+    """Rows of logits over 8 classes, each with a label and what ``argmax`` (the first index among equal maxima)
+    says of it: constant rows, ties at the label and before it, ties after it, rows of -inf, padding (-100 over a
+    row whose class 0 scores highest) and a label past the vocabulary; then random rows, some labelled right."""
     import torch
+
+    cases = [([0.5] * 8, 0, True),  # constant logits: argmax's 0 alone is right
+             ([0.5] * 8, 3, False),
+             ([1, 3, 3, 0, 0, 0, 0, 0], 1, True),  # tied after the label
+             ([1, 3, 3, 0, 0, 0, 0, 0], 2, False),  # tied before the label
+             ([3, 1, 3, 3, 0, 0, 0, 0], 0, True),
+             ([3, 1, 3, 3, 0, 0, 0, 0], 3, False),
+             ([0, 0, 0, 0, 0, 0, 2, 2], 7, False),
+             ([NEG] * 8, 0, True),  # -inf throughout: argmax says 0
+             ([NEG] * 8, 5, False),
+             ([4, 1, 1, 1, 1, 1, 1, 1], -100, False),  # padding, over a row whose class 0 (the clamped -100) is best
+             ([1, 1, 1, 1, 1, 1, 1, 4], CLASSES, False)]  # past the vocabulary, where clamping would land on the best
+    fixed = torch.tensor([row for row, _, _ in cases], dtype=dtype)
+    generator = torch.Generator().manual_seed(0)
+    scattered = torch.randn(12, CLASSES, generator=generator).to(dtype)
+    scattered_labels = torch.randint(0, CLASSES, (12,), generator=generator)
+    scattered_labels[:6] = scattered[:6].argmax(-1)
+    logits = torch.cat([fixed, scattered])
+    labels = torch.cat([torch.tensor([label for _, label, _ in cases]), scattered_labels]).int()  # as some datasets
+    return logits, labels, [right for _, _, right in cases]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_top1_correct_is_argmaxs_answer_ties_going_to_the_first_maximum_padding_never(dtype):
+    """top1_correct counts what argmax says, ties included (the first of equal maxima), as torchmetrics and
+    transformers count it: constant logits score the label 0 alone, not every label; a -100 label never counts.
+    label_scores_highest (the form a compiled loss reads beside its own maxima) gives the same answer."""
+    import torch
+
+    from trainer.recipe import label_scores_highest, top1_correct
+
+    logits, labels, expected = _argmax_cases(getattr(torch, dtype))
+    by_argmax = logits.argmax(-1) == labels
+    assert by_argmax[:len(expected)].tolist() == expected
+    assert torch.equal(top1_correct(logits, labels), by_argmax)
+    assert torch.equal(label_scores_highest(logits, labels, logits.amax(-1)), by_argmax)
+    assert 6 <= int(by_argmax.sum()) < len(labels)
+
+
+def test_compiled_top1_is_argmaxs_answer_too(monkeypatch):
+    """Under torch.compile (graph.compile_model; Inductor on the CPU here, the GPU test has the CUDA kernels)
+    top1_correct and the language model's loss-and-top1 give argmax's answer on the same ties, bit for bit."""
+    import torch
+
+    # Inductor's CPU build imports setuptools, whose distutils shim refuses to load once an earlier test in this
+    # process imported the standard library's distutils (as in tests/test_fsdp.py): keep the standard one
+    monkeypatch.setenv("SETUPTOOLS_USE_DISTUTILS", "stdlib")
+    from recipes.gpt import next_token_loss_and_top1
     from trainer.recipe import top1_correct
 
-    torch.manual_seed(0)
-    logits = torch.randn(4, 9, 50)  # (batch, tokens, vocabulary): no ties among random floats
-    labels = torch.randint(0, 50, (4, 9))
-    labels[0, :5] = logits[0, :5].argmax(-1)  # some right, so both answers occur
-    assert torch.equal(top1_correct(logits, labels), logits.argmax(-1) == labels)
-    assert top1_correct(logits, labels).sum() >= 5
-    tied = torch.tensor([[1.0, 3.0, 3.0], [2.0, 2.0, 0.0]])
-    assert top1_correct(tied, torch.tensor([2, 0])).tolist() == [True, True]  # argmax would say [False, True]
-    assert top1_correct(tied, torch.tensor([0, 2])).tolist() == [False, False]
-    padded = torch.tensor([-100, 1], dtype=torch.int32)  # an ignore index; int32 labels as some datasets give them
-    assert top1_correct(tied, padded).tolist() == [False, True]
+    logits, labels, _ = _argmax_cases(torch.bfloat16)
+    in_vocabulary = labels < CLASSES  # the loss takes no label past the vocabulary (-100 it skips)
+    logits, labels = logits[in_vocabulary], labels[in_vocabulary]
+    loss_and_top1 = next_token_loss_and_top1(0.0)
+
+    def both(output, target):  # one compile for the two forms
+        return top1_correct(output, target), loss_and_top1(output[None], target[None])[1][0]
+
+    alone, with_loss = torch.compile(both, dynamic=False)(logits, labels)
+    by_argmax = logits.argmax(-1) == labels
+    assert torch.equal(alone, by_argmax) and torch.equal(with_loss, by_argmax)
 
 
 def _language_model_logits():
     """bf16 logits [batch, tokens, vocabulary] as a language model's head gives them, with labels: some right,
-    one tied with the row's maximum, two -100 (padding), the rest random."""
+    one tied with a later logit (right: argmax picks the label), one tied with an earlier one (wrong), two -100
+    (padding), the rest random."""
     import torch
 
     torch.manual_seed(1)
     logits = torch.randn(3, 7, 50).bfloat16()
     labels = torch.randint(0, 50, (3, 7))
     labels[0, :4] = logits[0, :4].float().argmax(-1)  # right
-    top = logits[1, 2].float().argmax()
-    other = (int(top) + 1) % 50
-    logits[1, 2, other] = logits[1, 2, top]  # a tie: the label scores as high as the best
-    labels[1, 2] = other
+    logits[1, 2:4, 10] = logits[1, 2:4, 30] = 8.0  # two maxima in each of two rows
+    labels[1, 2], labels[1, 3] = 10, 30  # the first of them (right), the second (wrong)
     labels[2, 5:] = -100
     return logits, labels
 
@@ -69,7 +121,8 @@ def _language_model_logits():
 def test_the_language_models_loss_and_top1_in_one_function_are_the_criterion_and_top1_apart(smoothing):
     """recipes.gpt.next_token_loss_and_top1 (next_token_criterion's ``with_top1``, what graph.compile_model runs
     for the gpt and hf_causal_lm recipes so that the top-1 shares the loss's row maxima): the correctness is
-    top1_correct's bit for bit (ties counted, padding not), the loss and its gradient next_token_criterion's mean."""
+    top1_correct's bit for bit (argmax's: a tie goes to the first maximum; padding never counts), the loss and
+    its gradient next_token_criterion's mean."""
     import torch
 
     from recipes.gpt import next_token_criterion, next_token_loss_and_top1
@@ -84,7 +137,8 @@ def test_the_language_models_loss_and_top1_in_one_function_are_the_criterion_and
     fused_loss.backward()
     assert correct.shape == labels.shape and correct.dtype == torch.bool
     assert torch.equal(correct, top1_correct(logits, labels))
-    assert correct[1, 2] and not correct[2, 5:].any() and correct[0, :4].all()
+    assert torch.equal(correct, logits.argmax(-1) == labels)
+    assert correct[1, 2] and not correct[1, 3] and not correct[2, 5:].any() and correct[0, :4].all()
     assert fused_loss.item() == pytest.approx(loss.item(), rel=1e-6)
     assert torch.allclose(together.grad.float(), apart.grad.float(), atol=1e-6)
     assert apart.grad[2, 5:].abs().sum() == 0 == together.grad[2, 5:].abs().sum()  # padding adds no gradient

@@ -1,7 +1,7 @@
 """train.float8 on the CPU, through torchao's emulation (train.float8_emulate=true: float8-rounded values
 in plain matmuls): which layers the rule converts, two gloo ranks training under DDP and under FSDP2 with
-its float8 all-gather, checkpoints that go from float8 runs to runs without it and back, and each setting
-that cannot work refused by name.
+its float8 all-gather, checkpoints that go from float8 runs to runs without it and back, each setting
+that cannot work refused by name, and a torchao whose weight wrapper is not the tested one (stand-ins).
 
 torchao is an optional extra (`pip install -r requirements-float8.txt`): these tests skip without it, save
 the one that checks what a run says when it is missing. The graphed step on a GPU (real float8 matmuls,
@@ -20,6 +20,7 @@ import torch
 from helpers.availability import needs_extra
 from helpers.launches import launch, launch_together
 from helpers.one_rank import group_of_one
+from helpers.paths import ROOT
 from trainer.checkpoint import list_checkpoints
 
 # gpt_tiny's debug size, small enough for seconds on two CPU ranks: 8 steps of 2 x 8 windows of 32 tokens,
@@ -150,6 +151,7 @@ def test_float8_trains_on_two_ranks_under_ddp_and_under_fsdp2_with_its_float8_al
     plain, ddp, fsdp2 = float8_runs["plain"], float8_runs["ddp"], float8_runs["fsdp2"]
     assert "float8 (tensorwise, emulated): 8 Linear layers of the recipe's blocks; the rest in fp32" in ddp.output
     assert "float8 (tensorwise, emulated, float8 all-gather): 8 Linear layers" in fsdp2.output
+    assert "WARNING: train.fsdp.float8_all_gather" not in fsdp2.output  # this torchao's wrapper: the cast once a step
     for run in (ddp, fsdp2):
         assert len(losses(run.run_dir)) == 8 and all(math.isfinite(x) for x in losses(run.run_dir))
         assert losses(run.run_dir)[-1] < losses(run.run_dir)[0]
@@ -304,3 +306,99 @@ def test_each_weight_is_cast_once_a_step_and_a_gather_sends_it_only_within_its_s
         runs[casts_once] = losses, sent
     assert runs[True][1] == [True] * 4 and runs[False][1] == [False] * 4
     assert runs[True][0] == runs[False][0]  # the same float8 bytes gathered: the same training, bit for bit
+
+
+def _weight_wrapper_stand_ins():
+    """torch.Tensor subclasses standing in for torchao's float8 weight wrapper (WeightWithDynamicFloat8CastTensor):
+    as 0.17 and 0.18 have it, one without ``_dtype``, one whose hook takes FSDP2's five-argument form."""
+
+    class Wrapper(torch.Tensor):
+        def fsdp_pre_all_gather(self, mesh):
+            return (self._tensor,), (self._precomputed_scale,)
+
+    class WithoutDtype(Wrapper):
+        pass
+
+    class FiveArgumentHook(Wrapper):
+        def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+            return super().fsdp_pre_all_gather(mesh)
+
+    made = {}
+    for cls in (Wrapper, WithoutDtype, FiveArgumentHook):
+        local = torch.Tensor._make_subclass(cls, torch.zeros(4, 4))
+        local._tensor, local._precomputed_scale = torch.zeros(4, 4), None
+        if cls is not WithoutDtype:
+            local._dtype = torch.float8_e4m3fn
+        made[cls.__name__] = local
+    return made
+
+
+@pytest.mark.fast
+def test_a_torchao_weight_wrapper_unlike_the_tested_ones_is_told_apart_by_what_it_lacks():
+    # The cast once a step reads private names of torchao's weight wrapper (trainer/parallel/float8_cast.py); a torchao
+    # that renamed one, or moved its hook to FSDP2's newer form, must not be read as if it had them.
+    from trainer.parallel.float8_cast import TESTED_TORCHAO, wrapper_lacks
+
+    stand_ins = _weight_wrapper_stand_ins()
+    assert wrapper_lacks(stand_ins["Wrapper"]) == []
+    assert wrapper_lacks(stand_ins["WithoutDtype"]) == ["attribute _dtype"]
+    assert wrapper_lacks(stand_ins["FiveArgumentHook"]) == ["fsdp_pre_all_gather(self, mesh)"]
+    assert wrapper_lacks(torch.zeros(4, 4)) == []  # a weight FSDP2 gathers as it is
+    # The range the check was tested over is the one the requirements install.
+    requirements = (ROOT / "requirements-float8.txt").read_text().splitlines()
+    pinned = [line for line in requirements if line.startswith("torchao")]
+    assert pinned == [f"torchao{TESTED_TORCHAO}"]
+
+
+def _with_five_argument_hook(wrapper: type) -> type:
+    """torchao's weight wrapper class as a later torchao might have it: its pre-all-gather in FSDP2's newer form."""
+
+    class LaterWrapper(wrapper):
+        def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+            return wrapper.fsdp_pre_all_gather(self, mesh)
+
+    return LaterWrapper
+
+
+@pytest.mark.extras
+@pytest.mark.fast
+def test_a_torchao_with_another_weight_wrapper_gathers_through_its_own_cast_and_says_so_once(one_gloo_rank, capsys):
+    # The tested torchao's wrappers pass the check; a later one (stood in for by torchao's own class with the
+    # five-argument hook FSDP2 also takes) falls back to torchao's gathers with one warning, and trains the same.
+    needs_extra("torchao")
+    from trainer.parallel.float8 import Float8Spec
+    from trainer.parallel.float8_cast import CAST, WeightCasts
+
+    spec = Float8Spec(recipe="tensorwise", all_gather=True, emulate=True, compiled=False)
+    x, y = torch.randn(16, 64, generator=torch.Generator().manual_seed(1)), torch.randn(16, 1)
+    runs = {}
+    for later_torchao in (False, True):
+        model = _sharded_float8_mlp(seed=0)
+        assert WeightCasts(model, compiled=False).surface_differs() is None  # this machine's torchao: as tested
+        wrapped = [p._local_tensor for p in model.parameters() if hasattr(type(p._local_tensor), "fsdp_pre_all_gather")]
+        assert wrapped
+        if later_torchao:
+            for local in wrapped:
+                local.__class__ = _with_five_argument_hook(type(local))
+        capsys.readouterr()
+        before, after = spec.step_hooks(model)
+        warned = capsys.readouterr().out
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        losses = []
+        for _ in range(3):
+            before()
+            assert all(getattr(local, CAST, None) is None for local in wrapped) == later_torchao
+            optimizer.zero_grad(set_to_none=True)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            optimizer.step()
+            if after is not None:
+                after()
+            losses.append(loss.item())
+        runs[later_torchao] = losses, after, warned
+    assert runs[False][1] is not None and runs[False][2] == ""
+    losses, after, warned = runs[True]
+    assert after is None and warned.count("WARNING") == 1
+    assert "LaterWrapper lacks fsdp_pre_all_gather(self, mesh)" in warned and "tested: torchao>=0.17,<0.19" in warned
+    assert "pip install -r requirements-float8.txt" in warned
+    assert losses == runs[False][0]  # torchao's own gathers send the same float8 bytes: the same training

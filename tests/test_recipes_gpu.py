@@ -137,14 +137,14 @@ def test_the_correctness_counted_inside_the_compiled_loss_is_the_outputs_own(cla
     y = torch.randint(0, classes, (rows,), device="cuda")
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
         y[2::5] = model(x)[2::5].argmax(-1)  # rows the model gets right (up to compiled bf16 rounding)
-    y[1::11] = 1  # the label tied with class 0
+    y[1::11] = 1  # the label tied with class 0, which argmax picks first: never right
     y[::7] = -100  # padding
     with torch.autocast("cuda", dtype=torch.bfloat16):
         out, loss, correct = fused({"x": x, "y": y}, True)
         _, loss_alone, correct_alone = fused({"x": x, "y": y}, False)
     assert out.dtype == torch.bfloat16 and correct.dtype == torch.bool
-    assert torch.equal(correct, top1_correct(out, y))
-    assert not correct[::7].any() and 0 < int(correct.sum()) < rows
+    assert torch.equal(correct, top1_correct(out, y)) and torch.equal(correct, out.argmax(-1) == y)
+    assert not correct[::7].any() and not correct[1::11].any() and 0 < int(correct.sum()) < rows
     # The loss of bf16 logits comes back in bf16 (8 bits of mantissa).
     assert loss.item() == pytest.approx(F.cross_entropy(out.float(), y).item(), rel=1e-2)
     # The training step asks for no output: other kernels, the same logits up to bf16 rounding.
@@ -155,8 +155,8 @@ def test_the_correctness_counted_inside_the_compiled_loss_is_the_outputs_own(cla
 def test_the_language_models_loss_and_top1_compiled_are_the_criterion_and_top1_apart():
     """recipes.gpt.next_token_loss_and_top1 compiled on the GPU (what graph.compile_model runs for the gpt and
     hf_causal_lm recipes, the top-1 read from the loss's own online-softmax maxima) over GPT-2's vocabulary in
-    bf16, with a tie and -100 padding: top1_correct's answer bit for bit, next_token_criterion's loss and
-    gradient to rounding."""
+    bf16, with ties (the first maximum is argmax's, a later one is not; constant rows) and -100 padding:
+    top1_correct's answer and argmax's bit for bit, next_token_criterion's loss and gradient to rounding."""
     import torch
 
     from recipes.gpt import next_token_criterion, next_token_loss_and_top1
@@ -166,16 +166,18 @@ def test_the_language_models_loss_and_top1_compiled_are_the_criterion_and_top1_a
     logits = torch.randn(4, 512, 50304, device="cuda").bfloat16()
     labels = torch.randint(0, 50304, (4, 512), device="cuda")
     labels[:, ::3] = logits[:, ::3].float().argmax(-1)  # right
-    best = logits[1, 1].float().argmax()
-    logits[1, 1, (best + 1) % 50304] = logits[1, 1, best]  # tied with the best
-    labels[1, 1] = (best + 1) % 50304
+    logits[1, 1:3, 100] = logits[1, 1:3, 200] = 8.0  # two maxima (above any randn) in each of two rows
+    labels[1, 1], labels[1, 2] = 100, 200  # the first (right) and the second (wrong)
+    logits[2, 4:6] = 0.25  # constant rows: label 0 alone is right
+    labels[2, 4], labels[2, 5] = 0, 7
     labels[:, -7:] = -100  # padding
     apart, together = logits.clone().requires_grad_(), logits.clone().requires_grad_()
     loss = next_token_criterion(0.0)(apart, labels, reduction="mean")
     loss.backward()
     fused_loss, correct = torch.compile(next_token_loss_and_top1(0.0))(together, labels)
     fused_loss.backward()
-    assert torch.equal(correct, top1_correct(logits, labels)) and bool(correct[1, 1])
+    assert torch.equal(correct, top1_correct(logits, labels)) and torch.equal(correct, logits.argmax(-1) == labels)
+    assert correct[1, 1] and not correct[1, 2] and correct[2, 4] and not correct[2, 5]
     assert not correct[:, -7:].any() and int(correct.sum()) >= 4 * 160
     assert fused_loss.item() == pytest.approx(loss.item(), rel=1e-5)
     torch.testing.assert_close(together.grad.float(), apart.grad.float(), rtol=2e-2, atol=1e-9)

@@ -38,6 +38,21 @@ def test_adamw_on_local_shards_steps_bit_for_bit_as_on_dtensors(ranks, name):
     assert ranks["rank1_of2_default"]["empty_shard"]  # a one-row parameter: rank 1 holds none of it
 
 
+@pytest.mark.parametrize("name", OPTIONS)
+def test_a_step_hook_on_the_optimizer_fires_once_a_step_and_sees_the_dtensors(ranks, name):
+    # torch wraps AdamW.step to run the hooks once any AdamW exists (the rank built a plain one first); the local
+    # shards' step runs AdamW's own step inside its own, and the hooks must not run again there, over the shards.
+    suffix = "_".join(sorted(OPTIONS[name])) or "default"
+    steps = len(ranks[f"rank0_of2_{suffix}"]["equal_after_step"])
+    for rank in (0, 1):
+        saw = ranks[f"rank{rank}_of2_{suffix}"]["hooks_saw"]
+        assert {kind: len(calls) for kind, calls in saw.items()} == dict.fromkeys(saw, steps), saw
+        first_pre, *later_pre = saw["pre"]
+        assert first_pre == {"params": ["DTensor"], "state": []}, saw  # no state before the first step
+        assert all(seen == {"params": ["DTensor"], "state": ["DTensor"]} for seen in later_pre + saw["post"]), saw
+        assert saw["global_pre"] == saw["pre"] and saw["global_post"] == saw["post"]
+
+
 @pytest.mark.fast
 def test_only_elementwise_optimizers_step_on_local_shards_and_plain_parameters_step_as_before():
     from trainer.parallel.shard_optimizer import on_local_shards
@@ -48,6 +63,9 @@ def test_only_elementwise_optimizers_step_on_local_shards_and_plain_parameters_s
     a, b = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
     b.load_state_dict(a.state_dict())
     opts = [torch.optim.Adam(a.parameters(), lr=0.1), on_local_shards(torch.optim.Adam)(b.parameters(), lr=0.1)]
+    hooks = []  # torch wrapped Adam.step for hooks when the first Adam was built: they still run once a step
+    opts[1].register_step_pre_hook(lambda *_: hooks.append("pre"))
+    opts[1].register_step_post_hook(lambda *_: hooks.append("post"))
     for _ in range(3):
         for net, opt in zip((a, b), opts):
             opt.zero_grad()
@@ -55,5 +73,6 @@ def test_only_elementwise_optimizers_step_on_local_shards_and_plain_parameters_s
             opt.step()
     assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
     assert all(p.grad is not None for p in b.parameters())  # a plain parameter keeps its gradient
+    assert hooks == ["pre", "post"] * 3
     with pytest.raises(ValueError, match="takes no closure"):
         opts[1].step(lambda: 0.0)

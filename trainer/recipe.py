@@ -165,18 +165,29 @@ def measure_with_top1(recipe: "Recipe") -> Optional[Callable[[torch.Tensor, torc
 
 
 def top1_correct(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """``Recipe.correct`` for classifiers and language models: the label scores highest of all classes (or
-    tokens); a label tied with the highest counts as correct, a label out of range (a padding -100) as wrong.
+    """``Recipe.correct`` for classifiers and language models: the label is what ``argmax`` picks, the first of
+    the classes (or tokens) that score highest, as torchmetrics and transformers count it; a label tied with an
+    earlier maximum counts as wrong (constant logits score the label 0 alone), a label out of range (a padding
+    -100) as wrong.
 
-    Written as the label's score against the row's maximum, not as an argmax: compiled with the loss
-    (graph.compile_model), the maximum is read in the loss's own pass over the logits, nearly free, where an
-    argmax's index bookkeeping made that pass 1.7x as long (gpt2_small on an H200: 0.9 ms of a 34 ms step)."""
-    return label_scores_highest(output, target, output.amax(dim=-1))
+    Compiled (graph.compile_model), it is ``label_scores_highest``: the same answer from plain maxima, which
+    Inductor reads in the loss's own pass over the logits, where an argmax's index bookkeeping made that pass
+    1.7x as long (gpt2_small on an H200). Eager, it is the argmax itself: the masked maximum would cost a
+    temporary the size of the logits there."""
+    if torch.compiler.is_compiling():
+        return label_scores_highest(output, target, output.amax(dim=-1))
+    return output.argmax(dim=-1) == target  # a target outside [0, classes) is no index: never equal
 
 
 def label_scores_highest(output: torch.Tensor, target: torch.Tensor, best: torch.Tensor) -> torch.Tensor:
     """``top1_correct`` with the rows' maxima ``best`` (shaped like ``target``) already at hand: a fused form
-    (``fused_with_top1``) passes the maximum its loss computed, so both forms judge a prediction alike."""
+    (``fused_with_top1``) passes the maximum its loss computed, so both forms judge a prediction alike. The
+    label is argmax's when it scores ``best`` and every class before it scores less: the maximum over those
+    earlier classes is a masked maximum, which Inductor computes in the pass that finds ``best``."""
     label = target.clamp(0, output.shape[-1] - 1).long()
     scored = output.gather(-1, label.unsqueeze(-1)).squeeze(-1)
-    return (scored >= best) & (label == target)
+    earlier = torch.arange(output.shape[-1], device=output.device) < label.unsqueeze(-1)
+    best_before = torch.where(earlier, output, float("-inf")).amax(dim=-1)
+    # label 0 has nothing before it (a row of -inf throughout, argmax's 0, included)
+    first_of_best = (scored == best) & ((best_before < best) | (label == 0))
+    return first_of_best & (label == target)

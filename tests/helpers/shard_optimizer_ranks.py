@@ -8,7 +8,9 @@ shard is empty) train the same steps: two param groups (one without weight decay
 schedule writes in place (a float with foreach, which takes a tensor only
 on CUDA), gradients clipped to a global norm; once per set of AdamW options (``float_lr`` aside).
 Writes OUT_DIR/rank<R>_of<W>_<option names>.json: whether
-the weights and the optimizer states are bitwise equal after every step, the state's types, the norms.
+the weights and the optimizer states are bitwise equal after every step, the state's types, the norms, and
+what the step hooks registered on the local-shard optimizer saw: the plain AdamW built first has torch wrap
+``AdamW.step`` for hooks, as in any process that built one.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import gc
 import json
 import sys
 from pathlib import Path
+from typing import Tuple
 
 import torch
 import torch.distributed as dist
@@ -67,6 +70,7 @@ def compare(out: Path, options: dict) -> None:
         nets.append(net)
         lrs.append(lr)
         optimizers.append(optimizer(cls, net, lr, options))
+    hooks_saw, global_hooks = _watch_step_hooks(optimizers[1])
     g = torch.Generator().manual_seed(1 + rank)  # each rank its own batch, as data parallelism has it
     equal_after_step, norms = [], []
     for step in range(STEPS):
@@ -85,6 +89,8 @@ def compare(out: Path, options: dict) -> None:
         states = all(torch.equal(_local(a[k]), _local(b[k])) for a, b in zip(*(o.state.values() for o in optimizers))
                      for k in a)
         equal_after_step.append(weights and states)
+    for handle in global_hooks:
+        handle.remove()
     local_shard_state = optimizers[1].state
     result = {
         "equal_after_step": equal_after_step,
@@ -98,8 +104,37 @@ def compare(out: Path, options: dict) -> None:
         "grads_kept": all(isinstance(p.grad, DTensor) for p in nets[1].parameters()),
         "empty_shard": any(p.to_local().numel() == 0 for p in nets[1].parameters()),
         "moved": not torch.equal(nets[1][0].weight.to_local(), _first_weight_shard(mesh)),
+        "hooks_saw": hooks_saw,
     }
     (out / f"rank{rank}_of{world}_{name}.json").write_text(json.dumps(result))
+
+
+def _watch_step_hooks(opt: torch.optim.Optimizer) -> Tuple[dict, list]:
+    """Registers a pre- and a post-hook on ``opt``, and global ones (torch runs them for every optimizer); each
+    call of one about ``opt`` appends what ``opt`` held then: DTensors or plain tensors, as parameters and, once
+    a step made it, as state. Returns the record and the global hooks' handles."""
+    from torch.distributed.tensor import DTensor
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    saw = {"pre": [], "post": [], "global_pre": [], "global_post": []}
+
+    def kinds(tensors):
+        return {"DTensor" if isinstance(t, DTensor) else "plain" for t in tensors}
+
+    def watcher(name):
+        def hook(optimizer, args, kwargs):
+            if optimizer is opt:
+                params = [p for group in optimizer.param_groups for p in group["params"]]
+                moments = [v for p in params for v in optimizer.state.get(p, {}).values()
+                           if torch.is_tensor(v) and v.dim() > 0]
+                saw[name].append({"params": sorted(kinds(params)), "state": sorted(kinds(moments))})
+        return hook
+
+    opt.register_step_pre_hook(watcher("pre"))
+    opt.register_step_post_hook(watcher("post"))
+    handles = [register_optimizer_step_pre_hook(watcher("global_pre")),
+               register_optimizer_step_post_hook(watcher("global_post"))]
+    return saw, handles
 
 
 def _local(tensor):

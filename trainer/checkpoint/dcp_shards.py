@@ -33,7 +33,7 @@ from trainer.run import storage
 from trainer.checkpoint.format import CheckpointFormat, Ranks
 from trainer.checkpoint.layout import SHARDS_SUFFIX, set_aside, step_path, temp_dir
 from trainer.run.errors import StorageError
-from trainer.parallel.shard_optimizer import local_tensor
+from graphing.sharded import local_tensor
 
 TRAINER_STATE = "trainer_state.pt"  # rank 0's part: everything but the model's and optimizer's tensors
 METADATA = ".metadata"  # DCP's, written last

@@ -29,7 +29,7 @@ from typing import Callable, Iterable, List, Optional, Tuple
 
 import torch
 
-from trainer.parallel.float8_cast import WeightCasts
+from trainer.parallel.float8_cast import TESTED_TORCHAO, WeightCasts
 from trainer.run.errors import ConfigError
 
 INSTALL = "pip install -r requirements-float8.txt"
@@ -78,11 +78,20 @@ class Float8Spec:
         """What a step runs first and last (None: nothing). With FSDP2's float8 all-gather: first the weights'
         float8 scales from the weights as they are now (one all-reduce), then each weight cast with its scale once
         for the step's gathers; last, those casts dropped (trainer/parallel/float8_cast.py). Without the all-gather
-        each cast finds its own scale."""
+        each cast finds its own scale. A torchao whose weight wrapper is not the one the casts read gathers through
+        torchao's own cast, with the scales, said once."""
         if not self.all_gather:
             return None, None
         (precompute,) = _torchao("precompute_float8_dynamic_scale_for_fsdp")
         casts = WeightCasts(model, compiled=self.compiled)
+        differs = casts.surface_differs()
+        if differs is not None:
+            from trainer.run.runtime import print_once
+
+            print_once(f"WARNING: train.fsdp.float8_all_gather: {differs}, which the cast once a step reads "
+                       "(trainer/parallel/float8_cast.py): each all-gather casts its weight itself, as torchao does "
+                       f"(the same bytes, slower; docs/float8.md). For the cast once a step: {INSTALL}")
+            return partial(precompute, model), None
         return partial(_scales_then_casts, partial(precompute, model), casts), casts.drop
 
 
@@ -121,7 +130,7 @@ def float8_spec(cfg, device: torch.device, precision: str, compiled: bool) -> Op
         _torchao()
     except ImportError:
         raise ConfigError(f"train.float8={recipe} trains through torchao, which is not installed: {INSTALL} "
-                          "(torchao>=0.17), or set train.float8=none") from None
+                          f"(torchao{TESTED_TORCHAO}), or set train.float8=none") from None
     if t.float8_emulate:
         if compiled:
             raise ConfigError("train.float8_emulate=true is torchao's emulation for tests, eager only: drop "

@@ -17,9 +17,15 @@ once, at capture; every replay casts again before its gathers read the casts.
 The price: one float8 byte per element of each rank's converted weights, held through the step,
 where torchao's casts lived one gather long (0.8 GiB more reserved at gpt_1b and at Llama 1b on 2
 GPUs; still below bf16's).
+
+What it reads of torchao is private (the weight wrapper's ``_tensor``, ``_dtype``, ``_precomputed_scale``
+and its one-argument ``fsdp_pre_all_gather``): requirements-float8.txt bounds torchao to the releases it
+was tested with, and ``WeightCasts.surface_differs`` checks a run's torchao at the start; where it
+differs, the run gathers through torchao's own cast, saying so once.
 """
 from __future__ import annotations
 
+import inspect
 import types
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
@@ -30,6 +36,11 @@ from graphing.float8_scales import SCALE
 from graphing.sharded import is_dtensor
 
 CAST = "_graphed_float8_cast"  # the attribute on a weight's local tensor that holds this step's cast
+# The torchao releases whose weight wrapper (WeightWithDynamicFloat8CastTensor) this module was tested against:
+# 0.17 on the GPUs (torch 2.11), 0.18 on the CPU (torch 2.14; its wrapper differs from 0.17's in no name read here)
+TESTED_TORCHAO = ">=0.17,<0.19"
+WRAPPER_READS = ("_tensor", "_dtype", SCALE)  # the shard in high precision, its float8 dtype, the precomputed scale
+PRE_ALL_GATHER_ARGUMENTS = ("self", "mesh")  # the form of torchao's hook that _pre_all_gather stands in for
 
 
 @dataclass
@@ -44,6 +55,18 @@ def cast_shards(shards: List[torch.Tensor], scales: List[torch.Tensor], dtype: t
     top = torch.finfo(dtype).max
     return [(shard.to(torch.float32) * scale).clamp(min=-top, max=top).to(dtype)
             for shard, scale in zip(shards, scales)]
+
+
+def wrapper_lacks(local: torch.Tensor) -> List[str]:
+    """What ``local`` (a weight's local tensor) lacks of torchao's weight wrapper as this module reads it; nothing
+    for a tensor FSDP2 gathers as it is (no ``fsdp_pre_all_gather``)."""
+    hook = getattr(type(local), "fsdp_pre_all_gather", None)
+    if hook is None:
+        return []
+    lacks = [f"attribute {name}" for name in WRAPPER_READS if not hasattr(local, name)]
+    if tuple(inspect.signature(hook).parameters) != PRE_ALL_GATHER_ARGUMENTS:
+        lacks.append(f"fsdp_pre_all_gather({', '.join(PRE_ALL_GATHER_ARGUMENTS)})")
+    return lacks
 
 
 def _pre_all_gather(local: torch.Tensor, mesh) -> Tuple[tuple, tuple]:
@@ -65,6 +88,17 @@ class WeightCasts:
         # One function over every shard: 0.79 ms a step graphed at Llama 1b on an H200, 5.0 s to compile (a kernel
         # per shape); RESULTS.md has the alternatives measured
         self._cast: Callable = torch.compile(cast_shards, dynamic=False) if compiled else cast_shards
+
+    def surface_differs(self) -> Optional[str]:
+        """What the model's torchao weight wrappers lack of what the cast reads (one line, naming the torchao
+        version and the tested range), or None where they have it all."""
+        for param in self.model.parameters():
+            local = param._local_tensor if is_dtensor(param) else None
+            lacks = wrapper_lacks(local) if local is not None else []
+            if lacks:
+                return (f"torchao {_torchao_version()}'s {type(local).__name__} lacks {', '.join(lacks)} (tested: "
+                        f"torchao{TESTED_TORCHAO})")
+        return None
 
     def weights(self) -> List[torch.Tensor]:
         """The local tensor of each weight FSDP2 gathers in float8, asked each step: FSDP2 gives a parameter a new
@@ -98,3 +132,9 @@ class WeightCasts:
         for local in self.cast_on:
             setattr(local, CAST, None)
         self.cast_on = []
+
+
+def _torchao_version() -> str:
+    import torchao  # imported already: the weights it is asked about are torchao's
+
+    return torchao.__version__

@@ -11,10 +11,11 @@ the DTensor path's: the same kernel on the same numbers.
 ``on_local_shards(cls)`` is ``cls`` with a ``step`` that, for the length of the step, puts each
 parameter's local tensor (with its local gradient and local state) where the optimizer looks, and
 runs ``cls``'s own step: every option (fused, foreach, capturable, amsgrad, maximize, a tensor lr,
-param groups, decoupled weight decay) behaves as ``cls`` has it. What the optimizer keeps stays as
-torch keeps it: parameters and state are DTensors (the state of a first step is wrapped as DTensors
-over the very tensors the step wrote), so sharded checkpoints and resuming at another world size
-are unchanged. Clipping runs before the step on the DTensor gradients, over the global norm.
+param groups, decoupled weight decay) behaves as ``cls`` has it. Step hooks run once, around this
+step, over the DTensors (not again around ``cls``'s step, over the shards). What the optimizer keeps
+stays as torch keeps it: parameters and state are DTensors (the state of a first step is wrapped as
+DTensors over the very tensors the step wrote), so sharded checkpoints and resuming at another world
+size are unchanged. Clipping runs before the step on the DTensor gradients, over the global norm.
 """
 from __future__ import annotations
 
@@ -23,16 +24,11 @@ from typing import Dict, Type
 
 import torch
 
-from graphing.sharded import is_dtensor
+from graphing.sharded import local_tensor
 
 # Elementwise optimizers whose update on a shard is the update of the whole parameter, restricted
 # to it. Any other class (one that mixes elements, as a norm-based update does) keeps the DTensor path.
 ELEMENTWISE = (torch.optim.Adam, torch.optim.AdamW)
-
-
-def local_tensor(tensor):
-    """A DTensor's local tensor (the tensor itself: under no_grad ``to_local`` returns it, no view), else as is."""
-    return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
 class LocalShardStep:
@@ -59,7 +55,7 @@ class LocalShardStep:
             group["params"] = local_params
         self.state = local_state
         try:
-            return super().step()
+            return _without_step_hooks(super().step)(self)
         finally:
             self.state = state
             for group, params in zip(self.param_groups, groups):
@@ -69,6 +65,15 @@ class LocalShardStep:
                     local.grad = None  # the gradient stays the DTensor's (p.grad)
                 if not state.get(p) and local_state.get(local):  # this step made the state: keep it as torch would
                     state[p] = {key: _as_shard_of(value, p, local) for key, value in local_state[local].items()}
+
+
+def _without_step_hooks(step):
+    """The optimizer class's own ``step`` (unbound), without the wrapper torch puts around a class's ``step`` to run
+    the step hooks once an instance exists (``Optimizer._patch_step_function``, which marks it ``hooked``): the
+    hooks ran around ``LocalShardStep.step``, over the DTensor parameters, and must not run again over the shards."""
+    if getattr(step, "hooked", False):
+        return step.__wrapped__
+    return step.__func__
 
 
 def _as_shard_of(value, p, local):
