@@ -12,16 +12,20 @@ A sample is the window of ``context + 1`` tokens starting at ``i * context``: co
 windows share their boundary token, so every token is predicted exactly once per epoch.
 Which windows a step sees, and in what order, is the loader's business (a seeded
 permutation per epoch and rank); ``TokenWindows`` only maps an index to its window.
+
+Directories of documents (format 2, the second half of this file) add where each document starts
+and, for conversations, which tokens carry loss; ``document_splits`` reads them as packed rows.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import numpy as np
 import torch
 
+from trainer.data.packing import DEFAULT_BUFFER, Documents, PackedDocuments, check_offsets
 from trainer.run.errors import ConfigError
 from trainer.recipe import Split
 
@@ -147,3 +151,127 @@ def token_splits(root, context: int, vocab: int, data_key: str = "recipe.data.ro
     meta = read_header(root, context, vocab, data_key, vocab_key)
     directory = Path(root).expanduser()
     return tuple(TokenWindows(directory / name, meta["dtype"], context) for name in SPLIT_FILES)
+
+
+# ---- documents: format 2 ------------------------------------------------------------------
+#
+# ``prepare_text.py --input documents|jsonl|chat|pairs`` writes, beside each split's .bin, where its
+# documents start and, for conversations and prompt/completion pairs, which tokens carry loss:
+#
+#   train.docs.npy   int64 [documents + 1]: document d is train.bin[offsets[d]:offsets[d + 1]]
+#   train.loss.bin   uint8 [tokens]: 1 where the token is a target that carries loss (absent: every token)
+#
+# and meta.json says so (older directories have no "format": one stream, format 1)::
+#
+#   {"format": 2, ..., "documents": {"train.bin": 1200, "val.bin": 134},
+#    "document_offsets": {"train.bin": "train.docs.npy", "val.bin": "val.docs.npy"},
+#    "loss_mask": {"train.bin": "train.loss.bin", "val.bin": "val.loss.bin"},   (or null)
+#    "input": "chat", "loss": "assistant", "end_of_text": 2}
+#
+# Each document ends with the end-of-text token. ``document_splits`` packs them into rows
+# (trainer/data/packing.py); ``token_splits`` still reads the same files as windows of one stream.
+
+FORMAT_VERSION = 2
+DOCUMENT_SUFFIX = ".docs.npy"
+LOSS_SUFFIX = ".loss.bin"
+
+
+def companion(split_file: str, suffix: str) -> str:
+    """The file beside a split's tokens: ("train.bin", ".docs.npy") -> "train.docs.npy"."""
+    return split_file[: -len(".bin")] + suffix
+
+
+class DocumentFiles(Documents):
+    """One split's documents from its files, memory-mapped lazily in each process (pickles small, like
+    ``TokenWindows``)."""
+
+    def __init__(self, directory, split_file: str, dtype: str, loss_file: Optional[str] = None):
+        self.directory, self.split_file, self.dtype, self.loss_file = Path(directory), split_file, dtype, loss_file
+        self.name = str(self.directory / split_file)
+        self._maps: Optional[Dict] = None
+
+    def _map(self) -> Dict:
+        if self._maps is None:
+            tokens = np.memmap(self.directory / self.split_file, dtype=self.dtype, mode="r")
+            offsets = np.load(self.directory / companion(self.split_file, DOCUMENT_SUFFIX), mmap_mode="r")
+            self._maps = {"tokens": tokens, "offsets": offsets,
+                          "targets": (np.memmap(self.directory / self.loss_file, dtype=np.uint8, mode="r")
+                                      if self.loss_file else None)}
+        return self._maps
+
+    @property
+    def tokens(self) -> np.ndarray:
+        return self._map()["tokens"]
+
+    @property
+    def offsets(self) -> np.ndarray:
+        return self._map()["offsets"]
+
+    @property
+    def targets(self) -> Optional[np.ndarray]:
+        return self._map()["targets"]
+
+    def __getstate__(self) -> Dict:
+        state = dict(self.__dict__)
+        state["_maps"] = None  # a memmap would pickle as a copy of the whole file
+        return state
+
+
+def read_document_header(root, vocab: int, data_key: str = "recipe.data.root",
+                         vocab_key: str = "recipe.model.vocab") -> Dict:
+    """``read_header``'s checks, and the document files' (offsets and loss masks agree with the tokens):
+    ConfigError names what to fix. A directory of one stream (format 1) is refused, saying how to re-create it."""
+    meta = read_header(root, 0, vocab, data_key, vocab_key)  # context 0: a split needs a token, not a window
+    directory = Path(root).expanduser()
+    meta_path = directory / META
+    redo = (f"re-create it with `python scripts/prepare_text.py INPUT... --input documents --output {root}` "
+            "(or --input jsonl, chat, pairs)")
+    version = meta.get("format", 1)
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise ConfigError(f"{meta_path} says format={version!r}; this version reads up to {FORMAT_VERSION}: "
+                          f"update the repository, or {redo}")
+    if version < 2 or not isinstance(meta.get("documents"), dict):
+        raise ConfigError(f"{meta_path} describes one token stream without document boundaries (format {version}): "
+                          f"{redo}")
+    loss_files = meta.get("loss_mask") or {}
+    for name in SPLIT_FILES:
+        try:
+            offsets = np.load(directory / companion(name, DOCUMENT_SUFFIX), mmap_mode="r")
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{directory / companion(name, DOCUMENT_SUFFIX)} cannot be read "
+                              f"({type(e).__name__}: {e}): {redo}") from None
+        if offsets.dtype != np.int64 or len(offsets) != meta["documents"].get(name, -1) + 1:
+            raise ConfigError(f"{directory / companion(name, DOCUMENT_SUFFIX)} holds {len(offsets)} {offsets.dtype} "
+                              f"offsets but {meta_path} says {meta['documents'].get(name)} documents: {redo}")
+        try:
+            check_offsets(np.asarray(offsets), meta["tokens"][name], str(directory / companion(name, DOCUMENT_SUFFIX)))
+        except ValueError as e:
+            raise ConfigError(f"{e}: {redo}") from None
+        if name in loss_files:
+            path = directory / loss_files[name]
+            if not path.is_file() or path.stat().st_size != meta["tokens"][name]:
+                size = path.stat().st_size if path.is_file() else "no"
+                raise ConfigError(f"{path} holds {size} bytes but {meta_path} says {meta['tokens'][name]} tokens, "
+                                  f"one loss-mask byte each: {redo}")
+    return meta
+
+
+def document_splits(root, context: int, vocab: int, *, seed: int = 0, buffer: int = DEFAULT_BUFFER,
+                    split_long: bool = True, max_documents: Optional[int] = None,
+                    data_key: str = "recipe.data.root", vocab_key: str = "recipe.model.vocab",
+                    split_key: str = "split_long_documents",
+                    context_key: str = "recipe.model.context") -> Tuple[PackedDocuments, PackedDocuments]:
+    """(train, test) packed rows of the documents in ``root`` (trainer/data/packing.py), after
+    ``read_document_header``'s checks. The test split takes the training split's ``max_documents``, so both
+    carry ``cu_seqlens`` of one length."""
+    meta = read_document_header(root, vocab, data_key, vocab_key)
+    directory = Path(root).expanduser()
+    loss_files = meta.get("loss_mask") or {}
+    splits = []
+    for name in SPLIT_FILES:
+        documents = DocumentFiles(directory, name, meta["dtype"], loss_files.get(name))
+        splits.append(PackedDocuments(documents, context, seed=seed, buffer=buffer, split_long=split_long,
+                                      max_documents=max_documents, x_dtype=input_dtype(meta["dtype"]),
+                                      split_key=split_key, context_key=context_key))
+        max_documents = splits[0].max_documents
+    return splits[0], splits[1]

@@ -1,6 +1,7 @@
 """The loaders that feed a training step with static shapes, one module per job: the epoch's
-shape (epochs), the device loader, the host loader, dataset items, and the choice between the
-loaders (choice), and real data or its synthetic stand-in (sources). Both loaders yield the same
+shape (epochs), the device loader, the host loader, dataset items, the DataLoader workers that
+read them and end with their rank (workers), the choice between the loaders (choice), real
+data or its synthetic stand-in (sources), and whole documents packed into fixed-shape rows (packing). Both loaders yield the same
 batches in the same order for a given seed, epoch and rank, so that choosing one never changes what
 a run learns.
 """
