@@ -20,12 +20,13 @@ learning rate to the optimizer's keys, and base_lr and total_steps to the schedu
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, FrozenSet, List, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 
 from graphing.options import CaptureErrorMode, CompileMode, GraphMode, OnCaptureFailure
 
@@ -287,9 +288,11 @@ class CheckpointConfig:
     init_from: Optional[str] = None  # a checkpoint whose weights start a fresh run (fine-tuning)
     best_metric: Optional[str] = None  # e.g. eval/accuracy (higher is better) or eval/loss (lower): best.pt
     # A new directory the recipe writes its trained model to at the end of the run, in its library's format
-    # (hf_causal_lm: a save_pretrained directory; sharded runs write from their shards). Refused if it exists
+    # (hf_causal_lm: a save_pretrained directory; sharded runs write from their shards). Refused if it exists,
+    # unless it is this run's own (the same command again: trainer/checkpoint/export.py)
     export: Optional[str] = None
-    export_dtype: ExportDtype = ExportDtype.fp32  # of the exported weights (their config.json says it too)
+    # of the exported weights (their config.json says it too); with checkpoint.export only (refused without)
+    export_dtype: ExportDtype = ExportDtype.fp32
 
 
 @dataclass
@@ -318,6 +321,54 @@ def changed_settings(node, defaults) -> Dict[str, Any]:
     return {k: v for k, v in values.items() if v != base.get(k)}
 
 
+def settings_the_user_changed(cfg, path: str, defaults) -> Dict[str, Any]:
+    """``changed_settings`` of the group at ``path`` (``train.fsdp``), kept to the keys that this job's own
+    overrides set (the command line; a script's overrides): what the plan refuses where a setting means nothing.
+    A recipe's or an experiment's values are its presets (gpt_1b's ``train.fsdp.init=meta`` is for fsdp2, and
+    ``train.parallel=ddp`` leaves it unread), never refused. For a config composed without a record of its
+    overrides (built in code), every value that differs from the schema's default counts."""
+    changed = changed_settings(OmegaConf.select(cfg, path), defaults)
+    overridden = keys_overridden(cfg)
+    if overridden is None:
+        return changed
+    return {k: v for k, v in changed.items()
+            if any(f"{path}.{k}" == key or f"{path}.{k}".startswith(f"{key}.") for key in overridden)}
+
+
+def as_typed(value) -> str:
+    """A setting's value as an override types it (``true``, ``null``, ``bf16``), for messages that name one."""
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+# The keys each config that compose() returned had overridden, by id(cfg), with a weak reference that tells a
+# config still alive from a new one that reuses its id.
+_overridden_by_config: Dict[int, Any] = {}
+
+
+def keys_overridden(cfg) -> Optional[FrozenSet[str]]:
+    """The config keys (``train.fsdp.init``; not group choices such as ``recipe=gpt_1b``) that ``cfg``'s overrides
+    set: compose()'s for a config it returned, else this job's command line under ``@hydra.main`` (train.py);
+    None where neither is known."""
+    from hydra.core.hydra_config import HydraConfig
+
+    recorded = _overridden_by_config.get(id(cfg))
+    if recorded is not None and recorded[0]() is cfg:
+        return recorded[1]
+    try:
+        hydra_cfg = HydraConfig.get()
+    except ValueError:  # not under @hydra.main
+        return None
+    return _value_keys(hydra_cfg.overrides.task, hydra_cfg.runtime.choices)
+
+
+def _value_keys(overrides, choices) -> FrozenSet[str]:
+    """The keys of ``overrides`` that set values, not group choices (``choices``: Hydra's chosen groups)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(list(overrides))
+    return frozenset(o.key_or_group for o in parsed if o.key_or_group not in choices and not o.is_hydra_override())
+
+
 def register_configs() -> None:
     """Stores the typed schema in Hydra's ConfigStore, once per process: storing converts the whole dataclass
     tree into a config (a fifth of a compose's time), and every load hands out a copy of the stored one."""
@@ -332,7 +383,8 @@ def compose(overrides=(), config_dir=None, config_name="train"):
     does: after conf/ (a file of the same name in conf/ wins), so ``DIR/recipe/mine.yaml`` is
     ``recipe=mine``; a relative path is from the current directory. ``config_name`` is the
     primary config (``--config-name``). Raises Hydra's own errors (hydra.errors.HydraException),
-    with the words train.py prints for the same command line.
+    with the words train.py prints for the same command line. The keys the overrides set are kept for the
+    plan (``keys_overridden``), as @hydra.main keeps them for train.py.
     """
     import os
 
@@ -356,6 +408,14 @@ def compose(overrides=(), config_dir=None, config_name="train"):
     version.setbase("1.3")
     Hydra.create_main_hydra2(task_name="train", config_search_path=search_path)
     try:
-        return hydra_compose(config_name=config_name, overrides=list(overrides))
+        cfg = hydra_compose(config_name=config_name, overrides=list(overrides), return_hydra_config=True)
     finally:
         GlobalHydra.instance().clear()
+    # What the overrides set, kept for the plan (keys_overridden), as @hydra.main keeps it in HydraConfig
+    keys = _value_keys(cfg.hydra.overrides.task, cfg.hydra.runtime.choices)
+    with open_dict(cfg):
+        del cfg["hydra"]
+    for stale in [k for k, (ref, _) in _overridden_by_config.items() if ref() is None]:
+        del _overridden_by_config[stale]
+    _overridden_by_config[id(cfg)] = (weakref.ref(cfg), keys)
+    return cfg

@@ -88,7 +88,8 @@ CASES = [
     pytest.param(["graph.max_graphs=0"], ["graph.max_graphs=0 must be at least 1", "set graph.max_graphs=8"],
                  id="max-graphs-zero"),
     pytest.param(["train.ddp.bucket_cap_mb=0"], ["train.ddp.bucket_cap_mb=0.0 must be a positive number of MiB",
-                                                 "or null for torch's default"], id="ddp-bucket-zero"),
+                                                 "or train.ddp.bucket_cap_mb=null for torch's default"],
+                 id="ddp-bucket-zero"),
     pytest.param(["recipe.data.worker_timeout_s=0"], ["recipe.data.worker_timeout_s=0.0 must be a positive number of "
                                                       "seconds"], id="worker-timeout-zero"),
 ]

@@ -141,3 +141,33 @@ def test_cfg_job_prints_the_resolved_config_and_refuses_bad_choices(out):
     bad = launch(["graph.capture_error_mode=bogus", "device=tpu", "--cfg", "job"], out, timeout=60)
     assert bad.returncode == 2 and "Invalid value 'bogus'" in bad.stderr and "Traceback" not in bad.stderr
     assert not Path(out).exists()
+
+
+@pytest.mark.fast
+def test_only_what_the_user_typed_is_refused_as_a_setting_of_the_other_parallel_mode():
+    # gpt_1b's own train.fsdp.init=meta is its preset for fsdp2: a user who switches to ddp is not refused for it
+    import torch
+
+    from conf.schema import keys_overridden
+    from trainer.plan import plan_run
+    from trainer.run.errors import ConfigError
+
+    cfg = compose(["recipe=gpt_1b", "train.parallel=ddp"])
+    assert cfg.train.fsdp.init.value == "meta" and keys_overridden(cfg) == {"train.parallel"}  # recipe=: a group
+    assert not plan_run(cfg, torch.device("cpu"), 1).parallelism.sharded
+    with pytest.raises(ConfigError, match=r"train.fsdp.init=meta is a setting of train.parallel=fsdp2, but this run "
+                                          r"uses train.parallel=ddp: drop train.fsdp.init=meta from the overrides"):
+        plan_run(compose(["recipe=gpt_1b", "train.parallel=ddp", "train.fsdp.init=meta"]), torch.device("cpu"), 1)
+    assert keys_overridden(compose(["train.fsdp={init: meta}", "+recipe.model.width=3"])) == {
+        "train.fsdp", "recipe.model.width"}
+
+
+def test_a_recipe_built_for_fsdp2_trains_under_ddp_when_the_user_switches(out):
+    # the command line as a user types it (train.py under @hydra.main), gpt_1b's body made small for a CPU
+    done = launch(["recipe=gpt_1b", "train.parallel=ddp", "experiment=debug", "recipe.model.vocab=256",
+                   "recipe.data.batch_size=2", "train.max_steps=2", "logger=none", "train.eval=false",
+                   "train.progress=false"], out, timeout=180)
+    assert done.returncode == 0, done.output[-3000:]
+    assert done.results()["steps"] == 2
+    config = (done.run_dir / "config.yaml").read_text()
+    assert "parallel: ddp" in config and "blocks_used" not in config  # replicated, not sharded

@@ -64,10 +64,15 @@ def test_fine_tune_from_weights_evaluate_a_checkpoint_and_keep_the_best(train_he
 
 @pytest.mark.fast
 def test_checkpoint_save_false_trains_without_writing_any_checkpoint(train_here, out):
-    done = train_here([*ARGS, "train.max_steps=12", "checkpoint.save=false"], out / "none")
+    no_cadence = [a for a in ARGS if not a.startswith("checkpoint.every_steps=")]
+    done = train_here([*no_cadence, "train.max_steps=12", "checkpoint.save=false"], out / "none")
     assert done.returncode == 0, done.stderr[-3000:]
     assert list_checkpoints(done.run_dir) == [] and done.results()["steps"] == 12  # none: not even at the end
-    refused = train_here([*ARGS, "checkpoint.save=false", "checkpoint.best_metric=eval/loss"], out / "best")
+    # a cadence typed beside save=false would mean nothing: refused, naming both keys
+    unread = train_here([*ARGS, "checkpoint.save=false"], out / "cadence")
+    assert unread.returncode == 2
+    assert "checkpoint.every_steps=10 is read only with checkpoint.save=true" in unread.stderr
+    refused = train_here([*no_cadence, "checkpoint.save=false", "checkpoint.best_metric=eval/loss"], out / "best")
     assert refused.returncode == 2
     assert "checkpoint.best_metric=eval/loss writes best.pt, but checkpoint.save=false" in refused.stderr
 

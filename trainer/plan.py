@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import os
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -37,9 +38,11 @@ from typing import Any, Callable, Dict
 import torch
 from omegaconf import OmegaConf
 
-from conf.schema import GraphConfig, LossScaleConfig, changed_settings
+from conf.schema import (CheckpointConfig, DataConfig, GraphConfig, LossScaleConfig, as_typed,
+                         settings_the_user_changed)
 from graphing import GraphConfigError, GraphMode, GraphOptions
 from trainer.checkpoint import checkpoint_exists
+from trainer.checkpoint.export import check_export_target, export_directory
 from trainer.data import choose_loader, extra_input_names, item_problem
 from trainer.run.errors import ConfigError
 from trainer.recipe import Recipe
@@ -99,7 +102,7 @@ def plan_run(cfg, device: torch.device, world_size: int) -> RunPlan:
     _check_values(cfg)
     build_recipe, optimizer = recipe_builder(cfg), optimizer_spec(cfg.recipe.optim)
     precision = resolve_precision(cfg.train.precision.value, device)
-    _check_loss_scale(cfg.train, precision)
+    _check_loss_scale(cfg, precision)
     graph = graph_options(cfg, device, world_size)
     check_captured_optimizer(optimizer, captured=graph.mode is GraphMode.full)
     parallelism = plan_parallelism(cfg, device, world_size, precision, graph, optimizer.target, optimizer.cls)
@@ -135,7 +138,7 @@ def _check_values(cfg) -> None:
     cap = t.ddp.bucket_cap_mb
     if cap is not None and not 0 < cap < math.inf:
         raise ConfigError(f"train.ddp.bucket_cap_mb={cap} must be a positive number of MiB: set "
-                          "train.ddp.bucket_cap_mb=25 (say), or null for torch's default")
+                          "train.ddp.bucket_cap_mb=25 (say), or train.ddp.bucket_cap_mb=null for torch's default")
     if t.max_steps is not None and t.max_steps < 1:
         raise ConfigError(f"train.max_steps={t.max_steps} must be at least 1 (or null for whole epochs)")
     if c.resume not in ("auto", "never") and not checkpoint_exists(c.resume):
@@ -143,10 +146,12 @@ def _check_values(cfg) -> None:
                           "or a sharded checkpoint's step_N.dcp directory): set checkpoint.resume=auto")
     if c.init_from is not None and not checkpoint_exists(c.init_from):
         raise ConfigError(f"checkpoint.init_from={c.init_from!r} is not a checkpoint: point it at one "
-                          "(checkpoints/step_*.pt, step_*.dcp or best.pt of a run), or drop it")
-    if c.export is not None and Path(c.export).expanduser().exists():
-        raise ConfigError(f"checkpoint.export={c.export!r} exists: give a new directory (an export never writes over "
-                          "one)")
+                          "(checkpoints/step_*.pt, step_*.dcp or best.pt of a run), or drop checkpoint.init_from")
+    if c.export is not None:  # an existing one only if it may be this run's own (decided once it has resumed)
+        # run_dir=null is a new directory, except under a torchrun job, whose restart finds the job's (runtime.py)
+        restart = os.environ.get("TORCHELASTIC_RUN_ID", "none") not in ("", "none")
+        check_export_target(export_directory(c.export), Path(cfg.run_dir) if cfg.run_dir else None,
+                            may_be_this_run=restart)
     if not c.save and c.best_metric is not None:
         raise ConfigError(f"checkpoint.best_metric={c.best_metric} writes best.pt, but checkpoint.save=false writes "
                           "no checkpoint: drop checkpoint.best_metric, or set checkpoint.save=true")
@@ -156,6 +161,26 @@ def _check_values(cfg) -> None:
     if c.best_metric is not None and not (c.best_metric.startswith("eval/") and t.eval):
         raise ConfigError(f"checkpoint.best_metric={c.best_metric!r}: name an evaluation metric (eval/accuracy, "
                           "eval/loss) and keep train.eval=true")
+    _refuse_unread(cfg, "checkpoint", CheckpointConfig, ("export_dtype",), read=c.export is not None,
+                   needs="checkpoint.export", fix="checkpoint.export=<a new directory>")
+    _refuse_unread(cfg, "checkpoint", CheckpointConfig, ("every_steps", "every_epochs", "every_minutes"), read=c.save,
+                   needs="checkpoint.save=true", fix="checkpoint.save=true")
+    _refuse_unread(cfg, "recipe.data", DataConfig, ("worker_start", "worker_timeout_s"), read=d.num_workers > 0,
+                   needs="recipe.data.num_workers above 0 (DataLoader workers)", fix="recipe.data.num_workers=2")
+
+
+def _refuse_unread(cfg, path: str, defaults, keys, read: bool, needs: str, fix: str) -> None:
+    """Refuses a setting of ``keys`` (under ``path``) that only matters beside another, where that other says it is
+    not read: only when the user set it (a recipe's or an experiment's preset is not refused), and not to a value
+    that turns it off (0, false), which agrees with it being unread."""
+    if read:
+        return
+    changed = settings_the_user_changed(cfg, path, defaults)
+    for key in keys:
+        value = changed.get(key)
+        if value:
+            raise ConfigError(f"{path}.{key}={as_typed(value)} is read only with {needs}, which this run does not set: "
+                              f"set {fix}, or drop {path}.{key}")
 
 
 def resolve_precision(setting: str, device: torch.device) -> str:
@@ -169,11 +194,12 @@ def resolve_precision(setting: str, device: torch.device) -> str:
     return setting
 
 
-def _check_loss_scale(train, precision: str) -> None:
+def _check_loss_scale(cfg, precision: str) -> None:
     """``train.loss_scale`` is fp16's: set for another precision, it is refused, naming the key."""
     if precision == "fp16":
         return
-    for key, value in changed_settings(train.loss_scale, LossScaleConfig).items():
+    train = cfg.train
+    for key, value in settings_the_user_changed(cfg, "train.loss_scale", LossScaleConfig).items():
         raise ConfigError(f"train.loss_scale.{key}={value:g} applies to train.precision=fp16 only, but this run "
                           f"trains in {precision} (train.precision={train.precision.value}): set "
                           f"train.precision=fp16, or drop train.loss_scale.{key}")
@@ -259,9 +285,8 @@ def graph_options(cfg, device: torch.device, world_size: int) -> GraphOptions:
         options = options.resolved(device.type, world_size, torch.cuda.is_available())
     except GraphConfigError as e:
         raise ConfigError(e.render(graph_setting)) from None
-    if not g.compare and g.compare_steps != GraphConfig.compare_steps:
-        raise ConfigError(f"graph.compare_steps={g.compare_steps} is read only with graph.compare=true: set "
-                          "graph.compare=true (experiment=compare), or drop graph.compare_steps")
+    _refuse_unread(cfg, "graph", GraphConfig, ("compare_steps",), read=g.compare, needs="graph.compare=true",
+                   fix="graph.compare=true (experiment=compare)")
     if g.compare and options.mode is not GraphMode.full:
         raise ConfigError(f"graph.compare=true times eager steps against full-graph steps, but graph.mode "
                           f"resolves to {options.mode.value} here: set graph=full on a GPU (or drop graph.compare)")

@@ -216,20 +216,31 @@ def train(cfg) -> int:
 
 
 def fit_job(session: Session) -> int:
-    """The training job, after the plan and the join: build, resume, fit, results."""
+    """The training job, after the plan and the join: build, resume, fit, export, results. The same command on a
+    complete run exits 0 having done nothing, or only the export it had not finished (trainer/checkpoint/export.py)."""
+    from trainer.checkpoint.export import export_directory, export_is_done
+
     cfg = session.cfg
     trainer = session.build()  # recipe, model, executor, optimizer, loaders, steps, checkpointable state
     start_step, wandb_run_id = trainer.resume(cfg.checkpoint)  # before any warm-up or capture
-    if start_step >= trainer.total_steps and not cfg.train.eval_only:
-        say_complete(trainer, start_step)  # a finished run is left alone
+    # The trained model in its library's format (Recipe.export), written once the run is complete
+    export = export_directory(cfg.checkpoint.export)
+    last_step = None if cfg.train.eval_only else trainer.total_steps
+    if export is not None and export_is_done(export, trainer.rt.run_dir, last_step):  # else refused, or not yet
+        say_complete(trainer, max(start_step, last_step), export)  # a finished run is left alone
+        return 0
+    if last_step is not None and start_step >= last_step:
+        if export is not None:  # it finished training but not its export (killed, restarted): from its checkpoint
+            trainer.export(export, start_step)
+        say_complete(trainer, start_step, export)
         return 0
     session.open_run_dir()
     trainer.state.on_rank0(lambda: write_run_config(trainer))
     announce(trainer)
     logger = session.open_logger(trainer.config, job_type=trainer.plan.mode, run_id=wandb_run_id)
     summary = trainer.fit(logger, start_step)
-    if cfg.checkpoint.export is not None:  # the trained model in its library's format (Recipe.export)
-        trainer.export(Path(cfg.checkpoint.export).expanduser().resolve())
+    if export is not None:
+        trainer.export(export, start_step if last_step is None else last_step)
     # Not on disk: no exit 0.
     trainer.state.on_rank0(lambda: write_results(trainer, logger, summary))
     return 0
@@ -267,11 +278,12 @@ def write_results(trainer: "Trainer", logger, summary) -> None:
     write_json(trainer.rt.run_dir / ("eval.json" if trainer.plan.cfg.train.eval_only else "results.json"), summary)
 
 
-def say_complete(trainer: "Trainer", done: int) -> None:
+def say_complete(trainer: "Trainer", done: int, export: Optional[Path] = None) -> None:
     from trainer.run.runtime import print_once
 
     results = trainer.rt.run_dir / "results.json"
-    where = (f"results in {results}" if results.exists() else  # its final write failed (exit 5)
+    where = (f"results in {results}" if results.exists() else  # its final write failed (exit 5), or its export
              f"{results.name} could not be written at its end: its summary is the last row of metrics.jsonl")
-    print_once(f"run {trainer.rt.run_dir} is complete: {done} of {trainer.total_steps} steps done; {where}. "
+    exported = f"; its trained model exported to {export}" if export is not None else ""
+    print_once(f"run {trainer.rt.run_dir} is complete: {done} of {trainer.total_steps} steps done; {where}{exported}. "
                "Ask for more (train.epochs, train.max_steps) to continue it, or set run_dir=... for a new run")

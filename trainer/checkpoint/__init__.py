@@ -20,6 +20,7 @@ whatever format the live model writes (so a DDP run starts from a sharded checkp
     rng.py            every process's RNG states, saved and restored
     unreadable.py     UnreadableCheckpoint: a one-line cause, never torch's advice to unpickle
     state.py          TrainingState: what a run saves, saving it on every rank, resuming it
+    export.py         checkpoint.export's directory: the record of whose export it is, a re-run's decision
 
 Every write goes to a temp name and is renamed once complete, so after a crash at any point a
 checkpoint name holds a complete checkpoint or nothing; one damaged later (a truncated file) is

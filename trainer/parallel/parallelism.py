@@ -21,7 +21,9 @@ from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 import torch
 
-from conf.schema import DDPConfig, FSDPConfig, changed_settings
+from omegaconf import OmegaConf
+
+from conf.schema import DDPConfig, FSDPConfig, as_typed, settings_the_user_changed
 from graphing import GraphOptions
 from graphing.compat import ddp_buffer_sync_argument
 from trainer.run.errors import ConfigError
@@ -93,16 +95,19 @@ def plan_parallelism(cfg, device: torch.device, world_size: int, precision: str,
     t = cfg.train
     parallel = t.parallel.value
     float8 = float8_spec(cfg, device, precision, compiled=graph.compile_model)  # torchao's absence said first
-    # The other parallel's settings group: (its key, the train.parallel it belongs to, what this run changed there)
-    group, owner, changed = (("fsdp", "fsdp2", changed_settings(t.fsdp, FSDPConfig)) if parallel == "ddp" else
-                             ("ddp", "ddp", changed_settings(t.ddp, DDPConfig)))
+    # The other parallel's settings group: (its key, the train.parallel it belongs to, its schema). Only what the user
+    # set there is refused: a recipe's own presets for the other mode (gpt_1b's fsdp2 init=meta) let a user switch
+    group, owner, schema = ("fsdp", "fsdp2", FSDPConfig) if parallel == "ddp" else ("ddp", "ddp", DDPConfig)
+    changed = settings_the_user_changed(cfg, f"train.{group}", schema)
     # FSDP2 never broadcasts buffers while training, as broadcast_buffers=false (a recipe's own choice, e.g.
     # cifar10_resnet18's) asks; evaluation takes rank 0's under both (trainer/trainer.py take_rank0_buffers)
     changed.pop("broadcast_buffers", None)
+    defaults = OmegaConf.to_container(OmegaConf.structured(schema), enum_to_str=True)
     for key, value in changed.items():
-        shown = str(value).lower() if isinstance(value, bool) else value
+        shown, default = (as_typed(v) for v in (value, defaults[key]))
         raise ConfigError(f"train.{group}.{key}={shown} is a setting of train.parallel={owner}, but this run uses "
-                          f"train.parallel={parallel}: drop train.{group}.{key}, or set train.parallel={owner}")
+                          f"train.parallel={parallel}: drop train.{group}.{key}={shown} from the overrides (or set "
+                          f"train.{group}.{key}={default}, its default), or set train.parallel={owner}")
     if parallel == "ddp":
         return Parallelism(ddp_spec(cfg, world_size), float8)
     return Parallelism(fsdp_spec(cfg, precision, graph, optimizer_target, optimizer_cls), float8)

@@ -30,6 +30,7 @@ best.pt, are trainer/checkpoint/dcp_shards.py's.
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Iterable, List, Optional
 
@@ -68,7 +69,8 @@ def fsdp_spec(cfg, precision: str, graph: GraphOptions, optimizer_target: str, o
     if t.fsdp.reduce_dtype.value == "bf16" and precision != "bf16":
         raise ConfigError(f"train.fsdp.reduce_dtype=bf16 reduces bf16 gradients, but train.precision resolves to "
                           f"{precision}: set train.precision=bf16, or train.fsdp.reduce_dtype=fp32")
-    check_optimizer(optimizer_target, optimizer_cls, captured=graph.mode is GraphMode.full)
+    check_optimizer(optimizer_target, optimizer_cls, captured=graph.mode is GraphMode.full,
+                    optim_keys=list(cfg.recipe.optim.keys()))
     return FSDPSpec(reshard_after_forward=t.fsdp.reshard_after_forward, reduce_dtype=t.fsdp.reduce_dtype.value,
                     init=t.fsdp.init.value, root=t.fsdp.root.value)
 
@@ -164,14 +166,18 @@ def check_blocks(model: torch.nn.Module, blocks: List[torch.nn.Module], recipe: 
     return None
 
 
-def check_optimizer(optimizer_target: str, cls: type, captured: bool) -> None:
-    """Refuses an optimizer whose step cannot run on DTensor shards as this run needs it, by name."""
+def check_optimizer(optimizer_target: str, cls: type, captured: bool, optim_keys: Iterable[str] = ()) -> None:
+    """Refuses an optimizer whose step cannot run on DTensor shards as this run needs it, by name; the change to
+    AdamW it proposes drops the keys of ``recipe.optim`` (``optim_keys``) that AdamW does not take."""
     if captured and issubclass(cls, torch.optim.SGD):
+        takes = inspect.signature(torch.optim.AdamW).parameters
+        drop = "".join(f" ~recipe.optim.{key}" for key in optim_keys if not key.startswith("_") and key not in takes)
         raise ConfigError(
             f"recipe.optim._target_={optimizer_target} under train.parallel=fsdp2 with a whole-step graph: SGD steps "
             "inside a CUDA graph only with fused=True (its other kernels read a tensor lr on the host), and torch's "
-            "DTensor has no fused SGD for sharded parameters. Use recipe.optim._target_=torch.optim.AdamW (fused "
-            "and foreach both run on shards), or graph=eager, or train.parallel=ddp")
+            "DTensor has no fused SGD for sharded parameters. Use AdamW (fused and foreach both run on shards): "
+            f"recipe.optim._target_=torch.optim.AdamW{drop} recipe.optim.lr=0.001 (SGD's learning rate is rarely "
+            "AdamW's); or graph=eager, or train.parallel=ddp")
 
 
 def full_norm(norm: torch.Tensor) -> torch.Tensor:
