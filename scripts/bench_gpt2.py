@@ -19,8 +19,11 @@ graphing.GraphedStep (``graphed``); the project with its accuracy off (``accurac
 biases (``biases``), as ``graph=full`` (model not compiled, ``full``) and ``graph=eager`` (``eager``).
 ``--autotune`` adds the project with ``graph.compile_mode=max_autotune_no_cudagraphs`` twice,
 sharing one inductor cache (``--inductor-cache``, default a fresh directory): the first run
-fills it unless it was carried in, the second finds it. Milliseconds are the median step
-(after warm-up and capture), both over runs of ``--steps``; tokens/s = micro-batch x 1024 / that.
+fills it unless it was carried in, the second finds it. Both sides are timed alike (trainer/metrics/perf.py, the
+reference through scripts/lib/timing.py) over runs of ``--steps``, each reading its loss on the host every
+``--log-every`` steps (train.log_every; the reference's ``loss.item()``): tokens/s = micro-batch x 1024 x the timed
+steps / their wall window (the first timed step's start to the last one's end, every read between counted); the
+milliseconds beside it are the median step (after warm-up and capture, a read left out).
 ``--repeats N`` runs the reference and the project N times each at every micro-batch, in pairs that
 alternate which of the two goes first (an H200 under sustained load slows by up to 4%, so the run
 that always went second would always be the warmer one): a row then gives the median of its runs and
@@ -35,7 +38,9 @@ compute, and at the power cap how fast they run: ``--data uniform`` has the proj
 ids too (token files written to a scratch directory, read as ``recipe.data.source=tokens``), every project run
 of the call.
 Prints a markdown table; writes it and the numbers to --output (default
-scripts/results/gpt2_vs_reference.json and .md).
+scripts/results/gpt2_vs_reference.json and .md), every row with the commit, versions and GPU it was measured with.
+A run that fails or runs past ``--timeout`` is marked in its row; the others still run and are written, and the
+script exits 1.
 """
 from __future__ import annotations
 
@@ -50,7 +55,10 @@ from typing import Any, Dict, List, Optional
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from scripts.lib.launch import check_overrides, override_key, run_or_exit  # noqa: E402
+from scripts.lib.comparison import (  # noqa: E402
+    exit_status, gpu_name, provenance, provenance_line, with_provenance,
+)
+from scripts.lib.launch import check_overrides, override_key, run_or_mark  # noqa: E402
 from scripts.reference_gpt2 import VOCAB  # noqa: E402
 from trainer.run.cli import script_config  # noqa: E402
 
@@ -58,7 +66,8 @@ CONTEXT = 1024
 PROJECT = ["recipe=gpt2_small", "graph=full_compiled", "recipe.data.source=synthetic",
            "logger=none", "train.progress=false", "train.eval=false", "checkpoint.keep=1",
            "train.epochs=1000", "checkpoint.every_epochs=0", "checkpoint.every_minutes=0"]  # --steps alone ends a run
-SETS = ("recipe.data.batch_size", "graph", "run_dir", "train.max_steps")  # the script's, per run
+SETS = ("recipe.data.batch_size", "graph", "run_dir", "train.max_steps", "train.log_every")  # the script's, per run
+LOG_EVERY = 50  # gpt2_small's train.log_every: the project as a user runs it, the reference reading as often
 WARMUP = 12  # the reference's untimed steps: train.py's 11 warm-up steps and its capture
 REFERENCE_LEVERS = {  # lever: (row name, the reference's arguments)
     "chunked": ("reference, chunked linear + cross-entropy", ("--loss", "chunked")),
@@ -95,6 +104,9 @@ def main() -> int:
                         help="graph.compile_mode=max_autotune_no_cudagraphs twice, sharing an inductor cache")
     parser.add_argument("--inductor-cache", type=Path, default=None,
                         help="--autotune's inductor cache directory (kept; default: a fresh one, removed)")
+    parser.add_argument("--log-every", type=int, default=LOG_EVERY,
+                        help=f"both sides read their loss on the host every this many steps: train.log_every, and the "
+                             f"reference's loss.item() (default {LOG_EVERY}, gpt2_small's)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take")
     parser.add_argument("--output", type=Path, default=None)
     args, cfg = script_config(parser, defaults=PROJECT)
@@ -111,6 +123,9 @@ def main() -> int:
         parser.error(f"--data uniform sets recipe.data.source and recipe.data.root itself: drop {' '.join(mine)}")
     if args.profile < 0:
         parser.error(f"--profile takes a number of steps, not {args.profile}")
+    if args.log_every < 1:
+        parser.error(f"--log-every must be at least 1, not {args.log_every}")
+    measured = provenance(gpu_name())
     rows: List[Dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as scratch:
         data = uniform_tokens(Path(scratch, "uniform")) if args.data == "uniform" else []
@@ -144,29 +159,34 @@ def main() -> int:
         if args.profile:
             profiles = {"reference": profile_reference(sizes[0], args),
                         "project": profile_project(sizes[0], args, Path(scratch, "profile"), data)}
-    summary = combined(rows)
-    table = markdown(summary)
+    summary = with_provenance(combined(rows), measured)
+    table = markdown(summary) + "\n\n" + provenance_line(measured)
     if profiles:
-        table += "\n\n" + profile_markdown(profiles["reference"], profiles["project"])
+        failed = {side: p["status"] for side, p in profiles.items() if p["status"] != "ok"}
+        table += "\n\n" + ("\n".join(f"The {side}'s profile {status}" for side, status in failed.items()) if failed
+                            else profile_markdown(profiles["reference"], profiles["project"]))
     print(table)
     output = args.output or REPO / "scripts" / "results" / "gpt2_vs_reference.json"
     output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps({"data": args.data, "rows": summary, "runs": rows,
-                                  **({"profiles": profiles} if profiles else {})}, indent=2) + "\n")
+    output.write_text(json.dumps({"data": args.data, "log_every": args.log_every, "provenance": measured,
+                                  "rows": summary, "runs": rows, **({"profiles": profiles} if profiles else {})},
+                                 indent=2) + "\n")
     output.with_suffix(".md").write_text(table + "\n")
-    return 0
+    profiled = [(f"{side}, profiled", p["status"]) for side, p in (profiles or {}).items()]
+    return exit_status("bench_gpt2.py", [*((run["name"], run["status"]) for run in rows), *profiled])
 
 
 def run_reference(name: str, batch: int, args, *extra: str) -> Dict[str, Any]:
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         command = [sys.executable, "scripts/reference_gpt2.py", "--batch-size", str(batch), "--warmup", str(WARMUP),
-                   "--steps", str(args.steps - WARMUP), "--output", out.name, *extra]
-        wall = run_or_exit("bench_gpt2", name, command, args.timeout)
-        result = json.loads(Path(out.name).read_text())
-    return {"name": name, "batch_size": batch, "step_ms": result["step_ms_median"],
-            "tokens_per_s": result["tokens_per_s"], "mfu_pct": result.get("mfu_pct"),
-            "peak_allocated_mib": result.get("peak_allocated_mib"), "power": result.get("power"), "wall_s": wall,
-            "command": " ".join(command[1:-2])}
+                   "--steps", str(args.steps - WARMUP), "--log-every", str(args.log_every), "--output", out.name,
+                   *extra]
+        wall, status = run_or_mark("bench_gpt2", name, command, args.timeout)
+        result = json.loads(Path(out.name).read_text()) if status == "ok" else {}
+    return {"name": name, "batch_size": batch, "status": status, "step_ms": result.get("step_ms_median"),
+            "tokens_per_s": result.get("tokens_per_s"), "wall_window_s": result.get("wall_s"),
+            "mfu_pct": result.get("mfu_pct"), "peak_allocated_mib": result.get("peak_allocated_mib"),
+            "power": result.get("power"), "wall_s": wall, "command": " ".join(command[1:-2])}
 
 
 def uniform_tokens(folder: Path, sequences: int = 8192, seed: int = 0) -> List[str]:
@@ -193,13 +213,15 @@ def uniform_tokens(folder: Path, sequences: int = 8192, seed: int = 0) -> List[s
 def run_project(name: str, batch: int, args, extra: List[str], run_dir: Path,
                 env: Optional[Dict[str, str]]) -> Dict[str, Any]:
     command = [sys.executable, "train.py", *args.train_options, *PROJECT, *args.overrides, *extra,
-               f"recipe.data.batch_size={batch}", f"train.max_steps={args.steps}", f"run_dir={run_dir}"]
-    wall = run_or_exit("bench_gpt2", name, command, args.timeout, env)
-    result = json.loads((run_dir / "results.json").read_text())
-    ms = result["perf/step_ms_median"]
-    return {"name": name, "batch_size": batch, "step_ms": ms, "tokens_per_s": batch * CONTEXT * 1e3 / ms,
-            "mfu_pct": result.get("perf/mfu_pct"), "peak_allocated_mib": result.get("perf/peak_allocated_mib"),
-            "wall_s": wall, "command": " ".join(c for c in command[1:-1])}
+               f"recipe.data.batch_size={batch}", f"train.max_steps={args.steps}",
+               f"train.log_every={args.log_every}", f"run_dir={run_dir}"]
+    wall, status = run_or_mark("bench_gpt2", name, command, args.timeout, env)
+    result = json.loads((run_dir / "results.json").read_text()) if status == "ok" else {}
+    return {"name": name, "batch_size": batch, "status": status, "step_ms": result.get("perf/step_ms_median"),
+            "tokens_per_s": result.get("perf/wall_tokens_per_s"), "wall_window_s": result.get("perf/wall_s"),
+            "mfu_pct": result.get("perf/wall_mfu_pct"),
+            "peak_allocated_mib": result.get("perf/peak_allocated_mib"), "wall_s": wall,
+            "command": " ".join(c for c in command[1:-1])}
 
 
 PROFILED = ("step_ms", "power", "gpu_busy_ms", "kernel_ms", "gpu_ops_per_step", "kinds", "idle_ms", "idle_gaps",
@@ -211,12 +233,14 @@ def profile_reference(batch: int, args) -> Dict[str, Any]:
     (reference_gpt2.py)."""
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         command = [sys.executable, "scripts/reference_gpt2.py", "--batch-size", str(batch), "--warmup", str(WARMUP),
-                   "--steps", str(args.steps - WARMUP), "--profile-steps", str(args.profile), "--power",
-                   "--output", out.name]
-        run_or_exit("bench_gpt2", "reference, profiled", command, args.timeout)
+                   "--steps", str(args.steps - WARMUP), "--log-every", str(args.log_every), "--profile-steps",
+                   str(args.profile), "--power", "--output", out.name]
+        _, status = run_or_mark("bench_gpt2", "reference, profiled", command, args.timeout)
+        if status != "ok":
+            return {"status": status}
         result = json.loads(Path(out.name).read_text())
     found = {**result["profile"], "step_ms": result["step_ms_median"], "power": result.get("power")}
-    return {key: found.get(key) for key in PROFILED}
+    return {"status": status, **{key: found.get(key) for key in PROFILED}}
 
 
 def profile_project(batch: int, args, folder: Path, data: List[str]) -> Dict[str, Any]:
@@ -227,9 +251,11 @@ def profile_project(batch: int, args, folder: Path, data: List[str]) -> Dict[str
     command = [sys.executable, "scripts/profile_step.py", "--steps", str(args.profile), "--power", "--top", "80",
                "--gaps", "8", "--output", str(out), *args.train_options, *PROJECT, *args.overrides, *data,
                f"recipe.data.batch_size={batch}", f"run_dir={folder / 'run'}"]
-    run_or_exit("bench_gpt2", "project, profiled", command, args.timeout)
+    _, status = run_or_mark("bench_gpt2", "project, profiled", command, args.timeout)
+    if status != "ok":
+        return {"status": status}
     result = json.loads(out.read_text())
-    return {key: result.get(key) for key in PROFILED}
+    return {"status": status, **{key: result.get(key) for key in PROFILED}}
 
 
 def profile_markdown(reference: Dict[str, Any], project: Dict[str, Any], differing: int = 15) -> str:
@@ -268,31 +294,36 @@ def profile_markdown(reference: Dict[str, Any], project: Dict[str, Any], differi
 
 
 def combined(runs: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    """One row per run name and micro-batch, in the order first run: the median of its runs' step times (tokens/s
-    from that), MFU and wall time, the highest peak memory, ``runs`` how many. ``vs_reference``: its tokens/s over
-    the reference's at the micro-batch; where both ran in repeated pairs, the median of the pairs' ratios (the
-    project's repeat i over the reference's repeat i) and ``vs_range`` their lowest and highest."""
+    """One row per run name and micro-batch, in the order first run: the median of its runs' tokens/s (each from
+    its wall window), step times, MFU and wall time, the highest peak memory, ``runs`` how many, ``status`` ok or
+    how many failed and the first one's reason (a failed run counts in no number). ``vs_reference``: its tokens/s
+    over the reference's at the micro-batch; where both ran in repeated pairs, the median of the pairs' ratios
+    (the project's repeat i over the reference's repeat i) and ``vs_range`` their lowest and highest."""
     groups: Dict[tuple, List[Dict[str, Any]]] = {}
     for run in runs:
         groups.setdefault((run["name"], run["batch_size"]), []).append(run)
-    step_ms = {key: median([r["step_ms"] for r in group]) for key, group in groups.items()}
-    reference = {batch: {r.get("repeat"): r["tokens_per_s"] for r in group}
-                 for (name, batch), group in groups.items() if name == "reference"}
+    ok = {key: [r for r in group if r.get("status", "ok") == "ok"] for key, group in groups.items()}
+    tokens = {key: median([r["tokens_per_s"] for r in done]) for key, done in ok.items()}
+    reference = {batch: {r.get("repeat"): r["tokens_per_s"] for r in ok[(name, batch)]}
+                 for (name, batch) in groups if name == "reference"}
     rows = []
     for (name, batch), group in groups.items():
-        ms = step_ms[(name, batch)]
-        row = {**group[0], "step_ms": ms, "tokens_per_s": batch * CONTEXT * 1e3 / ms, "runs": len(group),
-               "mfu_pct": median([r["mfu_pct"] for r in group if r.get("mfu_pct") is not None]),
-               "peak_allocated_mib": max((r["peak_allocated_mib"] for r in group
+        done = ok[(name, batch)]
+        failed = [r for r in group if r.get("status", "ok") != "ok"]
+        row = {**group[0], "step_ms": median([r["step_ms"] for r in done]), "tokens_per_s": tokens[(name, batch)],
+               "runs": len(group),
+               "status": "ok" if not failed else f"{len(done)} of {len(group)} ok; {failed[0]['status']}",
+               "mfu_pct": median([r["mfu_pct"] for r in done if r.get("mfu_pct") is not None]),
+               "peak_allocated_mib": max((r["peak_allocated_mib"] for r in done
                                           if r.get("peak_allocated_mib") is not None), default=None),
                "wall_s": median([r["wall_s"] for r in group])}
         row.pop("repeat", None)
         theirs = reference.get(batch, {})
-        pairs = [r["tokens_per_s"] / theirs[r["repeat"]] for r in group if r.get("repeat") in theirs]
+        pairs = [r["tokens_per_s"] / theirs[r["repeat"]] for r in done if r.get("repeat") in theirs]
         if len(pairs) > 1 and name != "reference":
             row["vs_reference"], row["vs_range"] = median(pairs), [min(pairs), max(pairs)]
-        elif theirs:  # tokens/s over the reference's median run's: its step time over ours
-            row["vs_reference"] = step_ms[("reference", batch)] / ms
+        elif tokens.get(("reference", batch)) and row["tokens_per_s"]:  # over the reference's median run's
+            row["vs_reference"] = row["tokens_per_s"] / tokens[("reference", batch)]
         rows.append(row)
     return rows
 
@@ -304,16 +335,17 @@ def median(values: List[float]) -> Optional[float]:
 def markdown(rows: List[Dict[str, Any]]) -> str:
     """One line per row of ``combined``: with repeated pairs, medians and the range of the pairs' ratios."""
     repeated = any(r["runs"] > 1 for r in rows)
-    lines = ["| run | micro-batch | " + ("runs | " if repeated else "") + "ms/step (median) | tokens/s | "
-             "vs reference | MFU | peak MiB | wall s |",
-             "|---|---|" + ("---|" if repeated else "") + "---|---|---|---|---|---|"]
+    lines = ["| run | micro-batch | " + ("runs | " if repeated else "") + "ms/step (median) | tokens/s (wall window) | "
+             "vs reference | MFU | peak MiB | wall s | status |",
+             "|---|---|" + ("---|" if repeated else "") + "---|---|---|---|---|---|---|"]
     for r in rows:
         ratio = _shown(r.get("vs_reference"), "{:.3f}x")
         if r.get("vs_range"):
             ratio += " ({:.3f}-{:.3f})".format(*r["vs_range"])
-        cells = [r["name"], str(r["batch_size"]), *([str(r["runs"])] if repeated else []), f"{r['step_ms']:.2f}",
-                 f"{r['tokens_per_s']:,.0f}", ratio, _shown(r.get("mfu_pct"), "{:.1f}%"),
-                 _shown(r.get("peak_allocated_mib"), "{:,.0f}"), f"{r['wall_s']:.0f}"]
+        cells = [r["name"], str(r["batch_size"]), *([str(r["runs"])] if repeated else []),
+                 _shown(r.get("step_ms"), "{:.2f}"), _shown(r.get("tokens_per_s"), "{:,.0f}"), ratio,
+                 _shown(r.get("mfu_pct"), "{:.1f}%"), _shown(r.get("peak_allocated_mib"), "{:,.0f}"),
+                 f"{r['wall_s']:.0f}", r.get("status", "ok").replace("|", "\\|")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

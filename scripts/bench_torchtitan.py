@@ -14,7 +14,10 @@ For each size it runs torchtitan training its own Llama 3 model (``--theirs``: e
 repo training the same architecture (``--ours``: ``graph=full``, ``graph=full_compiled``), one run after
 another on ``--nproc`` GPUs, and prints one table: tokens/s per GPU, MFU, step ms median and p90, peak
 allocated and reserved memory per GPU, and the loss at the first and the last step (both start from random
-weights: about ln(128256) = 11.8 at step 1). tokens/s per GPU come from the median step.
+weights: about ln(128256) = 11.8 at step 1). tokens/s per GPU come from each run's wall window: the tokens of
+its timed steps over the time from the first one's start to the last one's end (trainer/metrics/perf.py
+WallWindow, on both sides), so that whatever a side does between its steps counts; the step times beside them
+leave a metric read out.
 
 torchtitan's side: its own model, sharding and optimizer, in this repo's small loop (not its trainer).
 scripts/lib/torchtitan_worker.py, under torchrun, builds torchtitan 0.2.2's Llama 3 model
@@ -33,7 +36,7 @@ order; what is left out is its data loader, checkpointing, metrics logging and v
 This repo's side: ``train.py recipe=hf_causal_lm`` with the same shape as a transformers LlamaConfig
 (``recipe.model.config``: scripts/lib/llama3.py ``hf_config``), ``train.parallel=fsdp2``, through
 scripts/lib/launch.py as scripts/compare.py launches its runs, its numbers from results.json and its losses
-from metrics.jsonl (``train.log_every=1``).
+from metrics.jsonl (``train.log_every=1``; the worker reads its loss on the host as often, ``--log-every 1``).
 
 Matched on both sides: the shape; the data (the same windows of the synthetic language of
 ``recipe.data.source=synthetic``, each used once, in each side's own order); ``--seq-len`` x ``--local-batch`` tokens per GPU per step; FSDP2 over every GPU
@@ -77,8 +80,11 @@ sequences a step, 4 by default) on 1, 2, 4, ... GPUs up to ``--nproc``, both sid
 efficiency (its tokens/s per GPU over the same run's on one GPU).
 
 Prints the table; writes it to ``--output`` (default scripts/results/torchtitan_<N>gpu.json, with the
-Markdown beside it as .md) and every run's directory and logs under ``--runs``. ``--append`` keeps the rows of
-an existing ``--output`` that this call does not rerun, so several calls (one per size or side) make one table.
+Markdown beside it as .md) and every run's directory and logs under ``--runs``. Every row records the commit,
+the versions of torch, torchtitan, torchao and transformers and the GPU it was measured with
+(scripts/lib/comparison.py). ``--append`` keeps the rows of an existing ``--output`` that this call does not
+rerun, so several calls (one per size or side) make one table; it refuses (exit 2, before anything runs) a table
+whose rows were measured at another commit, with other versions or on another GPU.
 Needs torchtitan for ``--theirs`` (``pip install -r scripts/requirements-torchtitan.txt``) and CUDA GPUs;
 without either it says so and exits 2. ``--dry-run`` needs neither.
 """
@@ -101,14 +107,15 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # run as `python scripts/bench_torchtitan.py`: find conf/ and scripts/
 
-from scripts.lib.comparison import comparison_rows  # noqa: E402
-from scripts.lib.launch import (  # noqa: E402
-    RESERVED, command, cuda_device_count, exit_on_sigterm, failure_line, launch_mode, override_key, run_captured,
-    timestamp,
+from scripts.lib.comparison import (  # noqa: E402
+    check_append, comparison_rows, exit_status, provenance, provenance_line, with_provenance,
 )
-from scripts.lib.launch import hydra_value as quoted  # noqa: E402  (a path as an override's value)
+from scripts.lib.launch import (  # noqa: E402
+    RESERVED, command, cuda_device_count, exit_on_sigterm, failure_line, hydra_value, launch_mode, override_key,
+    run_captured, timestamp,
+)
 from scripts.lib.llama3 import (  # noqa: E402
-    BETAS, EPS, LR, LR_WARMUP_STEPS, MAX_NORM, SHAPES, WEIGHT_DECAY, LlamaShape, hf_config, hydra_value, mfu_pct,
+    BETAS, EPS, LR, LR_WARMUP_STEPS, MAX_NORM, SHAPES, WEIGHT_DECAY, LlamaShape, hf_config, mfu_pct,
     parameter_count, training_flops_per_token,
 )
 from scripts.lib.refuse import refuse  # noqa: E402
@@ -127,6 +134,7 @@ INSTALL = (f"install it: pip install -r scripts/requirements-torchtitan.txt (tor
            "requirements). On a machine without a package index, bring them as wheels: on one with pip, "
            "`pip download --no-deps -d wheels -r scripts/requirements-torchtitan.txt` (with --python-version and "
            "--platform of that machine), then there `pip install --no-index --no-deps wheels/*.whl`")
+LOG_EVERY = 1  # both sides read their loss on the host every step: every step's loss for the curves
 OUR_WARMUP = 12  # this repo's untimed steps at least: graph.warmup_iters=11 eager steps, then the capture step
 # Settings of this repo's runs that the comparison depends on, refused as the user's overrides: these keys
 # exactly, and every key under the second group's.
@@ -228,7 +236,8 @@ def theirs_command(plan: Plan, variant: str, output: Path, deadline_s: float, pr
             "--steps", str(plan.steps), "--ac", plan.ac, *(["--compile"] if variant == "compiled" else []),
             "--reshard", "never" if plan.reshard == "never" else "default",
             *(["--float8"] if plan.float8 else []), *(["--init", "normal"] if plan.matched_init else []),
-            "--seed", str(plan.seed), "--deadline-s", f"{deadline_s:g}", "--output", str(output),
+            "--seed", str(plan.seed), "--log-every", str(LOG_EVERY), "--deadline-s", f"{deadline_s:g}",
+            "--output", str(output),
             *(["--profile-steps", str(profile_steps)] if profile_steps else [])]
 
 
@@ -249,7 +258,7 @@ def ours_overrides(plan: Plan) -> List[str]:
             f"train.fsdp.root={plan.root}",
             f"train.activation_checkpointing={'true' if plan.ac == 'full' else 'false'}",
             f"train.grad_clip={MAX_NORM!r}", "train.grad_accum=1", f"train.max_steps={plan.total_steps}",
-            "train.epochs=1", "train.eval=false", "train.log_every=1", "train.progress=false",
+            "train.epochs=1", "train.eval=false", f"train.log_every={LOG_EVERY}", "train.progress=false",
             f"graph.warmup_iters={plan.warmup_steps - 1}", "checkpoint.save=false", "logger=none",
             f"seed={plan.seed}",
             *(["train.float8=tensorwise", "train.fsdp.float8_all_gather=true"] if plan.float8 else [])]
@@ -268,7 +277,7 @@ def profile_command(plan: Plan, mode: str, args: argparse.Namespace, folder: Pat
             "scripts/profile_step.py", "--steps", str(n), "--top", "20", "--gaps", "6", "--streams", "--memory",
             "--output", str(folder / "profile.json"), *args.train_options,
             *ours_overrides(dataclasses.replace(plan, steps=3 * n)), *args.overrides, f"graph={mode}",
-            f"output_root={quoted(str(folder))}"]
+            f"output_root={hydra_value(str(folder))}"]
 
 
 def group_of(plan: Plan) -> str:
@@ -316,6 +325,8 @@ def matched_settings(plan: Plan) -> List[Tuple[str, str, str]]:
         ("gradient clipping", f"max_norm {MAX_NORM}", f"train.grad_clip={MAX_NORM}"),
         ("steps", f"{plan.warmup_steps} untimed, {plan.steps} timed",
          f"{plan.warmup_steps - 1} eager + capture untimed, {plan.steps} timed (graph.warmup_iters)"),
+        ("metric reads", f"the loss read on the host every {LOG_EVERY} step{'s' * (LOG_EVERY > 1)} (the worker's "
+         f"--log-every), as its trainer reads at its log step", f"train.log_every={LOG_EVERY}"),
         ("float8", "model.converters=quantize.linear.float8 (tensorwise), enable_fsdp_float8_all_gather, "
                    "precompute_float8_dynamic_scale_for_fsdp after each optimizer step, filter_fqns=[output]"
          if plan.float8 else "off",
@@ -332,16 +343,18 @@ def make_row(plan: Plan, run: str, status: str, timed: Dict[str, Any], peaks: Tu
              losses: Sequence[Optional[float]], peak_tflops: Optional[float],
              run_dir: Optional[str], profile: Optional[Dict[str, Any]] = None, *, repeat: int = 0,
              launched_at: Optional[float] = None, ended_at: Sequence[Optional[float]] = ()) -> Dict[str, Any]:
-    """One run's row. tokens/s per GPU = tokens per GPU per step / median step time, MFU from the one FLOP
-    formula (scripts/lib/llama3.py), for both sides alike. ``launched_at`` and ``ended_at`` (the host's clock at
-    the launch and at each step's end) give the time to loss (``with_time_to_loss``)."""
-    mean, median = timed.get("step_ms_mean"), timed.get("step_ms_median")
-    tokens = plan.tokens_per_gpu_step * 1e3 / median if median else None
+    """One run's row. tokens/s per GPU = tokens per GPU per step x the steps of its wall window / that window's
+    seconds, MFU from the one FLOP formula (scripts/lib/llama3.py), for both sides alike. ``launched_at`` and
+    ``ended_at`` (the host's clock at the launch and at each step's end) give the time to loss
+    (``with_time_to_loss``)."""
+    mean, wall_s, wall_steps = timed.get("step_ms_mean"), timed.get("wall_s"), timed.get("wall_steps")
+    tokens = plan.tokens_per_gpu_step * wall_steps / wall_s if wall_s and wall_steps else None
     mfu = mfu_pct(tokens, plan.flops_per_token, peak_tflops) if tokens and peak_tflops else None
     return {"size": plan.shape.name, "run": run, "nproc": plan.nproc, "seq_len": plan.seq_len,
             "local_batch": plan.local_batch, "ac": plan.ac, "tokens_per_s_per_gpu": tokens, "mfu_pct": mfu,
             "step_ms_median": timed.get("step_ms_median"), "step_ms_p90": timed.get("step_ms_p90"),
             "step_ms_mean": mean, "warmup_steps": plan.warmup_steps, "steps_timed": timed.get("steps_timed"),
+            "wall_s": wall_s, "wall_steps": wall_steps,
             "peak_allocated_mib": peaks[0], "peak_reserved_mib": peaks[1],
             "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
             "losses": list(losses), "status": status, "run_dir": run_dir,
@@ -365,7 +378,8 @@ def ours_row(plan: Plan, mode: str, outcome: Dict[str, Any], peak_tflops: Option
     r = outcome.get("results") or {}
     status = comparison_rows([outcome])[0]["status"]  # flags a fallback to eager, or only warm-up steps timed
     timed = {k.removeprefix("perf/"): r.get(k) for k in ("perf/step_ms_median", "perf/step_ms_p90",
-                                                          "perf/step_ms_mean", "perf/steps_timed")}
+                                                          "perf/step_ms_mean", "perf/steps_timed", "perf/wall_s",
+                                                          "perf/wall_steps")}
     named = f"this repo {mode}" + (f" (root {plan.root})" if plan.root != ROOTS[0] else "")  # --root's rows apart
     return make_row(plan, named, status, timed, (r.get("perf/peak_allocated_mib"),
                     r.get("perf/peak_reserved_mib")), train_logged(outcome.get("run_dir"), plan.total_steps),
@@ -580,8 +594,11 @@ def report(rows: Sequence[Dict[str, Any]], run_plans: Sequence[Plan], device: st
     peak_text = f"{peak[0]}, {peak[1]:g} TFLOP/s (trainer/metrics/perf.py)" if peak else "no known peak for this GPU: no MFU"
     lines += ["", "FLOPs per token = 6 x (parameters - token embedding) + 12 x layers x width x sequence length, "
               f"one formula for both sides (scripts/lib/llama3.py); MFU against {peak_text}. tokens/s per GPU = "
-              "tokens per GPU per step / median step time. Step times: the interval between step ends "
-              "(graphing.StepTimer) over the timed steps. Memory: rank 0's GPU, the peak over the whole run. "
+              "tokens per GPU per step x timed steps / their wall window (the first timed step's start to the "
+              "last one's end, whatever ran between included: trainer/metrics/perf.py WallWindow, both sides; "
+              f"both read their loss on the host every {LOG_EVERY} step{'s' * (LOG_EVERY > 1)}). Step times: the "
+              "interval between step ends (graphing.StepTimer) over the timed steps, a metric read left out. "
+              "Memory: rank 0's GPU, the peak over the whole run. "
               "The two ratios: this row's tokens/s and peak reserved memory over those of torchtitan's fastest run "
               "with the same size, GPUs, tokens, activation checkpointing, allocator and resharding. allocator: "
               "PYTORCH_CUDA_ALLOC_CONF of both sides' processes (—: torch's default). FSDP2 reshard: after-forward "
@@ -737,13 +754,11 @@ def torchtitan_version() -> str:
     return found
 
 
-def merged(rows: List[Dict[str, Any]], output: Path) -> List[Dict[str, Any]]:
-    """``rows`` after the rows of ``output`` (an earlier call's) that they do not replace."""
-    if not output.is_file():
-        return rows
+def merged(rows: List[Dict[str, Any]], kept: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """``rows`` after the rows an earlier call wrote (``kept``, from ``check_append``) that they do not replace."""
     key = lambda row: (row["run"], *matched_key(row))  # noqa: E731
     fresh = {key(row) for row in rows}
-    return [row for row in json.loads(output.read_text()).get("rows", []) if key(row) not in fresh] + rows
+    return [row for row in kept if key(row) not in fresh] + rows
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -770,7 +785,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--runs", type=Path, default=None,
                         help="every run's directory and logs (default outputs/bench_torchtitan/<timestamp>)")
     parser.add_argument("--append", action="store_true",
-                        help="keep the rows of an existing --output that this call does not rerun")
+                        help="keep the rows of an existing --output that this call does not rerun (refused when they "
+                             "were measured at another commit, with other versions or on another GPU)")
     parser.add_argument("--timeout", type=positive_int, default=1800, help="seconds one run may take (default 1800)")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="also profile N steps of each run (torchtitan's after its timed steps, this repo's in a "
@@ -852,7 +868,9 @@ def dry_run(args: argparse.Namespace) -> int:
     runs = (args.runs or ROOT / "outputs" / "bench_torchtitan" / "<timestamp>").resolve()
     output = args.output or ROOT / "scripts" / "results" / f"torchtitan_{nproc}gpu.json"
     run_plans = plans(args, nproc)
-    print(f"{SCRIPT} --dry-run: {nproc} GPU{'s' * (nproc > 1)}; runs under {runs}; table to {output}\n")
+    kept = check_append(SCRIPT, output, provenance(None)) if args.append else []  # refused as a real call would be
+    appended = f" after the {len(kept)} rows it holds (--append)" if args.append else ""
+    print(f"{SCRIPT} --dry-run: {nproc} GPU{'s' * (nproc > 1)}; runs under {runs}; table to {output}{appended}\n")
     for plan in run_plans:
         s = plan.shape
         print(f"[{s.name}] {s.layers} x {s.dim}, {s.heads}/{s.kv_heads} heads, FFN {s.ffn_hidden}, vocab {s.vocab}: "
@@ -893,8 +911,10 @@ def run(args: argparse.Namespace, run_plans: List[Plan], version: Optional[str])
     nproc = run_plans[0].nproc
     runs = (args.runs or ROOT / "outputs" / "bench_torchtitan" / timestamp()).resolve()
     output = (args.output or ROOT / "scripts" / "results" / f"torchtitan_{nproc}gpu.json").resolve()
-    print(f"{SCRIPT}: {nproc} x {device}, torch {torch.__version__}, torchtitan {version or '(not run)'}; "
-          f"runs under {runs}", flush=True)
+    measured = provenance(device)
+    kept = check_append(SCRIPT, output, measured) if args.append else []  # refused before anything runs
+    print(f"{SCRIPT}: {nproc} x {device}, torch {torch.__version__}, torchtitan {version or '(not run)'}, commit "
+          f"{measured['commit']}; runs under {runs}", flush=True)
     rows: List[Dict[str, Any]] = []
     tflops = peak[1] if peak else None
     for plan in run_plans:
@@ -915,9 +935,9 @@ def run(args: argparse.Namespace, run_plans: List[Plan], version: Optional[str])
                 profile = profile_ours(plan, mode, args, folder) if args.profile and repeat == 0 else None
                 rows.append(ours_row(plan, mode, outcome, tflops, profile, repeat=repeat, launched_at=launched_at))
                 say(rows[-1])
-    fresh = combined(with_time_to_loss(rows))
-    table_rows = sorted(with_scaling(with_ratios(merged(fresh, output) if args.append else fresh)), key=table_order)
-    text = report(table_rows, run_plans, device, peak)
+    fresh = with_provenance(combined(with_time_to_loss(rows)), measured)
+    table_rows = sorted(with_scaling(with_ratios(merged(fresh, kept))), key=table_order)
+    text = report(table_rows, run_plans, device, peak) + "\n" + provenance_line(measured) + "\n"
     text += loss_plots(table_rows, output)
     print("\n" + text)
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -928,10 +948,11 @@ def run(args: argparse.Namespace, run_plans: List[Plan], version: Optional[str])
             "seq_len": p.seq_len, "local_batch": p.local_batch, "ac": p.ac, "nproc": p.nproc,
             "warmup_steps": p.warmup_steps, "steps": p.steps, "train_args": ours_args(p, args)}
     write_json(output, {"device": device, "torch": torch.__version__, "torchtitan": version, "peak": peak,
+                        "provenance": measured,
                         "sizes": sizes, "matched": [list(m) for m in matched_settings(run_plans[0])], "rows": table_rows})
     output.with_suffix(".md").write_text(text)
     print(f"wrote {output} and {output.with_suffix('.md').name}; runs in {runs}")
-    return 1 if any(not row["status"].startswith("ok") for row in rows) else 0
+    return exit_status(SCRIPT, [(f"[{row['size']}] {row['run']}", row["status"]) for row in rows])
 
 
 def loss_plots(rows: Sequence[Dict[str, Any]], output: Path) -> str:

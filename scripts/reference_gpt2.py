@@ -14,10 +14,13 @@ embedding, GELU MLP, flash attention (``F.scaled_dot_product_attention(is_causal
 bf16 autocast with fp32 weights, TF32 matmuls, AdamW (fused, lr 6e-4, betas 0.9/0.95,
 weight decay 0.1 on matrices only), gradient clipping at 1.0, ``torch.compile(model)``
 (mode default), random tokens already on the GPU (the data costs nothing), one micro-batch
-per step, the loss computed inside the compiled forward. Prints milliseconds per step (median over --steps after --warmup), tokens/s and
-MFU against the GPU's dense bf16 peak (trainer/metrics/perf.py's table; 6N + 12·L·d·T FLOPs per token);
-with ``--power`` also the GPU's power draw, SM clock and energy a step over the timed steps
-(scripts/lib/gpu_power.py).
+per step, the loss computed inside the compiled forward, read on the host every ``--log-every`` steps (nanoGPT's
+``loss.item()`` at its log interval; scripts/bench_gpt2.py gives train.py's train.log_every). Timed as train.py
+times its steps (scripts/lib/timing.py): prints milliseconds per step (median over --steps after --warmup, a
+metric read left out), tokens/s over the wall window of the timed steps (the first one's start to the last one's
+end, every read between counted) and MFU from it against the GPU's dense bf16 peak (trainer/metrics/perf.py's
+table; 6N + 12·L·d·T FLOPs per token); with ``--power`` also the GPU's power draw, SM clock and energy a step over
+the timed steps (scripts/lib/gpu_power.py).
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ sys.path.insert(0, str(REPO))
 
 from scripts.lib.gpu_power import describe as describe_power, sampler  # noqa: E402
 from scripts.lib.refuse import refuse  # noqa: E402
+from scripts.lib.timing import time_steps  # noqa: E402
 
 LAYERS, HEADS, WIDTH, CONTEXT, VOCAB = 12, 12, 768, 1024, 50304
 LR, BETAS, WEIGHT_DECAY, CLIP = 6e-4, (0.9, 0.95), 0.1, 1.0
@@ -45,13 +49,16 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=50, help="steps timed")
     parser.add_argument("--warmup", type=int, default=15, help="steps before timing (compilation happens here)")
     parser.add_argument("--graphed", action="store_true", help="run the step through graphing.GraphedStep")
+    parser.add_argument("--log-every", type=int, default=0,
+                        help="read the loss on the host every this many steps (0: only after the last)")
     parser.add_argument("--output", type=Path, default=None, help="write the numbers here as JSON")
     parser.add_argument("--loss", choices=("inside", "chunked"), default="inside",
                         help="inside: cross-entropy inside the compiled forward (pinned); chunked: the output head "
                              "and loss fused in row chunks that never hold the whole logits (a lever to measure)")
     parser.add_argument("--chunk-rows", type=int, default=4096, help="--loss chunked: tokens per chunk")
     parser.add_argument("--power", action="store_true",
-                        help="sample the GPU's power draw and SM clock over the timed steps (nvidia-smi, every 100 ms)")
+                        help="the GPU's energy, power and SM clock over the timed steps (NVML, read every 100 ms; "
+                             "pip install nvidia-ml-py)")
     parser.add_argument("--profile-steps", type=int, default=0,
                         help="after the timed steps, this many more under torch.profiler: the JSON gets their GPU "
                              "work per step, read as scripts/profile_step.py reads train.py's (kernel kinds, top "
@@ -89,46 +96,58 @@ def main() -> int:
         step = graphing.GraphedStep(train_step, compiled, optimizer)
     else:
         step = lambda x, y: train_step(compiled, x, y)  # noqa: E731
-    timer = graphing.StepTimer(torch.device("cuda"))  # train.py's timer: the same "ms/step" as its results
+    steps = Steps(step, tokens)
     with sampler(args.power, torch.cuda.current_device()) as power:  # --power: the GPU's draw, clock
-        for i in range(args.warmup + args.steps):
-            if i == args.warmup:
-                timer.restart()  # the timed steps start after the warm-up's work queued so far
-                start = time.monotonic()
-            loss = step(*_split(tokens[i % len(tokens)]))
-            if i >= args.warmup:
-                timer.step("timed")
-        timer.collect()
+        # train.py's timer and wall window, its metric reads at train.log_every's cadence
+        timed = time_steps(steps, args.steps, warmup=args.warmup, log_every=args.log_every,
+                           read_metrics=steps.read_metrics)
         end = time.monotonic()
-    timed = timer.summary("timed")
     ms = timed["step_ms_median"]
-    power_used = power.window(start, end, timed["step_ms_mean"])
+    power_used = power.window(end - timed["wall_s"], end, timed["step_ms_mean"])  # the wall window, on this clock
+    loss = steps.loss
     profiled = None
-    if args.profile_steps:  # after the timing, on the same batches again
+    if args.profile_steps:  # after the timing, on the batches from the first again
         from scripts.lib.kernel_profile import profile_steps
 
-        batches = iter(range(args.profile_steps))
-        profiled = profile_steps(lambda: step(*_split(tokens[next(batches) % len(tokens)])), args.profile_steps,
-                                 torch.cuda.current_device())
+        steps.taken = 0
+        profiled = profile_steps(steps.next_step, args.profile_steps, torch.cuda.current_device())
     n_params = sum(p.numel() for p in model.parameters()) - model.pos.weight.numel()
     flops_per_token = 6.0 * n_params + 12.0 * LAYERS * WIDTH * CONTEXT
-    tokens_per_s = args.batch_size * CONTEXT * 1e3 / ms
+    tokens_per_s = args.batch_size * CONTEXT * timed["wall_steps"] / timed["wall_s"]
     peak = peak_tflops(torch.cuda.get_device_name(0), "bf16")
     result = {"script": "reference_gpt2.py", "graphed": args.graphed, "batch_size": args.batch_size, "loss": args.loss,
               "peak_allocated_mib": torch.cuda.max_memory_allocated() / 2**20,
-              "step_ms_median": ms, "tokens_per_s": tokens_per_s, "final_loss": float(loss),
+              "step_ms_median": ms, "step_ms_p90": timed["step_ms_p90"], "wall_s": timed["wall_s"],
+              "wall_steps": timed["wall_steps"], "log_every": args.log_every, "tokens_per_s": tokens_per_s,
+              "final_loss": float(loss),
               "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
               "mfu_pct": 100 * tokens_per_s * flops_per_token / (peak[1] * 1e12) if peak else None,
               **({"power": power_used} if power_used else {}), **({"profile": profiled} if profiled else {})}
     print(f"reference GPT-2 small{' (GraphedStep)' if args.graphed else ''}"
           f"{', chunked loss' if args.loss == 'chunked' else ''}, {args.batch_size}x{CONTEXT}: "
-          f"{ms:.2f} ms/step, {tokens_per_s:,.0f} tokens/s"
+          f"{ms:.2f} ms/step (median), {tokens_per_s:,.0f} tokens/s (wall window)"
           + (f", {result['mfu_pct']:.1f}% MFU ({peak[0]})" if peak else ""))
     if power_used:
         print(describe_power(power_used))
     if args.output:
         args.output.write_text(json.dumps(result, indent=2) + "\n")
     return 0
+
+
+class Steps:
+    """The reference's loop, one step a call, as scripts/lib/timing.py times a trainer: ``next_step`` and
+    ``device``, and ``read_metrics``, its loss read on the host."""
+
+    def __init__(self, step, tokens):
+        self.step, self.tokens, self.device = step, tokens, tokens.device
+        self.taken, self.loss, self.logged = 0, None, []
+
+    def next_step(self) -> None:
+        self.loss = self.step(*_split(self.tokens[self.taken % len(self.tokens)]))
+        self.taken += 1
+
+    def read_metrics(self) -> None:
+        self.logged.append(self.loss.item())  # nanoGPT's `lossf = loss.item()` at its log interval: a host sync
 
 
 def _split(batch):

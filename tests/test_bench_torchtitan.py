@@ -408,7 +408,9 @@ def test_root_sets_this_repos_fsdp_root_alone_and_names_its_rows(capsys, tmp_pat
 
 def test_both_sides_rows_come_from_one_formula_and_the_table_says_so(tmp_path):
     p = plan("8b", nproc=2)
+    # The wall windows hold more than 20 median steps (what runs between them): tokens/s come from the windows.
     theirs = {"step_ms_median": 1990.0, "step_ms_p90": 2050.0, "step_ms_mean": 2000.0, "steps_timed": 20,
+              "wall_s": 40.96, "wall_steps": 20,
               "losses": [12.25] + [9.0] * 30 + [7.5], "peak_allocated_mib": 90_000.0, "peak_reserved_mib": 95_000.0}
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -416,14 +418,15 @@ def test_both_sides_rows_come_from_one_formula_and_the_table_says_so(tmp_path):
                                                    + "\n" for s in range(1, 33)))
     ours = {"mode": "full", "status": "ok", "run_dir": str(run_dir), "results": {
         "perf/step_ms_median": 1600.0, "perf/step_ms_p90": 1610.0, "perf/step_ms_mean": 1638.4, "perf/steps_timed": 20,
+        "perf/wall_s": 32.768, "perf/wall_steps": 20,
         "perf/peak_allocated_mib": 80_000.0, "perf/peak_reserved_mib": 81_000.0, "perf/tokens_per_s": 10000.0}}
     failed = {"mode": "full_compiled", "status": "failed (exit 1): torch.OutOfMemoryError: CUDA out of memory",
               "run_dir": None, "results": {}}
     rows = [bench.theirs_row(p, "eager", theirs, "ok", 989.0, "tt"), bench.ours_row(p, "full", ours, 989.0),
             bench.ours_row(p, "full_compiled", failed, 989.0)]
     flops = 57_914_449_920
-    assert rows[0]["tokens_per_s_per_gpu"] == pytest.approx(8192 / 1.99)  # from the median step (issue 50)
-    assert rows[1]["tokens_per_s_per_gpu"] == pytest.approx(8192 / 1.6) == 5120.0
+    assert rows[0]["tokens_per_s_per_gpu"] == pytest.approx(8192 * 20 / 40.96) == 4000.0  # the wall window's
+    assert rows[1]["tokens_per_s_per_gpu"] == pytest.approx(8192 * 20 / 32.768) == 5000.0  # (issue 67)
     for row in rows[:2]:  # one formula, both sides
         assert row["mfu_pct"] == pytest.approx(100 * row["tokens_per_s_per_gpu"] * flops / 989e12)
     assert (rows[0]["loss_first"], rows[0]["loss_last"]) == (12.25, 7.5)
@@ -435,18 +438,18 @@ def test_both_sides_rows_come_from_one_formula_and_the_table_says_so(tmp_path):
     # Each run against torchtitan's fastest at the same settings; a run at other settings has no yardstick.
     other = dict(rows[1], ac="none")
     rows = bench.with_ratios([*rows, other])
-    assert rows[1]["vs_torchtitan_best"] == pytest.approx(1.99 / 1.6)
+    assert rows[1]["vs_torchtitan_best"] == pytest.approx(5000 / 4000)
     assert rows[1]["reserved_vs_torchtitan_best"] == pytest.approx(81_000 / 95_000)
     assert rows[2]["vs_torchtitan_best"] is None and rows[3]["vs_torchtitan_best"] is None
     text = bench.report(rows, [p], "NVIDIA H200", ("H200 SXM bf16 dense", 989.0))
     table = [line for line in text.splitlines() if line.startswith("| 8b |")]
-    assert table[0].startswith("| 8b | torchtitan eager | 8192 x 1 | full | — | after-forward | bf16 | 4,117 | 24.1% | 1,990.0 | 2,050.0 | 90,000 | 95,000 "
+    assert table[0].startswith("| 8b | torchtitan eager | 8192 x 1 | full | — | after-forward | bf16 | 4,000 | 23.4% | 1,990.0 | 2,050.0 | 90,000 | 95,000 "
                                "| 1.000x | 1.00x | 12.250 | 7.500 | ok |")  # allocator —: torch's default
-    assert table[1].startswith("| 8b | this repo full | 8192 x 1 | full | — | after-forward | bf16 | 5,120 | 30.0% | 1,600.0 | 1,610.0 | 80,000 | 81,000 "
-                               "| 1.244x | 0.85x |")
+    assert table[1].startswith("| 8b | this repo full | 8192 x 1 | full | — | after-forward | bf16 | 5,000 | 29.3% | 1,600.0 | 1,610.0 | 80,000 | 81,000 "
+                               "| 1.250x | 0.85x |")
     assert table[2] == ("| 8b | this repo full_compiled | 8192 x 1 | full | — | after-forward | bf16 | — | — | — | — | — | — | — | — | — | — | failed (exit 1): "
                         "torch.OutOfMemoryError: CUDA out of memory |")
-    assert table[3].startswith("| 8b | this repo full | 8192 x 1 | none | — | after-forward | bf16 | 5,120 | 30.0% |") and "| — | — |" in table[3]
+    assert table[3].startswith("| 8b | this repo full | 8192 x 1 | none | — | after-forward | bf16 | 5,000 | 29.3% |") and "| — | — |" in table[3]
     # Another allocator is another setting: no yardstick but a torchtitan run with that allocator.
     expandable = bench.ours_row(dataclasses.replace(p, alloc_conf="expandable_segments:True"), "full", ours, 989.0)
     assert expandable["alloc_conf"] == "expandable_segments:True" and rows[0]["alloc_conf"] is None
@@ -468,9 +471,8 @@ def test_both_sides_rows_come_from_one_formula_and_the_table_says_so(tmp_path):
     assert "8,030,261,248 parameters" in text
 
     # --append: an earlier call's rows stay where this call did not rerun them.
-    output = tmp_path / "torchtitan_2gpu.json"
-    output.write_text(json.dumps({"rows": [dict(rows[0], run="torchtitan compiled"), dict(rows[1], status="old")]}))
-    merged = bench.merged(rows[1:3], output)
+    kept = [dict(rows[0], run="torchtitan compiled"), dict(rows[1], status="old")]
+    merged = bench.merged(rows[1:3], kept)
     assert [(r["run"], r["status"]) for r in merged] == [("torchtitan compiled", "ok"), ("this repo full", "ok"),
                                                           ("this repo full_compiled", rows[2]["status"])]
     # The table's order: size, then settings (the most tokens first), torchtitan's runs before this repo's.
@@ -590,6 +592,7 @@ def test_repeats_give_medians_and_the_ratio_over_the_pairs_with_time_to_loss_and
     rows = []
     for repeat, (theirs_ms, ours_ms) in enumerate([(100.0, 80.0), (110.0, 85.0)]):
         theirs = {"step_ms_median": theirs_ms, "step_ms_p90": theirs_ms, "step_ms_mean": theirs_ms, "steps_timed": 8,
+                  "wall_s": 8 * theirs_ms / 1e3, "wall_steps": 8,
                   "losses": [10.0 - 0.4 * s for s in range(20)], "peak_reserved_mib": 1000.0 + repeat,
                   "step_ended_at": [1000.0 + 30 + s for s in range(20)]}  # launched at 1000: 30 s of start-up
         rows.append(bench.theirs_row(p, "compiled", theirs, "ok", 989.0, "tt", repeat=repeat, launched_at=1000.0))
@@ -599,7 +602,8 @@ def test_repeats_give_medians_and_the_ratio_over_the_pairs_with_time_to_loss_and
             {"step": s, "train/loss": 10.0 - 0.5 * (s - 1), "time": 2000.0 + 20 + s}) + "\n" for s in range(1, 21)))
         ours = {"mode": "full_compiled", "status": "ok", "run_dir": str(run_dir), "results": {
             "perf/step_ms_median": ours_ms, "perf/step_ms_p90": ours_ms, "perf/step_ms_mean": ours_ms,
-            "perf/steps_timed": 8, "perf/peak_reserved_mib": 900.0}}
+            "perf/steps_timed": 8, "perf/wall_s": 8 * ours_ms / 1e3, "perf/wall_steps": 8,
+            "perf/peak_reserved_mib": 900.0}}
         rows.append(bench.ours_row(p, "full_compiled", ours, 989.0, repeat=repeat, launched_at=2000.0))
     timed = bench.with_time_to_loss(rows)
     # Final 10-step means: theirs 10 - 0.4 * 14.5 = 4.2, ours 10 - 0.5 * 14.5 = 2.75: the target is 4.2.
@@ -639,7 +643,8 @@ def test_strong_scaling_efficiency_is_tokens_per_gpu_over_one_gpus_at_the_same_g
     rows = []
     for nproc, ms in ((1, 400.0), (2, 220.0), (4, 125.0)):  # 8 sequences a step over all GPUs
         p = dataclasses.replace(plan("1b", nproc=nproc, ac="none"), local_batch=8 // nproc)
-        timed = {"step_ms_median": ms, "step_ms_p90": ms, "step_ms_mean": ms, "steps_timed": 20}
+        timed = {"step_ms_median": ms, "step_ms_p90": ms, "step_ms_mean": ms, "steps_timed": 20,
+                 "wall_s": 20 * ms / 1e3, "wall_steps": 20}
         rows.append(bench.theirs_row(p, "compiled", timed, "ok", None, "tt"))
     rows.append(dict(rows[2], local_batch=1, tokens_per_s_per_gpu=1.0))  # another global batch: no series
     out = bench.with_scaling(rows)

@@ -1,14 +1,26 @@
-"""A comparison of graph modes as results: one row per run with its speedup over eager, the
-Markdown table, the chart, the files and the W&B run that compare.py and sweep.py write.
+"""A comparison as results: one row per run with its speedup over eager, the Markdown table, the chart, the
+files and the W&B run that compare.py and sweep.py write; and what every benchmark's table shares (the
+bench_*.py scripts): where its rows come from (commit, versions, GPU), the refusal to ``--append`` rows of
+another, and its one exit status when a run failed.
 """
 from __future__ import annotations
 
+import importlib.metadata
+import json
 import math
+import os
+import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from scripts.lib.refuse import refuse
 from trainer.metrics import results
+
+ROOT = Path(__file__).resolve().parents[2]
+# The packages whose versions a benchmark row records (None where not installed); torch's first.
+MEASURED_WITH = ("torch", "torchtitan", "torchao", "transformers")
+COMMIT_ENV = "BENCH_COMMIT"  # the commit to record where the checkout has no .git (a copied working tree)
 
 COLUMNS = [  # (row key, Markdown header, format)
     ("mode", "mode", "{}"),
@@ -168,3 +180,88 @@ def log_to_wandb(cfg_logger, directory: Path, *, group: str, job_type: str, name
         print(f"warning: W&B logging of the {job_type} run failed ({type(e).__name__}: {e}); "
               f"the results are in {directory}", file=sys.stderr)
         return None
+
+
+# ---- every benchmark's table ----------------------------------------------------------------
+
+def provenance(gpu: Optional[str]) -> Dict[str, Optional[str]]:
+    """What a benchmark's rows were measured with: the commit (``+modified`` when tracked files differ from it),
+    the versions of MEASURED_WITH (None: not installed) and the GPU's name (None: not known, a --dry-run's)."""
+    return {"commit": commit(), **{package: installed(package) for package in MEASURED_WITH}, "gpu": gpu}
+
+
+def gpu_name() -> str:
+    """torch's name of GPU 0 ("cpu" without one), asked in a child: this process holds no CUDA context beside the
+    runs it starts."""
+    from scripts.lib.launch import run_captured
+
+    code = "import torch; print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'cpu')"
+    stdout, _, status = run_captured([sys.executable, "-c", code], 300)
+    return stdout.strip().splitlines()[-1] if status == 0 and stdout.strip() else "unknown"
+
+
+def commit() -> str:
+    """HEAD of this checkout, ``+modified`` when a tracked file differs from it; without git, $BENCH_COMMIT."""
+    def git(*args: str) -> Optional[str]:
+        try:
+            done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    head = git("rev-parse", "HEAD")
+    if head is None:
+        return os.environ.get(COMMIT_ENV) or f"unknown (no git checkout here: set {COMMIT_ENV})"
+    changed = git("status", "--porcelain", "--untracked-files=no")
+    return head + ("+modified" if changed else "")
+
+
+def installed(package: str) -> Optional[str]:
+    """``package``'s version, None where it is not installed; torch's with its build (``2.11.0+cu130``)."""
+    if package == "torch":
+        import torch  # its metadata leaves the CUDA build out
+
+        return torch.__version__
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def check_append(script: str, output: Path, measured: Dict[str, Optional[str]]) -> List[Dict[str, Any]]:
+    """The rows of ``output`` (an earlier call's table) that ``--append`` keeps; refuses (exit 2) before anything
+    runs when one of them was measured at another commit, with other versions or on another GPU (where this call
+    knows its GPU), or records none of that."""
+    if not output.is_file():
+        return []
+    rows = json.loads(output.read_text()).get("rows", [])
+    compared = [key for key in measured if key != "gpu" or measured[key] is not None]
+    for row in rows:
+        theirs = row.get("provenance")
+        differ = [key for key in compared if (theirs or {}).get(key) != measured[key]]
+        if differ:
+            said = (", ".join(f"{key} {theirs.get(key)} (now {measured[key]})" for key in differ) if theirs
+                    else "no commit or versions (written before rows recorded them)")
+            refuse(f"{script}: --append: {output} holds rows measured with {said}: one table holds one commit's "
+                   "numbers; give another --output, or drop --append to start this table anew")
+    return rows
+
+
+def with_provenance(rows: Sequence[Dict[str, Any]], measured: Dict[str, Optional[str]]) -> List[Dict[str, Any]]:
+    """Each row with ``provenance``: what it was measured with (a row an earlier call kept keeps its own)."""
+    return [{**row, "provenance": row.get("provenance") or dict(measured)} for row in rows]
+
+
+def provenance_line(measured: Dict[str, Optional[str]]) -> str:
+    """One Markdown line under a table: the commit, the versions installed and the GPU."""
+    versions = ", ".join(f"{package} {measured[package]}" for package in MEASURED_WITH if measured.get(package))
+    return f"Measured at commit {measured['commit']} with {versions} on {measured['gpu'] or 'a GPU not named'}."
+
+
+def exit_status(script: str, statuses: Sequence[Tuple[str, str]]) -> int:
+    """A benchmark's exit status from its runs' (name, status): 1, naming each, when one failed or timed out (its
+    row says so; the table holds the others), else 0."""
+    failed = [(name, status) for name, status in statuses if not status.startswith("ok")]
+    for name, status in failed:
+        print(f"{script}: {name}: {status}", file=sys.stderr)
+    return 1 if failed else 0

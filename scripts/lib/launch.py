@@ -37,11 +37,24 @@ def cuda_device_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def hydra_value(value: str) -> str:
-    """``value`` as a Hydra override value: quoted unless it is plainly safe."""
-    if re.fullmatch(r"[\w./-]+", value):
+def hydra_value(value: Any) -> str:
+    """``value`` as a Hydra override's value: a string quoted unless it is plainly safe; a mapping, list, number,
+    bool or None in Hydra's grammar (``{a:1,b:[true,null]}``)."""
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{hydra_value(str(k))}:{hydra_value(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(hydra_value(v) for v in value) + "]"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, (int, float)):
+        return repr(value)  # 1e-05, 500000.0: Hydra reads both as floats
+    # A plain word stays bare unless Hydra would read it as another type (true, null, 123, 1e-5, nan)
+    if re.fullmatch(r"[A-Za-z_/][\w./-]*", value) and value.lower() not in ("true", "false", "null", "nan", "inf"):
         return value
-    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    # Quoted, Hydra unescapes only backslashes before a quote or the closing quote
+    return "'" + re.sub(r"(\\+)(?='|$)", r"\1\1", value).replace("'", "\\'") + "'"
 
 
 def override_key(override: str) -> str:
@@ -133,16 +146,37 @@ def run_or_exit(script: str, name: str, command: Sequence[str], timeout: float,
     """A benchmark's one run: says the command, runs it in the repo, exits naming the run and the
     end of its stderr if it fails or runs past ``timeout`` s; returns its wall time in seconds.
     ``log``: where its whole output (stdout, then stderr) is kept, for a script that reads a line of it."""
+    wall, why, stderr = _bench_run(script, name, command, timeout, env, log)
+    if why is not None:
+        kept = f" (its output: {log})" if log is not None else ""
+        sys.exit(f"{script}: '{name}' {why}{kept}:\n{stderr[-3000:]}")  # 1: a failed run, not a refusal
+    return wall
+
+
+def run_or_mark(script: str, name: str, command: Sequence[str], timeout: float,
+                env: Optional[Dict[str, str]] = None, log: Optional[Path] = None) -> Tuple[float, str]:
+    """A benchmark's run whose failure ends that run alone (the table keeps the others): as ``run_or_exit``,
+    but returns (wall time in seconds, status): "ok", or why it stopped and its first error (``failure_line``)
+    for its row; the end of a failed run's stderr is said on stderr. The script exits 1 at its end
+    (scripts/lib/comparison.py ``exit_status``)."""
+    wall, why, stderr = _bench_run(script, name, command, timeout, env, log)
+    if why is None:
+        return wall, "ok"
+    print(f"{script}: '{name}' {why}; the table marks it and keeps the other runs:\n{stderr[-3000:]}",
+          file=sys.stderr, flush=True)
+    return wall, f"{why}: {failure_line(stderr)}"
+
+
+def _bench_run(script: str, name: str, command: Sequence[str], timeout: float, env: Optional[Dict[str, str]],
+               log: Optional[Path]) -> Tuple[float, Optional[str], str]:
+    """Says the command, runs it (``run_captured``): (wall s, why it failed or None, its stderr)."""
     print(f"{script}: {name}: {' '.join(command[1:])}", flush=True)
     started = time.time()
     stdout, stderr, code = run_captured(command, timeout, env, name=name)
     if log is not None:
         log.write_text(stdout + stderr)
-    if code != 0:
-        why = f"ran past {timeout:.0f} s" if code is None else f"failed ({code})"
-        kept = f" (its output: {log})" if log is not None else ""
-        sys.exit(f"{script}: '{name}' {why}{kept}:\n{stderr[-3000:]}")  # 1: a failed run, not a refusal
-    return time.time() - started
+    why = None if code == 0 else f"ran past {timeout:.0f} s" if code is None else f"failed ({code})"
+    return time.time() - started, why, stderr
 
 
 def command(mode: str, nproc: int, train_args: Sequence[str], output_root: Path, group: str,

@@ -1,22 +1,35 @@
-"""Timing a built trainer's steps the way train.py times its own: graphing.StepTimer (trainer/metrics/perf.py).
+"""Timing a built trainer's steps, or a yardstick's, the way train.py times its own: trainer/metrics/perf.py's
+Perf (graphing.StepTimer and the phase's WallWindow), with metrics read at the same cadence as train.log_every.
 
-One timer for every script, so that a script's "step ms" means what results.json's perf/step_ms_* mean:
-the interval between the ends of consecutive steps on the device (CUDA events, read once after the
-last step: no host sync in between; the host clock off CUDA), host waits for data included.
+One timer for every script, so that a script's "step ms" means what results.json's perf/step_ms_* mean (the
+interval between the ends of consecutive steps on the device, CUDA events read once after the last step, a
+metric read left out) and its wall window what perf/wall_* mean (the first timed step's start to the last one's
+end, every metric read between counted): the two sides of a benchmark then report the same measures.
 """
 from __future__ import annotations
 
-from typing import Dict
+from typing import Callable, Dict, Optional
 
 
-def time_steps(trainer, steps: int) -> Dict[str, float]:
-    """Runs ``steps`` training steps (``trainer.next_step()``, after its warm-up) and returns StepTimer's
-    summary of them: step_ms_median, step_ms_p90, step_ms_mean, steps_timed."""
-    from graphing import StepTimer  # imports torch: not at a script's --help
+def time_steps(trainer, steps: int, *, warmup: int = 0, log_every: int = 0,
+               read_metrics: Optional[Callable[[], None]] = None) -> Dict[str, float]:
+    """Runs ``warmup`` untimed steps, then ``steps`` timed ones (``trainer.next_step()``), and returns the timed
+    steps' step_ms_median, step_ms_p90, step_ms_mean, steps_timed and their wall window: wall_s, wall_steps.
 
-    timer = StepTimer(trainer.device)  # marks now: the first step's interval starts after the work queued so far
-    for _ in range(steps):
+    ``read_metrics``: the side's metric read (a host sync), called after every ``log_every``-th step (counted from
+    the first, warm-up included), as train.py's loop reads at train.log_every: after the step's end is marked,
+    the step timer restarted after it."""
+    from trainer.metrics.perf import Perf  # imports torch: not at a script's --help
+
+    perf = Perf(trainer.device, units_per_step=1.0, unit="steps", world_size=1, flops_per_unit=0.0, precision="")
+    for number in range(1, warmup + steps + 1):
+        phase = "timed" if number > warmup else "warmup"
+        perf.begin(phase)  # the first timed step's opens the window, after the work queued so far
         trainer.next_step()
-        timer.step("timed")
-    timer.collect()
-    return timer.summary("timed")
+        perf.step(phase)
+        if read_metrics is not None and log_every and number % log_every == 0:
+            read_metrics()
+            perf.timer.restart()
+    summary = perf.phase_summary("timed")
+    return {key: summary.get(key) for key in ("step_ms_median", "step_ms_p90", "step_ms_mean", "steps_timed",
+                                              "wall_s", "wall_steps")}

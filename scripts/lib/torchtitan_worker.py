@@ -25,11 +25,14 @@ used: the batches are the very windows of the synthetic language that this repo'
 host like torchtitan's batches.
 
 The first ``--warmup-steps`` steps are not timed; the next ``--steps`` are, with the trainer's timer
-(scripts/lib/timing.py: graphing.StepTimer's CUDA events, the interval between step ends). With
+(scripts/lib/timing.py: graphing.StepTimer's CUDA events, the interval between step ends, and the wall window from
+the first timed step's start to the last one's end), the loss read on the host every ``--log-every`` steps as
+torchtitan's trainer reads it at its log step and this repo's at train.log_every: the read stays out of the step
+times and in the wall window, on both sides alike. With
 ``--profile-steps N``, N more steps run under torch.profiler (on the warm-up's batches again) and the JSON gets
 their GPU work per step, read as scripts/profile_step.py reads this repo's (scripts/lib/kernel_profile.py).
-Rank 0 writes one JSON to ``--output``: step ms median, p90 and mean, the run's peak allocated and reserved
-memory on its GPU, every step's loss (the global mean over ranks), the parameter count and torchtitan's FLOPs
+Rank 0 writes one JSON to ``--output``: step ms median, p90 and mean, the wall window, the run's peak allocated and
+reserved memory on its GPU, every step's loss (the global mean over ranks), the parameter count and torchtitan's FLOPs
 per token.
 Past ``--deadline-s`` a rank prints so and exits 124, so a hung run frees its GPU without a signal from outside.
 """
@@ -74,6 +77,9 @@ def parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile-steps", type=int, default=0,
                         help="after the timed steps, profile this many more (the warm-up's batches again)")
+    parser.add_argument("--log-every", type=int, default=0,
+                        help="read the loss on the host every this many steps (this repo's train.log_every; 0: never "
+                             "until the end)")
     parser.add_argument("--deadline-s", type=float, default=None)
     parser.add_argument("--output", type=Path, required=True)
     return parser.parse_args(argv)
@@ -165,6 +171,8 @@ class Steps:
         # The host's clock at each step's end: its step reads the global token count on the host (a sync), so
         # this is within a step of the GPU's end of it (time to loss in bench_torchtitan.py).
         self.ended_at: List[float] = []
+        self.logged: List[tuple] = []  # (step, the mean loss since the read before): what read_metrics read
+        self._read = 0  # steps whose losses were read
 
     def next_step(self) -> None:
         from torchtitan.components.loss import IGNORE_INDEX
@@ -192,6 +200,19 @@ class Steps:
         self.lr_schedulers.step()
         self.losses.append(loss.detach())
         self.ended_at.append(time.time())
+
+    def read_metrics(self) -> None:
+        """What torchtitan's trainer does at its log step (``metrics.log_freq``): the loss of the steps since the last
+        read, averaged over the ranks and read on the host (a sync); bench_torchtitan.py asks it at this repo's
+        train.log_every, so that both sides read as often."""
+        import torch
+        import torch.distributed as dist
+
+        window = torch.stack(self.losses[self._read:]).float().mean()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(window)  # each rank's loss is its share of the global mean: the sum is the mean
+        self.logged.append((len(self.losses), window.item()))
+        self._read = len(self.losses)
 
 
 def redraw_as_transformers_does(model) -> None:
@@ -282,9 +303,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   tt_utils.GarbageCollection(gc_freq=job.training.gc_freq),
                   batches(args, rank, world, shape.vocab), device)
 
-    for _ in range(args.warmup_steps):
-        steps.next_step()
-    timed = time_steps(steps, args.steps)  # graphing.StepTimer: CUDA events, read after the last step
+    # This repo's timer and wall window, metrics read at train.log_every's cadence (bench_torchtitan.py sets both)
+    timed = time_steps(steps, args.steps, warmup=args.warmup_steps, log_every=args.log_every,
+                       read_metrics=steps.read_metrics)
     profiled = profile_steps(steps.next_step, args.profile_steps, device.index) if args.profile_steps and cuda else None
 
     losses = torch.stack(steps.losses[:args.warmup_steps + args.steps]).float()
@@ -299,7 +320,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "reshard": args.reshard, "init": args.init,
         "warmup_steps": args.warmup_steps, "parameters": n_params, "flops_per_token": flops,
         "data": f"the synthetic language of recipes.gpt (seed {args.seed}), not job_config.training.dataset",
-        **timed, "losses": losses.tolist(), "step_ended_at": steps.ended_at[:args.warmup_steps + args.steps],
+        **timed, "log_every": args.log_every, "logged_losses": steps.logged,
+        "losses": losses.tolist(), "step_ended_at": steps.ended_at[:args.warmup_steps + args.steps],
         "peak_allocated_mib": torch.cuda.max_memory_allocated(device) / 2**20 if cuda else None,
         "peak_reserved_mib": torch.cuda.max_memory_reserved(device) / 2**20 if cuda else None,
         "profile": profiled,
@@ -311,6 +333,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(json.dumps(result, indent=2, default=str) + "\n")
         print(f"torchtitan_worker: {result['variant']}: {result['step_ms_median']:.1f} ms/step (median), "
+              f"{result['wall_steps']} steps in {result['wall_s']:.2f} s (wall window), "
               f"loss {result['losses'][0]:.3f} -> {result['losses'][-1]:.3f}", flush=True)
     dist.barrier()
     dist.destroy_process_group()

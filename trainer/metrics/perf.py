@@ -3,11 +3,14 @@ same-process eager-vs-graph comparison.
 
 Step times come from graphing's StepTimer (CUDA events, read lazily at log intervals).
 Throughput counts the recipe's unit (samples, or tokens for language models), globally
-and per GPU. MFU divides achieved FLOP/s per GPU by the GPU's dense datasheet peak at
-the run's precision.
+and per GPU. A phase's wall window (``WallWindow``: its first step's start to its last
+step's end, everything between counted) gives the throughput that benchmarks compare,
+the same measure on both sides (scripts/lib/timing.py times a yardstick with it). MFU
+divides achieved FLOP/s per GPU by the GPU's dense datasheet peak at the run's precision.
 """
 from __future__ import annotations
 
+import time
 from typing import Any, Dict, Optional, Tuple
 
 import torch
@@ -40,6 +43,50 @@ def peak_tflops(device_name: str, precision: str) -> Optional[Tuple[str, float]]
     return None
 
 
+class WallWindow:
+    """The wall time from the start of a phase's first step to the end of its last, with what the steps trained.
+
+    Everything between counts: a metric read, a host sync, an evaluation, whatever delays the device, where step
+    times (StepTimer, restarted after a read) leave it out. On CUDA the two ends are events on the device's clock
+    (no host sync in the loop; read once, after the last step); off CUDA the host's clock."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.first = self._marker()
+        self.last = None
+        self.steps, self.units = 0, 0.0
+
+    def _marker(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def ended(self, units: float) -> None:
+        """Marks the end of a step that trained ``units``."""
+        self.last = self._marker()
+        self.steps += 1
+        self.units += units
+
+    def seconds(self) -> float:
+        if self.last is None:
+            return 0.0
+        if self.cuda:
+            self.last.synchronize()
+            return self.first.elapsed_time(self.last) / 1e3
+        return self.last - self.first
+
+    def summary(self, unit: str, world_size: int) -> Dict[str, float]:
+        """wall_s, wall_steps, wall_<unit>_per_s (all GPUs) and per GPU; {} before a step ended."""
+        seconds = self.seconds()
+        if not self.steps or seconds <= 0:
+            return {}
+        per_s = self.units / seconds
+        return {"wall_s": seconds, "wall_steps": self.steps, f"wall_{unit}_per_s": per_s,
+                f"wall_{unit}_per_s_per_gpu": per_s / world_size}
+
+
 class Perf:
     """Times every step by phase and turns the times into throughput and MFU."""
 
@@ -52,11 +99,22 @@ class Perf:
         self.units_per_sample = units_per_sample  # 1, or the tokens of a sequence
         self.window_units = 0.0  # units trained by the steps timed since the last window()
         self.shapes: Dict[str, Any] = {}  # timed phase name -> the shape its steps have
+        self.walls: Dict[str, WallWindow] = {}  # phase (its tail and bucket steps included) -> its wall window
+
+    def begin(self, phase: str) -> None:
+        """Marks the start of a step of ``phase`` (before its work is queued): the first opens its wall window."""
+        if phase not in self.walls:
+            self.walls[phase] = WallWindow(self.device)
 
     def step(self, phase: str, shape=None) -> None:
-        """Marks the end of a step of ``phase``, training what ``shape`` holds (None: a full step)."""
+        """Marks the end of a step of ``phase`` ("graph", or "graph@tail48" for a step of another shape),
+        training what ``shape`` holds (None: a full step)."""
         self.timer.step(phase)
-        self.window_units += self.units_of(shape)
+        units = self.units_of(shape)
+        self.window_units += units
+        wall = self.walls.get(phase.split("@")[0])  # a tail's or bucket's step lies inside its phase's window
+        if wall is not None:
+            wall.ended(units)
         if shape is not None:
             self.shapes.setdefault(phase, shape)
 
@@ -96,6 +154,11 @@ class Perf:
         mfu = self.mfu_pct(s[f"{per_s}_per_gpu"])
         if mfu is not None:
             s["mfu_pct"] = mfu
+        if phase in self.walls and units_per_step is None:  # a bucket's steps are not a window of their own
+            s.update(self.walls[phase].summary(self.unit, self.world_size))
+            wall_mfu = self.mfu_pct(s.get(f"wall_{per_s}_per_gpu", 0.0))
+            if wall_mfu is not None and f"wall_{per_s}" in s:
+                s["wall_mfu_pct"] = wall_mfu
         return s
 
     def mfu_pct(self, units_per_s_per_gpu: float) -> Optional[float]:
