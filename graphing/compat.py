@@ -23,21 +23,20 @@ def ddp_buffer_sync_argument() -> str:
     return "forward_sync_buffers" if "forward_sync_buffers" in accepted else "broadcast_buffers"
 
 
-def dtensor_local_offset(tensor) -> tuple:
-    """(the global offset of a DTensor's local shard, whether this rank is the first of every mesh dimension
-    the tensor is replicated over). The offset comes from DTensor's own layout helper (private, present in
-    torch 2.11 to 2.15); where it is missing, dim-0 sharding on a 1-D mesh is laid out as ``torch.chunk``
-    lays it, as DTensor does."""
-    mesh, placements = tensor.device_mesh, tensor.placements
-    coordinate = mesh.get_coordinate() or [0] * mesh.ndim
-    first = all(c == 0 for c, placement in zip(coordinate, placements) if placement.is_replicate())
-    try:
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    except ImportError:
-        if mesh.ndim != 1 or not placements[0].is_shard(0):
-            raise
-        rows, ranks = tensor.shape[0], mesh.size()
-        chunk = -(-rows // ranks)
-        return (min(coordinate[0] * chunk, rows), *[0] * (tensor.dim() - 1)), first
-    _, offset = compute_local_shape_and_global_offset(tensor.shape, mesh, placements)
-    return tuple(offset), first
+def __getattr__(name: str):
+    # A DTensor's layout is graphing/sharded.py's to answer (the one place graphing handles DTensors)
+    if name == "dtensor_local_offset":
+        from graphing.deprecation import warn_renamed_once
+
+        warn_renamed_once("graphing.compat.dtensor_local_offset", "graphing.sharded.local_part")
+        return _dtensor_local_offset
+    raise AttributeError(f"module 'graphing.compat' has no attribute {name!r}")
+
+
+def _dtensor_local_offset(tensor) -> tuple:
+    """(the global offset of a DTensor's local shard, whether this rank counts its values): the old form of
+    ``graphing.sharded.local_part``."""
+    from graphing.sharded import local_part
+
+    part = local_part(tensor)
+    return part.offset, part.counts

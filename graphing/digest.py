@@ -20,7 +20,7 @@ from typing import Iterable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from graphing.sharded import is_dtensor
+from graphing.sharded import local_part
 
 CHUNK = 1 << 24  # elements hashed at a time: a few 64-bit temporaries of this size, whatever the model's size
 _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed int64 (torch has no uint64 arithmetic)
@@ -73,22 +73,18 @@ def tensor_hash_sum(values: torch.Tensor, key: int, first_index: int = 0) -> tor
 
 def _local_part(p: torch.Tensor) -> Tuple[torch.Tensor, int, bool, bool]:
     """(this rank's values of ``p``, the global flat index of their first element, whether this rank counts
-    them, whether ``p`` is sharded): a plain tensor whole; a DTensor's local shard at its global offset. A
-    replicated mesh dimension counts its values on its first coordinate only, so that one all-reduce sums
-    each element once."""
-    from graphing.compat import dtensor_local_offset
-
-    if not is_dtensor(p):
-        return p, 0, True, False
-    local = p.to_local()
-    offset, counts = dtensor_local_offset(p)
+    them, whether ``p`` is sharded): a plain tensor whole; a DTensor's local shard at its global offset
+    (graphing/sharded.py ``local_part``). A replicated mesh dimension counts its values on its first coordinate
+    only, so that one all-reduce sums each element once."""
+    part = local_part(p)
+    local, offset = part.values, part.offset
     whole_rows = all(o == 0 for o in offset[1:]) and tuple(local.shape[1:]) == tuple(p.shape[1:])
     if local.numel() and not whole_rows:
         raise NotImplementedError(
             f"weights_digest: a DTensor parameter of shape {tuple(p.shape)} whose local shard {tuple(local.shape)} at "
-            f"{offset} is not a block of whole rows (placements {p.placements}); shard it on dim 0 as FSDP2 does")
+            f"{offset} is not a block of whole rows (placements {part.layout}); shard it on dim 0 as FSDP2 does")
     first = offset[0] * math.prod(p.shape[1:]) if p.dim() else 0
-    return local.contiguous(), first, counts, True
+    return local.contiguous(), first, part.counts, part.sharded
 
 
 def weights_digest(model: torch.nn.Module, parameters: Optional[Iterable[torch.Tensor]] = None) -> str:

@@ -23,25 +23,30 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from graphing.sharded import is_dtensor
+from graphing.sharded import is_dtensor, local_tensor
 
 SCALE = "_precomputed_scale"  # torchao's attribute on a weight's float8-all-gather wrapper (fsdp_utils)
 
-STALE_SCALES = (
-    "the step sets new float8 weight scales after its forward: torchao's precompute_float8_dynamic_scale_for_fsdp "
-    "(or code like it) runs after the model's forward, e.g. after the optimizer step (torchtitan's place for it). "
-    "It assigns a new scale tensor to each weight, so a captured forward would read the scales the last eager step "
-    "left on every replay, and train with them silently. Call it at the start of the step, before the forward (each "
+# Said once, for the executor's refusal (graphing/full.py) and the doctor's finding and fix (graphing/doctor/).
+STALE_SCALES_WHAT = (
+    "the step sets new float8 weight scales after its forward began: torchao's "
+    "precompute_float8_dynamic_scale_for_fsdp (or code like it) runs after the model's forward, e.g. after the "
+    "optimizer step (torchtitan's place for it). It assigns a new scale tensor to each weight, so a captured forward "
+    "would read the scales the last eager step left on every replay, and train with them silently, while each "
+    "replay's new ones go unread")
+STALE_SCALES_FIX = (
+    "Call torchao's precompute_float8_dynamic_scale_for_fsdp at the start of the step, before the forward (each "
     "replay then computes the scales its own forward reads), or not at all (each float8 all-gather then finds its "
-    "weight's scale itself)")
+    "weight's scale itself).")
+STALE_SCALES = f"{STALE_SCALES_WHAT}. {STALE_SCALES_FIX}"
 
 
 def scale_holders(model: torch.nn.Module) -> List[Tuple[str, object]]:
     """``(name, holder)`` of each weight whose local tensor carries a precomputable float8 scale."""
     found = []
     for name, p in model.named_parameters():
-        if is_dtensor(p) and hasattr(p._local_tensor, SCALE):  # torchao precomputes for FSDP2's shards only
-            found.append((name, p._local_tensor))
+        if is_dtensor(p) and hasattr(local_tensor(p), SCALE):  # torchao precomputes for FSDP2's shards only
+            found.append((name, local_tensor(p)))
     return found
 
 

@@ -24,7 +24,7 @@ from typing import Dict, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from graphing.sharded import is_dtensor
+from graphing.sharded import whole_value
 
 Number = Union[int, float, torch.Tensor]
 
@@ -54,8 +54,7 @@ class RunningMeans:
             if i is None:
                 raise KeyError(f"RunningMeans has no {name!r}: it was made with {list(self.names)}")
             if isinstance(value, torch.Tensor):
-                if is_dtensor(value):  # FSDP2's clip_grad_norm_ returns one: its whole value, on every rank
-                    value = value.full_tensor()
+                value = whole_value(value)  # a DTensor (FSDP2's clip_grad_norm_ returns one): its whole value
                 if value.numel() != 1:
                     raise ValueError(f"RunningMeans.add({name}=...) takes one value, got shape {tuple(value.shape)}: "
                                      "reduce it first (.mean() or .sum())")

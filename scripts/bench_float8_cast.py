@@ -4,27 +4,33 @@ and to run, on one GPU, for one rank's shards of a Llama 3 shape (trainer/parall
     python scripts/bench_float8_cast.py                      # Llama 1b's shards on 2 ranks
     python scripts/bench_float8_cast.py --size 8b --ranks 8
 
-Ways (each in a process of its own, with empty compile caches, so that its first call pays the whole compile):
+Ways (each in a process of its own, started by scripts/lib/launch.py as every benchmark's runs are, with empty
+compile caches, so that its first call pays the whole compile):
 ``list_static``: one function over every shard, compiled for their shapes (what the trainer runs);
 ``list_dynamic``: the same compiled for any shapes; ``one_dynamic``: one shard at a time, flattened, one
 compiled kernel for any length; ``eager``: torchao's three kernels a shard (scale, clamp, cast), once.
 Per way: the first call (compile included), a call launched from Python, a call replayed in a CUDA graph
 (what a graphed step pays), and whether its bytes are eager's. Prints a Markdown table; writes it and the
-numbers to --output (default scripts/results/float8_cast_<size>_<ranks>ranks.json and .md).
+numbers to --output (default scripts/results/float8_cast_<size>_<ranks>ranks.json and .md), with the commit,
+versions and GPU they were measured with. A way whose process fails or runs past --timeout (its processes all
+ended) is marked in its row, the others kept, and the script exits 1.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any, Dict, List
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from scripts.lib.comparison import (  # noqa: E402
+    exit_status, gpu_name, provenance, provenance_line, with_provenance,
+)
+from scripts.lib.launch import run_or_mark  # noqa: E402
 from scripts.lib.llama3 import SHAPES  # noqa: E402
 from scripts.lib.refuse import refuse  # noqa: E402
 
@@ -90,10 +96,12 @@ def main() -> int:
     parser.add_argument("--ranks", type=int, default=2, help="FSDP2 ranks the weights are sharded over")
     parser.add_argument("--ways", default=",".join(WAYS), help="comma-separated, of: " + ", ".join(WAYS))
     parser.add_argument("--output", type=Path, default=None)
+    parser.add_argument("--timeout", type=float, default=600, help="seconds a way's process may take")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a child process: measure this way
+    parser.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)  # where the child writes it
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(measure(args.one, args.size, args.ranks)))
+        args.result.write_text(json.dumps(measure(args.one, args.size, args.ranks)))
         return 0
     import torch
 
@@ -105,26 +113,36 @@ def main() -> int:
     unknown = sorted(set(ways) - set(WAYS))
     if unknown:
         parser.error(f"--ways: {', '.join(unknown)} not among {', '.join(WAYS)}")
+    measured = provenance(gpu_name())
     rows = []
     for way in ways:
-        with tempfile.TemporaryDirectory() as caches:
-            env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": f"{caches}/inductor", "TRITON_CACHE_DIR": f"{caches}/triton"}
-            done = subprocess.run([sys.executable, __file__, "--one", way, "--size", args.size, "--ranks",
-                                   str(args.ranks)], env=env, capture_output=True, text=True, timeout=600)
-        if done.returncode != 0:
-            sys.exit(f"bench_float8_cast: {way} failed:\n{done.stderr[-3000:]}")
-        rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
-    lines = [f"| way ({args.size}, a rank's shards of {args.ranks}) | first call s | launched ms | graphed ms | bytes as eager |",
-             "|---|---|---|---|---|"]
-    lines += [f"| {r['way']} | {r['first_call_s']:.1f} | {r['launched_ms']:.2f} | {r['graphed_ms']:.2f} | "
-              f"{r['bytes_as_eager']} |" for r in rows]
-    table = "\n".join(lines)
+        with tempfile.TemporaryDirectory() as scratch:  # empty compile caches: the first call pays the compile
+            result = Path(scratch) / "result.json"
+            env = {"TORCHINDUCTOR_CACHE_DIR": f"{scratch}/inductor", "TRITON_CACHE_DIR": f"{scratch}/triton"}
+            command = [sys.executable, str(Path(__file__).resolve()), "--one", way, "--result", str(result), "--size", args.size,
+                       "--ranks", str(args.ranks)]
+            _, status = run_or_mark("bench_float8_cast", way, command, args.timeout, env)
+            rows.append({**json.loads(result.read_text()), "status": status} if status == "ok"
+                        else {"way": way, "status": status})
+    rows = with_provenance(rows, measured)
+    table = markdown(rows, args.size, args.ranks) + "\n\n" + provenance_line(measured)
     print(table)
     output = args.output or REPO / "scripts" / "results" / f"float8_cast_{args.size}_{args.ranks}ranks.json"
     output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps({"size": args.size, "ranks": args.ranks, "rows": rows}, indent=2) + "\n")
+    output.write_text(json.dumps({"size": args.size, "ranks": args.ranks, "provenance": measured, "rows": rows},
+                                 indent=2) + "\n")
     output.with_suffix(".md").write_text(table + "\n")
-    return 0
+    return exit_status("bench_float8_cast.py", [(row["way"], row["status"]) for row in rows])
+
+
+def markdown(rows: List[Dict[str, Any]], size: str, ranks: int) -> str:
+    """The table: a way's numbers, or what stopped it (its run failed or ran past --timeout)."""
+    lines = [f"| way ({size}, a rank's shards of {ranks}) | first call s | launched ms | graphed ms | bytes as eager |",
+             "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['way']} | {r['first_call_s']:.1f} | {r['launched_ms']:.2f} | {r['graphed_ms']:.2f} | "
+                     f"{r['bytes_as_eager']} |" if r["status"] == "ok" else f"| {r['way']} | {r['status']} | | | |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -54,7 +54,6 @@ from trainer.run.cli import script_config  # noqa: E402
 TINY = LlamaShape("tiny", dim=64, layers=2, heads=4, kv_heads=2, ffn_dim_multiplier=None, multiple_of=32,
                   flavour=None, vocab=256)
 SIZES = {**SHAPES, "tiny": TINY}
-SHARD_BYTES = 5 * 10**9  # save_pretrained's default largest file
 EXPORT_LINE = re.compile(r"exported the trained model to (?P<dir>.+) in (?P<s>[\d.]+) s; peak host memory of a rank "
                          r"(?P<host>[\d.]+) GiB \(its whole run\)(?:, peak GPU memory allocated during the export "
                          r"(?P<gpu>[\d.]+) GiB)?")
@@ -63,48 +62,34 @@ EXPORT_LINE = re.compile(r"exported the trained model to (?P<dir>.+) in (?P<s>[\
 def write_random_pretrained(directory: Path, config: Dict[str, Any], seed: int = 0) -> Dict[str, Any]:
     """A save_pretrained directory of ``config`` with random bf16 weights, written under a temporary name and
     renamed when whole; returns what it took (seconds, bytes, files). The model is laid out on the meta device
-    for its names and shapes; each file's tensors are drawn, written and dropped before the next file's."""
+    for its names and shapes; the files are written as an export writes them (recipes/hf_causal_lm.py
+    ``write_weights``), each file's tensors drawn only when it is written."""
     import torch
     import transformers
-    from safetensors.torch import save_file
+
+    from recipes.hf_causal_lm import plan_files, write_weights
 
     began = time.perf_counter()
     hf = transformers.AutoConfig.for_model(**config)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(hf)
-    layout = [(name, tuple(t.shape)) for name, t in model.state_dict().items()]
-    files: List[List[tuple]] = [[]]
-    size = 0
-    for name, shape in layout:
-        nbytes = 2 * math.prod(shape)
-        if files[-1] and size + nbytes > SHARD_BYTES:
-            files.append([])
-            size = 0
-        files[-1].append((name, shape))
-        size += nbytes
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    plan = plan_files({name: (shape, torch.bfloat16) for name, shape in shapes.items()})  # files of 5 GB
     temp = directory.parent / f".{directory.name}.tmp"
     shutil.rmtree(temp, ignore_errors=True)
     temp.mkdir(parents=True)
     hf.save_pretrained(temp)
     generator = torch.Generator().manual_seed(seed)
-    weight_map, total = {}, 0
-    for i, tensors in enumerate(files, 1):
-        filename = "model.safetensors" if len(files) == 1 else f"model-{i:05d}-of-{len(files):05d}.safetensors"
-        drawn = {}
-        for name, shape in tensors:
-            if len(shape) == 1 and name.endswith("norm.weight"):
-                drawn[name] = torch.ones(shape, dtype=torch.bfloat16)
-            else:
-                drawn[name] = torch.empty(shape).normal_(0.0, INIT_STD, generator=generator).to(torch.bfloat16)
-            weight_map[name] = filename
-            total += drawn[name].numel() * 2
-        save_file(drawn, str(temp / filename), metadata={"format": "pt"})
-        del drawn
-    if len(files) > 1:
-        (temp / "model.safetensors.index.json").write_text(json.dumps(
-            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+
+    def draw(name: str) -> torch.Tensor:  # asked in the plan's order: the files' order, each file's own
+        if len(shapes[name]) == 1 and name.endswith("norm.weight"):
+            return torch.ones(shapes[name], dtype=torch.bfloat16)
+        return torch.empty(shapes[name]).normal_(0.0, INIT_STD, generator=generator).to(torch.bfloat16)
+
+    write_weights(temp, plan, draw)
     os.replace(temp, directory)
-    return {"seconds": time.perf_counter() - began, "bytes": total, "files": len(files), "tensors": len(layout)}
+    return {"seconds": time.perf_counter() - began, "bytes": plan.metadata["total_size"],
+            "files": len(plan.filename_to_tensors), "tensors": len(shapes)}
 
 
 def tensor_shapes(directory: Path) -> Dict[str, tuple]:

@@ -13,16 +13,16 @@ to another (GPT-2's lm_head) is written once, as save_pretrained writes it.
 
 How it runs: one process, no GPU, no process group. It reads one tensor at a time (a sharded checkpoint through
 torch.distributed.checkpoint, each tensor whole from every rank's shards; a one-file checkpoint memory-mapped)
-and writes each safetensors file once its tensors are read, so its peak host memory is about one output file
-(--shard-gb) plus one tensor, whatever the model's size. The directory is written under a temporary name beside
-DIR and renamed when whole: DIR never exists half-written. Refused with exit 2, naming the path: a DIR that
-exists, a run without a checkpoint or of a recipe with no transformers class mapped here (mnist, cifar10), a
-checkpoint that lacks a weight of the model.
+and writes the files as checkpoint.export does (recipes/hf_causal_lm.py ``write_weights``, save_pretrained's plan
+by huggingface_hub): a file at a time, its tensors read only then, so its peak host memory is about two output
+files (--shard-gb: the tensors, and the file serialized before it is written), whatever the model's size.
+The directory is written under a temporary name beside DIR and renamed when whole: DIR never exists
+half-written. Refused with exit 2, naming the path: a DIR that exists, a run without a checkpoint or of a recipe
+with no transformers class mapped here (mnist, cifar10), a checkpoint that lacks a weight of the model.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -63,12 +63,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     out = args.out.expanduser().resolve()
     if out.exists():
         refuse(f"--out {out} exists: give a new directory (an export never writes over one)")
-    import yaml
+    from omegaconf import OmegaConf
 
     config_file = args.run_dir / "config.yaml"
     if not config_file.is_file():
         refuse(f"{args.run_dir} is not a run directory: it has no config.yaml")
-    cfg = yaml.safe_load(config_file.read_text())
+    cfg = OmegaConf.load(config_file)  # read as the trainer wrote it (OmegaConf.to_yaml)
     target = cfg.get("recipe", {}).get("_target_")
     if target not in LAYOUTS:
         refuse(f"{args.run_dir} is a run of recipe._target_={target}, which has no transformers class mapped here: "
@@ -86,7 +86,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     shutil.rmtree(temp, ignore_errors=True)
     temp.mkdir(parents=True)
     try:
-        files = write_weights(temp, weights, read, shapes, dtype, int(args.shard_gb * 1e9))
+        files = write_files(temp, weights, read, shapes, dtype, int(args.shard_gb * 1e9))
         # What transformers loads the files in: the dtype written, not the source directory's (a bf16 source's
         # config.json said bfloat16 over fp32 files, and transformers loaded the trained weights rounded).
         hf_config.dtype = dtype or most_common_float(dt for _, dt in shapes.values())
@@ -224,14 +224,14 @@ def check_holds(checkpoint: Path, names: List[str], held) -> None:
                f"{', ...' if len(lacking) > 3 else ''}): it is not a checkpoint of this run's model")
 
 
-def write_weights(folder: Path, weights: List[Weight], read: Callable[[str], "object"], shapes: Dict[str, Tuple],
-                  dtype, shard_bytes: int) -> List[str]:
-    """Safetensors files of at most ``shard_bytes`` (one model.safetensors when all fit), planned from the shapes,
-    tensors read one at a time and each file written as soon as its tensors are in; the index when several."""
-    import math
-
+def write_files(folder: Path, weights: List[Weight], read: Callable[[str], "object"], shapes: Dict[str, Tuple],
+                dtype, shard_bytes: int) -> List[str]:
+    """The weights as safetensors files of at most ``shard_bytes`` (recipes.hf_causal_lm's ``plan_files`` and
+    ``write_weights``: save_pretrained's plan, a file at a time, each tensor read only when its file is written);
+    returns the files' names."""
     import torch
-    from safetensors.torch import save_file
+
+    from recipes.hf_causal_lm import plan_files, write_weights
 
     def shape_and_dtype(w: Weight):
         if w.source is None:
@@ -246,23 +246,10 @@ def write_weights(folder: Path, weights: List[Weight], read: Callable[[str], "ob
         t = read(w.source)
         return (t.t() if w.transpose else t).to(kind).contiguous()
 
-    groups: List[List[Weight]] = [[]]
-    sizes: Dict[str, int] = {}
-    for w in weights:
-        shape, kind = shape_and_dtype(w)
-        sizes[w.name] = math.prod(shape) * _itemsize(kind)
-        if groups[-1] and sum(sizes[g.name] for g in groups[-1]) + sizes[w.name] > shard_bytes:
-            groups.append([])
-        groups[-1].append(w)
-    files = (["model.safetensors"] if len(groups) == 1 else
-             [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
-    for file, group in zip(files, groups):
-        save_file({w.name: tensor(w) for w in group}, folder / file, metadata={"format": "pt"})
-    if len(files) > 1:
-        index = {"metadata": {"total_size": sum(sizes.values())},
-                 "weight_map": {w.name: file for file, group in zip(files, groups) for w in group}}
-        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    return files
+    named = {w.name: w for w in weights}
+    plan = plan_files({w.name: shape_and_dtype(w) for w in weights}, shard_bytes)
+    write_weights(folder, plan, lambda name: tensor(named[name]))
+    return list(plan.filename_to_tensors)
 
 
 def most_common_float(dtypes):
@@ -273,12 +260,6 @@ def most_common_float(dtypes):
 
     counts = Counter(dt for dt in dtypes if dt.is_floating_point)
     return counts.most_common(1)[0][0] if counts else torch.float32
-
-
-def _itemsize(dtype) -> int:
-    import torch
-
-    return torch.empty(0, dtype=dtype).element_size()
 
 
 if __name__ == "__main__":

@@ -57,7 +57,8 @@ def main() -> int:
     parser.add_argument("--streams", action="store_true",
                         help="list the CUDA streams the kernels ran on, and the collectives' overlap with compute")
     parser.add_argument("--power", action="store_true",
-                        help="sample the GPU's power draw and SM clock over the timed steps (nvidia-smi, every 100 ms)")
+                        help="the GPU's energy, power and SM clock over the timed steps (NVML, read every 100 ms; "
+                             "pip install nvidia-ml-py)")
     parser.add_argument("--memory", action="store_true",
                         help="record the allocator's history from the build to the first graph and say what each "
                              "memory pool holds: reserved, most live at once, most waiting to be freed, per stream")

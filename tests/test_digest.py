@@ -49,3 +49,48 @@ def test_a_digest_is_computed_where_the_weights_are_and_keys_every_element_by_it
     # bf16 weights digest as their exact float32 widening: the same values in either dtype agree.
     assert weights_digest(a.to(torch.bfloat16).float()) == weights_digest(a.to(torch.bfloat16))
     assert len(weights_digest(a)) == 16 and weights_digest(torch.nn.Module()) == "0" * 16
+
+
+@pytest.mark.fast
+def test_graphing_reads_a_dtensor_through_one_module_whole_local_and_laid_out(monkeypatch):
+    # graphing/sharded.py on a model sharded with FSDP2 over a gloo group of one: the local tensor is the very one
+    # the DTensor holds (an attribute set on it stays, as torchao's float8 scale does), its place in the whole,
+    # its whole value; RunningMeans takes a DTensor whole; the old compat name still answers, warning once.
+    import warnings
+
+    from torch.distributed.fsdp import fully_shard
+
+    from graphing import RunningMeans, deprecation
+    from graphing.sharded import is_dtensor, local_part, local_tensor, whole_value
+    from helpers.one_rank import group_of_one
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Linear(5, 2))
+    whole = [p.detach().clone() for p in model.parameters()]
+    with group_of_one("gloo"):
+        fully_shard(model)
+        weight = model[0].weight
+        assert is_dtensor(weight) and not is_dtensor(whole[0])
+        local_tensor(weight).marker = "scale"
+        assert getattr(local_tensor(weight), "marker", None) == "scale" and local_tensor(whole[0]) is whole[0]
+        part = local_part(weight)
+        assert part.offset == (0, 0) and part.counts and part.sharded and "Shard(dim=0)" in part.layout
+        assert torch.equal(part.values, whole[0]) and torch.equal(whole_value(weight), whole[0])
+        plain = local_part(whole[0])
+        assert plain.values is whole[0] and plain.offset == (0, 0) and not plain.sharded and plain.layout == ""
+        model(torch.randn(4, 3)).sum().backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9, foreach=True)
+        assert is_dtensor(norm)
+        means = RunningMeans(["grad_norm"], "cpu")
+        means.add(grad_norm=norm)
+        assert means.read_and_reset()["grad_norm"] == pytest.approx(float(whole_value(norm)))
+        import graphing.compat
+
+        monkeypatch.setattr(deprecation, "_warned", set())
+        with pytest.warns(DeprecationWarning, match="graphing.compat.dtensor_local_offset is deprecated: use "
+                                                    "graphing.sharded.local_part"):
+            old = graphing.compat.dtensor_local_offset
+        assert old(weight) == ((0, 0), True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert graphing.compat.dtensor_local_offset is old  # once per process

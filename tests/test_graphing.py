@@ -31,6 +31,19 @@ def test_importing_graphing_loads_no_trainer_recipe_or_config_code():
 
 
 @pytest.mark.fast
+def test_dtensors_are_handled_in_one_module_of_graphing_that_the_others_call():
+    # graphing/sharded.py answers every DTensor question (issue 48): no other module of graphing reaches into a
+    # DTensor's layout or local tensor itself.
+    dtensor_words = re.compile(r"\.(to_local|full_tensor|_local_tensor|placements|device_mesh)\b|\bDTensor\.|"
+                               r"torch\.distributed\.tensor")
+    found = [f"{path.relative_to(ROOT)}:{i}: {line.strip()}" for path in sorted((ROOT / "graphing").rglob("*.py"))
+             if path.name != "sharded.py" for i, line in enumerate(path.read_text().splitlines(), 1)
+             if dtensor_words.search(line.split("#")[0]) and not line.lstrip().startswith(("#", '"', "'"))]
+    assert found == []
+    assert len(dtensor_words.findall((ROOT / "graphing" / "sharded.py").read_text())) >= 4  # the words it looks for
+
+
+@pytest.mark.fast
 def test_options_refuse_what_cannot_work_and_name_the_setting():
     with pytest.raises(GraphConfigError, match=r"capture_error_mode='sometimes' is not one of global, thread_local"):
         GraphOptions(capture_error_mode="sometimes")

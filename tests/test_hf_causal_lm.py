@@ -392,24 +392,38 @@ def test_a_trained_model_exports_to_a_directory_transformers_reloads_with_the_sa
 @pytest.mark.parametrize("ranks", ["one process", "a process group"])
 def test_an_export_larger_than_a_file_is_split_into_files_transformers_reads_through_their_index(
         ranks, tmp_path, monkeypatch):
-    # recipes.hf_causal_lm.export_pretrained, files of at most EXPORT_FILE_BYTES (a bigger tensor alone in its own):
-    # written whole by one process, or as each rank's parts joined into whole files (a gloo group of one).
+    # recipes.hf_causal_lm.export_pretrained, files of at most EXPORT_FILE_BYTES (a bigger tensor alone in its own),
+    # planned by huggingface_hub as save_pretrained plans them: written a file at a time by one process, or as each
+    # rank's parts joined into whole files (a gloo group of one).
+    from safetensors import safe_open
+
     from helpers.one_rank import group_of_one
     from recipes import hf_causal_lm
 
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**TINY_LLAMA)).eval()
-    monkeypatch.setattr(hf_causal_lm, "EXPORT_FILE_BYTES", 40_000)  # the embedding (256 x 32 fp32) alone is 32 KiB
-    files = hf_causal_lm.export_files(model.state_dict())
-    assert max(files.values()) >= 3 and list(files.values()) == sorted(files.values())
+    limit = 40_000  # the embedding (256 x 32 fp32) alone is 32 KiB
+    monkeypatch.setattr(hf_causal_lm, "EXPORT_FILE_BYTES", limit)
     with group_of_one("gloo") if ranks == "a process group" else contextlib.nullcontext():
         hf_causal_lm.export_pretrained(None, model, tmp_path / "out")
     written = sorted(p.name for p in (tmp_path / "out").iterdir())
-    count = max(files.values())
-    assert written == sorted(["config.json", "model.safetensors.index.json",
-                              *(f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1))]), written
-    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())["weight_map"]
-    assert {name: int(file[6:11]) for name, file in index.items()} == files
+    shards = [name for name in written if name.endswith(".safetensors")]
+    count = len(shards)
+    assert count >= 3 and written == sorted(["config.json", "model.safetensors.index.json",
+                                             *(f"model-{i:05d}-of-{count:05d}.safetensors"
+                                               for i in range(1, count + 1))]), written
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    held = {}
+    for name in shards:  # each file holds what the index says, at most the limit unless one tensor alone
+        with safe_open(str(tmp_path / "out" / name), "pt") as f:
+            sizes = [f.get_slice(k).get_shape() for k in f.keys()]
+            held.update({k: name for k in f.keys()})
+        nbytes = sum(4 * math.prod(shape) for shape in sizes)
+        assert nbytes <= limit or len(sizes) == 1, (name, nbytes)
+    assert held == index["weight_map"] and list(held) != [] and set(held) == set(model.state_dict())
+    order = [int(index["weight_map"][k][6:11]) for k in model.state_dict()]
+    assert order == sorted(order)  # in the state dict's order, as save_pretrained fills its files
+    assert index["metadata"]["total_size"] == sum(4 * t.numel() for t in model.state_dict().values())
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     ids = torch.randint(0, 256, (2, 16))
     with torch.no_grad():
@@ -506,7 +520,7 @@ def test_a_run_writes_its_trained_model_at_its_end_from_the_shards_without_a_che
 
 @pytest.mark.fast
 def test_an_export_into_an_existing_directory_or_from_a_recipe_without_one_is_refused(train_here, tmp_path):
-    for overrides, message in (([*DEBUG, f"checkpoint.export={tmp_path}"], "exists: give a new directory"),
+    for overrides, message in (([*DEBUG, f"checkpoint.export={tmp_path}"], "exists: it holds a directory that no run's export wrote"),
                                (["recipe=mnist", "experiment=debug", "logger=none",
                                  f"checkpoint.export={tmp_path / 'new'}"], "recipe 'mnist' cannot write its model")):
         done = train_here([*overrides, "train.max_steps=1"], tmp_path / "out")

@@ -141,6 +141,26 @@ def test_overrides_the_script_sets_itself_are_refused(tmp_path):
 
 
 @cpu_only
+@pytest.mark.fast
+def test_a_value_a_script_writes_into_an_override_reads_back_as_itself_in_hydra():
+    """scripts/lib/launch.py ``hydra_value``, the one way the scripts write a value into a train.py override: Hydra's
+    own parser reads back the same value, of the same type (a path with spaces, quotes or backslashes, a word Hydra
+    would read as a bool, null or a number, a list, a whole nested model config)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from scripts.lib.launch import hydra_value
+    from scripts.lib.llama3 import SHAPES, hf_config
+
+    parser = OverridesParser.create()
+    values = ["/tmp/runs/a b", "it's", "/x/run-1.2", "true", "null", "123", "1e-5", "nan", "", "a,b=c:d", "C:\\dir\\",
+              "x\\'y", "${x}", 0.95, 3e-4, 7, True, None, [0.9, 0.95], hf_config(SHAPES["1b"])]
+    for value in values:
+        text = hydra_value(value)
+        read = parser.parse_override(f"key={text}").value()
+        assert read == value and type(read) is type(value), (value, text, read)
+    assert hydra_value("/tmp/plain/path") == "/tmp/plain/path" and hydra_value([0.9, 0.95]) == "[0.9,0.95]"
+
+
 def test_check_fsdp2_puts_sharded_training_next_to_ddp_in_one_table(tmp_path):
     tiny = ["recipe=gpt_tiny", "recipe.model.n_layer=1", "recipe.model.d_model=32", "recipe.model.n_head=2",
             "recipe.model.context=16"]
@@ -768,68 +788,167 @@ def test_bench_gpt2_repeats_give_medians_and_the_range_of_each_pairs_ratio():
     assert "runs" not in single and "0.991x |" in single
 
 
-def test_the_power_sampler_reads_nvidia_smis_samples_inside_the_timed_window(tmp_path, monkeypatch):
-    """scripts/lib/gpu_power.py runs nvidia-smi in the background; here a stand-in of the same name on PATH prints
-    nvidia-smi's csv,noheader,nounits lines for the fields asked (checked), at the interval asked."""
-    from scripts.lib.gpu_power import FIELDS, PowerSampler, describe, parse_line
+# NVML as nvidia-ml-py's pynvml module serves it, for a GPU drawing a steady 690 W: its energy counter in
+# millijoules, an instant power reading that swings around the mean (840/440 W), and the other readings the
+# sampler asks for. COUNTER = False: a GPU without the energy counter; DRIVER = False: no NVIDIA driver.
+NVML_STANDIN = """
+import time
 
-    fake = tmp_path / "nvidia-smi"
-    fake.write_text(f"""#!{sys.executable}
-import sys, time
-args = sys.argv[1:]
-assert "--query-gpu={','.join(FIELDS)}" in args and "--format=csv,noheader,nounits" in args, args
-assert "--id=GPU-1234" in args, args
-interval = int(next(a for a in args if a.startswith("--loop-ms=")).split("=")[1]) / 1e3
-power = 690.0
-while True:
-    print(f"{{power:.2f}}, 700.00, 1740, 49, 0x0000000000000004", flush=True)
-    print("[N/A], 700.00, 1770, 50, 0x0000000000000000", flush=True)  # a field it cannot read is left out
-    power += 2.0
-    time.sleep(interval)
-""")
-    fake.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+NVML_CLOCK_SM, NVML_TEMPERATURE_GPU = 1, 0
+COUNTER, DRIVER, WATTS = True, True, 690.0
+calls = []
+_begun, _reads = time.monotonic(), 0
+
+
+class NVMLError(Exception):
+    def __init__(self, value):
+        self.value = value
+
+    def __str__(self):
+        return {3: "Not Supported", 6: "Not Found", 9: "Driver Not Loaded"}[self.value]
+
+
+def nvmlInit():
+    calls.append("init")
+    if not DRIVER:
+        raise NVMLError(9)
+
+
+def nvmlShutdown():
+    calls.append("shutdown")
+
+
+def nvmlDeviceGetHandleByUUID(uuid):
+    if uuid != "GPU-1234":
+        raise NVMLError(6)
+    return uuid
+
+
+def nvmlDeviceGetTotalEnergyConsumption(handle):
+    if not COUNTER:
+        raise NVMLError(3)
+    return int(5e9 + WATTS * 1e3 * (time.monotonic() - _begun))
+
+
+def nvmlDeviceGetPowerUsage(handle):
+    global _reads
+    _reads += 1
+    return int((WATTS + (150 if _reads % 2 else -250)) * 1e3)
+
+
+def nvmlDeviceGetEnforcedPowerLimit(handle):
+    return 700_000
+
+
+def nvmlDeviceGetClockInfo(handle, clock):
+    assert clock == NVML_CLOCK_SM
+    return 1740 if _reads % 2 else 1770
+
+
+def nvmlDeviceGetTemperature(handle, sensor):
+    assert sensor == NVML_TEMPERATURE_GPU
+    return 49 + _reads % 2
+
+
+def nvmlDeviceGetCurrentClocksEventReasons(handle):
+    return 0x4 if _reads % 2 else 0x0
+"""
+
+
+@pytest.fixture
+def nvml(tmp_path, monkeypatch):
+    """The NVML stand-in above as the ``pynvml`` this Python imports, for one test."""
+    (tmp_path / "pynvml.py").write_text(NVML_STANDIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "pynvml", raising=False)
+    import pynvml
+
+    monkeypatch.setitem(sys.modules, "pynvml", pynvml)  # gone again after the test
+    return pynvml
+
+
+def sampled(power, before: int = 4, until: int = 24):
+    """Waits for ``before`` samples, then for ``until``: the window (start, end) between."""
+    deadline = time.monotonic() + 30
+    while len(power.samples) < before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    start = time.monotonic()
+    while len(power.samples) < until and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return start, time.monotonic()
+
+
+def test_the_power_sampler_counts_the_gpus_joules_inside_the_timed_window(nvml):
+    """scripts/lib/gpu_power.py reads NVML in the background: the energy over the window is the GPU's own counter
+    (690 W steady here), not the instant readings (which swing around it), and the rest comes from the samples."""
+    from scripts.lib.gpu_power import PowerSampler, describe
+
     with PowerSampler("GPU-1234", interval_ms=20) as power:
-        deadline = time.monotonic() + 30
-        while len(power.samples) < 4 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        start = time.monotonic()
-        while len(power.samples) < 24 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        end = time.monotonic()
-    assert power._proc.poll() is not None, "nvidia-smi is stopped with the sampler"
-    inside = [s for t, s in power.samples if start <= t <= end]
+        start, end = sampled(power)
+    assert nvml.calls == ["init", "shutdown"] and not power._reader.is_alive(), "NVML is let go with the sampler"
+    inside = [(t, s) for t, s in power.samples if start <= t <= end]
     window = power.window(start, end, step_ms=33.0)
-    assert window["samples"] == len(inside) >= 5
-    draws = sorted(s["power.draw"] for s in inside if "power.draw" in s)
-    assert window["power_w"] == pytest.approx(statistics.median(draws))
+    assert window["samples"] == len(inside) >= 5 and window["energy_from"] == "energy counter"
+    assert window["power_w"] == pytest.approx(690.0, rel=0.02)
+    assert abs(statistics.median(s["power_w"] for _, s in inside) - 690.0) > 40  # the samples alone say otherwise
+    assert window["energy_j"] == pytest.approx(690.0 * (inside[-1][0] - inside[0][0]), rel=0.02)
     assert window["joules_per_step"] == pytest.approx(window["power_w"] * 0.033)
     assert window["power_limit_w"] == 700.0 and window["sm_clock_mhz"] in (1740.0, 1755.0, 1770.0)
     assert 0.3 < window["power_capped_fraction"] < 0.7 and window["temperature_max_c"] == 50.0
+    assert "unread" not in window
     assert "power-capped in" in describe(window) and "J a step" in describe(window)
     later = power.window(end + 1, end + 2, 33.0)  # no sample in it: only how many and why
     assert set(later) == {"samples", "why"} and later["samples"] == 0 and "fewer than 5" in later["why"]
-    assert parse_line("692.86 W, 700.00 W, 1740 MHz, 46, 0x0000000000000004") == {
-        "power.draw": 692.86, "power.limit": 700.0, "clocks.sm": 1740.0, "temperature.gpu": 46.0,
-        "clocks_event_reasons.active": 4.0}
-    assert parse_line("No devices were found") is None
 
 
-def test_without_nvidia_smi_the_power_is_not_measured_and_says_why(monkeypatch, tmp_path):
+def test_a_gpu_without_the_energy_counter_gives_the_median_of_its_power_readings(nvml):
+    from scripts.lib.gpu_power import PowerSampler
+
+    nvml.COUNTER = False
+    with PowerSampler("GPU-1234", interval_ms=20) as power:
+        start, end = sampled(power)
+    inside = [s for t, s in power.samples if start <= t <= end]
+    window = power.window(start, end, step_ms=33.0)
+    assert window["energy_from"] == "power samples" and window["energy_j"] is None
+    assert window["power_w"] == statistics.median(s["power_w"] for s in inside)
+    assert window["unread"] == {"energy_mj": "Not Supported"}  # said, and the other readings kept
+
+
+def test_without_nvml_the_power_is_not_measured_and_says_why(nvml, monkeypatch):
     from scripts.lib.gpu_power import PowerSampler, describe
 
-    monkeypatch.setenv("PATH", str(tmp_path))  # nothing there
-    with PowerSampler("GPU-1234") as power:
+    def window_of(uuid: str):
+        with PowerSampler(uuid) as power:
+            pass
+        return power.window(0.0, 1e12, 33.0)
+
+    assert window_of("GPU-9999") == {"samples": 0, "why": "NVML cannot find GPU-9999: Not Found"}
+    nvml.DRIVER = False
+    assert window_of("GPU-1234") == {"samples": 0, "why": "NVML did not start: Driver Not Loaded"}
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # nvidia-ml-py not installed
+    window = window_of("GPU-1234")
+    assert window == {"samples": 0, "why": "no NVML binding in this Python (the pynvml module): "
+                                           "pip install nvidia-ml-py"}
+    assert describe(window) == f"power: not measured ({window['why']})"
+    with PowerSampler(None) as off:  # not asked for (the scripts' --power): no thread, no numbers
         pass
-    window = power.window(0.0, 1e12, 33.0)
-    assert window == {"samples": 0, "why": "no nvidia-smi on PATH"}
-    assert describe(window) == "power: not measured (no nvidia-smi on PATH)"
-    with PowerSampler(None) as off:  # not asked for (the scripts' --power): no process, no numbers
-        pass
-    assert off._proc is None and off.window(0.0, 1e12, 33.0) is None
+    assert off._reader is None and off.window(0.0, 1e12, 33.0) is None
     unreadable = {"samples": 9, "power_w": None, "power_limit_w": 700.0, "sm_clock_mhz": 1740.0,
                   "power_capped_fraction": None, "temperature_max_c": None, "joules_per_step": None}
     assert describe(unreadable) == "power: ? W of 700, SM 1740 MHz, ? J a step"  # a field it could not read
+
+
+@pytest.mark.fast
+def test_bench_float8_casts_table_keeps_the_ways_that_ran_beside_one_that_did_not():
+    from scripts.bench_float8_cast import markdown
+
+    ran = {"way": "eager", "status": "ok", "first_call_s": 0.05, "launched_ms": 1.234, "graphed_ms": 0.987,
+           "bytes_as_eager": True}
+    stopped = {"way": "list_dynamic", "status": "ran past 600 s: (no output)"}
+    table = markdown([ran, stopped], "1b", 2).splitlines()
+    assert table[0].startswith("| way (1b, a rank's shards of 2) |") and len(table) == 4
+    assert table[2] == "| eager | 0.1 | 1.23 | 0.99 | True |"
+    assert table[3] == "| list_dynamic | ran past 600 s: (no output) | | | |"
 
 
 def test_bench_gpt2_sets_both_profiled_steps_side_by_side_and_names_the_kernels_that_differ():

@@ -5,7 +5,7 @@
     plan.py        every check and choice, once, before the ranks meet; the recipe built and checked
     recipe.py      the Recipe contract a recipe fulfils; policies.py: when the loop logs, checkpoints, evaluates
     step/          the step: its order, the optimizer and LR schedules, sequence lengths, activation checkpointing
-    parallel/      how the model is parallel: DDP's or FSDP2's settings, sharding, the optimizer on shards
+    parallel/      how the model is parallel: DDP's or FSDP2's settings, sharding, the optimizer on shards, float8
     data/          loaders with static shapes, dataset items, reading workers, real or synthetic data
     checkpoint/    checkpoint formats, resume, retention
     metrics/       metrics.jsonl and W&B, step times and throughput, results, the progress bar

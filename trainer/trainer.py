@@ -103,10 +103,10 @@ class Trainer:
             train_loader.start_epoch(0)
             return inputs
 
-        before_step, after_step = parallelism.step_hooks(model)
+        first_in_step, last_in_step = parallelism.step_hooks(model)
         settings = StepSettings(device=device, grad_accum=train_cfg.grad_accum, grad_clip=train_cfg.grad_clip,
-                                autocast=autocast, world_size=rt.world_size, before_step=before_step,
-                                after_step=after_step)
+                                autocast=autocast, world_size=rt.world_size, first_in_step=first_in_step,
+                                last_in_step=last_in_step)
         # What the step computes, chosen once: under graph.compile_model the model is compiled with its loss,
         # or, sharded, block by block with the loss apart (Parallelism.compile_with_loss); compiled either way,
         # the training accuracy is counted in the loss's kernels (no pass of its own over the logits).
@@ -172,6 +172,7 @@ class Trainer:
             began = time.perf_counter()
         shape = self.step_shape(step)
         phase = self.executor.phase(StepRole.train, shape)
+        self.perf.begin(phase)  # opens the phase's wall window at its first step (Perf.walls)
         self.executor.run(StepRole.train, self.train_loader.stage, partial(self.train_step, shape), shape)
         if first:  # the first step's own cost (first-use initialization: kernels, optimizer state), to its end
             _synchronize(self.device)
@@ -198,11 +199,14 @@ class Trainer:
         while self.phase() in ("warmup", "capture"):
             self.next_step()
 
-    def export(self, final: Path) -> Path:
+    def export(self, final: Path, step: int) -> Path:
         """``checkpoint.export``: the recipe writes the trained model (``Recipe.export``, every rank: sharded, a
-        collective) into a temporary directory beside ``final``, renamed to ``final`` once whole."""
+        collective) into a temporary directory beside ``final``, renamed to ``final`` once whole, with the record
+        of this run and its ``step`` inside (trainer/checkpoint/export.py: a re-run knows its own export)."""
+        from trainer.checkpoint.export import temp_export_dir, write_export_record
+
         rt = self.rt
-        temp = final.parent / f".{final.name}.tmp"
+        temp = temp_export_dir(final)
         began = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -213,6 +217,7 @@ class Trainer:
         self.recipe.export(self.raw_model, temp)
         rt.barrier()
         if rt.is_main:
+            write_export_record(temp, rt.run_dir, step)
             os.replace(temp, final)
         rt.barrier()
         print_once(f"exported the trained model to {final} in {time.perf_counter() - began:.1f} s; "

@@ -6,7 +6,8 @@
 
 ``step_fn(model, *inputs)`` is the step as ``GraphedStep`` takes it. The doctor runs it eagerly
 for ``warmup_iters`` steps with its checks on (eager_checks.py gathers them: the torch calls the
-step makes, its learning rate, its optimizers, the memory it keeps, what differs between steps),
+step makes, its learning rate, its optimizers, the memory it keeps, what differs between steps,
+float8 weight scales it sets after its forward),
 then, on CUDA, tries a capture of one more step in isolation (capture_attempt.py), whose replays
 it compares with eager steps, and measures how launch-bound the eager step is (step_timing.py).
 A host sync or copy that the eager steps make and the trial capture does not (a library that skips

@@ -15,7 +15,7 @@ from graphing.doctor.memory import MemoryWatch
 from graphing.doctor.model_checks import ddp_finds_unused_parameters, watch_model
 from graphing.doctor.optimizer_checks import OptimizerWatch, optimizer_findings
 from graphing.doctor.step_diff import StepRecords
-from graphing.float8_scales import ScaleWatch
+from graphing.float8_scales import STALE_SCALES_WHAT, ScaleWatch
 from graphing.options import GraphOptions
 
 
@@ -60,10 +60,7 @@ class EagerChecks:
     def end_step(self) -> None:
         self._scales.__exit__(None, None, None)
         if self._scales.stale:
-            self.findings.add("float8_scales", WRONG, what=(
-                "the step assigns new float8 weight scales after its forward began (torchao's "
-                "precompute_float8_dynamic_scale_for_fsdp after the optimizer step): a captured forward would read "
-                "the last eager step's scales on every replay, while each replay's new ones go unread"))
+            self.findings.add("float8_scales", WRONG, what=STALE_SCALES_WHAT)
         self.findings.step = -1
 
     def after_steps(self, step_fn: Callable[..., Any], check_optimizer: bool) -> None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
 from graphing.doctor.attribution import Site, short_path
+from graphing.float8_scales import STALE_SCALES_FIX
 
 BLOCKS, WRONG = "blocks", "wrong"  # capture fails / captures, then replays a frozen or wrong step
 
@@ -42,9 +43,7 @@ FIXES: Dict[str, str] = {
     "memory_growth": "Do not keep a tensor per step in Python (a list of losses, a history): add into a "
                      "preallocated device tensor instead, which replays keep updating.",
     "capture_failed": "Fix the call named here (the message says why), or keep this step eager.",
-    "float8_scales": "Call torchao's precompute_float8_dynamic_scale_for_fsdp at the start of the step, before the "
-                     "forward (each replay then computes the scales its own forward reads), or not at all (each "
-                     "float8 all-gather then finds its weight's scale itself).",
+    "float8_scales": STALE_SCALES_FIX,
 }
 # What the trial capture can show never to happen while capturing (a library that checks
 # torch.cuda.is_current_stream_capturing() and skips it): judged against it (capture_judgement.py).

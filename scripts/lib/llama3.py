@@ -137,16 +137,3 @@ def hf_config(shape: LlamaShape) -> Dict[str, Any]:
         "hidden_act": "silu",
         "rope_parameters": {"rope_type": "llama3", "rope_theta": shape.rope_theta, **ROPE_SCALING},
     }
-
-
-def hydra_value(value: Any) -> str:
-    """``value`` (a mapping, list, number, bool or plain word) as a Hydra override's value: ``{a:1,b:{c:true}}``."""
-    if isinstance(value, dict):
-        return "{" + ",".join(f"{k}:{hydra_value(v)}" for k, v in value.items()) + "}"
-    if isinstance(value, (list, tuple)):
-        return "[" + ",".join(hydra_value(v) for v in value) + "]"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, float):
-        return repr(value)  # 1e-05, 500000.0: Hydra reads both as floats
-    return str(value)

@@ -142,10 +142,11 @@ class StepSettings:
     grad_clip: float = 0.0  # > 0: clip the global gradient norm (and record it)
     autocast: Callable[[], ContextManager] = contextlib.nullcontext
     world_size: int = 1
-    # Run first and last in every training and evaluation step, inside its graph (Parallelism.step_hooks): the
-    # float8 weight scales and casts of FSDP2's float8 all-gather from the weights as they are now, then dropped
-    before_step: Optional[Callable[[], None]] = None
-    after_step: Optional[Callable[[], None]] = None
+    # Device work run first and last inside every training and evaluation step, captured with it
+    # (Parallelism.step_hooks): the float8 weight scales and casts of FSDP2's float8 all-gather from the weights as
+    # they are now, then dropped. (The loop's host-side hook after a step is trainer/run/hooks.py's after_step.)
+    first_in_step: Optional[Callable[[], None]] = None
+    last_in_step: Optional[Callable[[], None]] = None
 
 
 class _Recorded(Exception):
@@ -242,8 +243,8 @@ class TrainStep:
         tail = shape is not None and shape.tail
         # The output is kept for a tail's masked loss, or for the metrics stream when it computes the correctness
         want_output = tail or self.correct is not None
-        if self.settings.before_step is not None:
-            self.settings.before_step()
+        if self.settings.first_in_step is not None:
+            self.settings.first_in_step()
         self.optimizer.zero_grad(set_to_none=True)  # nothing left over is summed into this step's gradients
         micro_batches = range(len(shape.rows) if shape is not None else grad_accum)
         for micro in no_sync_except_last(self.model.module, micro_batches):  # DDP all-reduces on the last only
@@ -275,8 +276,8 @@ class TrainStep:
         # No gradient lives between steps: their memory is free for evaluation, and when the step is captured
         # the eager warm-up's gradients are no longer held beside the graph's own (FSDP2 at 9.9B: 18 GiB).
         self.optimizer.zero_grad(set_to_none=True)
-        if self.settings.after_step is not None:
-            self.settings.after_step()
+        if self.settings.last_in_step is not None:
+            self.settings.last_in_step()
         if self.advance_step:
             self.step += 1
 
@@ -370,8 +371,8 @@ class EvalStep:
 
     @torch.no_grad()
     def __call__(self) -> None:
-        if self.settings.before_step is not None:
-            self.settings.before_step()
+        if self.settings.first_in_step is not None:
+            self.settings.first_in_step()
         batch = self.recipe.preprocess(self.loader.next_batch(), False)
         with self.settings.autocast():
             output = self.model.evaluate(batch)
@@ -379,8 +380,8 @@ class EvalStep:
         correct = self.recipe.correct(output, batch["y"]) if self.model.accuracy else \
             torch.zeros(per_sample.shape, dtype=torch.bool, device=per_sample.device)
         accumulate(self.metrics, per_sample, correct, batch[PADDING_MASK])
-        if self.settings.after_step is not None:
-            self.settings.after_step()
+        if self.settings.last_in_step is not None:
+            self.settings.last_in_step()
 
 
 def positional_model_inputs(recipe: Recipe, memory_format: torch.memory_format, model: torch.nn.Module, batch,
