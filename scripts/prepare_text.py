@@ -95,14 +95,14 @@ def byte_tokenizer() -> TextTokenizer:
 
 
 def huggingface_tokenizer(file: Path, eos_token: Optional[str]) -> TextTokenizer:
+    if not file.is_file():  # said first: a path that is not there is the fix, whatever is installed
+        refuse(f"--tokenizer {file}: no such file; give the path of a HuggingFace tokenizer.json, a tokenizer "
+               "directory, or --tokenizer bytes")
     try:
         from tokenizers import Tokenizer
     except ImportError:
         refuse(f"--tokenizer {file}: reading a tokenizer.json needs the `tokenizers` package "
                "(pip install tokenizers), or use --tokenizer bytes")
-    if not file.is_file():
-        refuse(f"--tokenizer {file}: no such file; give the path of a HuggingFace tokenizer.json, a tokenizer "
-               "directory, or --tokenizer bytes")
     tokenizer = Tokenizer.from_file(str(file))
 
     def stream(path: Path) -> Iterator[np.ndarray]:
