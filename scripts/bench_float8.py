@@ -29,9 +29,9 @@ sys.path.insert(0, str(REPO))
 
 from conf.schema import Float8  # noqa: E402
 from scripts.lib.comparison import (  # noqa: E402
-    exit_status, format_cell, gpu_name, provenance, provenance_line, with_provenance,
+    exit_status, format_cell, provenance, provenance_line, with_provenance,
 )
-from scripts.lib.launch import parse_list, run_or_mark, train_launcher  # noqa: E402
+from scripts.lib.launch import gpu_name, parse_list, run_or_mark, train_launcher  # noqa: E402
 from trainer.metrics import results  # noqa: E402
 from trainer.run.cli import script_config  # noqa: E402
 

@@ -28,9 +28,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from scripts.lib.comparison import (  # noqa: E402
-    exit_status, gpu_name, provenance, provenance_line, with_provenance,
+    exit_status, provenance, provenance_line, with_provenance,
 )
-from scripts.lib.launch import run_or_mark  # noqa: E402
+from scripts.lib.launch import gpu_name, run_or_mark  # noqa: E402
 from scripts.lib.llama3 import SHAPES  # noqa: E402
 from scripts.lib.refuse import refuse  # noqa: E402
 

@@ -56,9 +56,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from scripts.lib.comparison import (  # noqa: E402
-    exit_status, gpu_name, provenance, provenance_line, with_provenance,
+    exit_status, provenance, provenance_line, with_provenance,
 )
-from scripts.lib.launch import check_overrides, override_key, run_or_mark  # noqa: E402
+from scripts.lib.launch import check_overrides, gpu_name, override_key, run_or_mark  # noqa: E402
 from scripts.reference_gpt2 import VOCAB  # noqa: E402
 from trainer.run.cli import script_config  # noqa: E402
 

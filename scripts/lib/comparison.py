@@ -190,16 +190,6 @@ def provenance(gpu: Optional[str]) -> Dict[str, Optional[str]]:
     return {"commit": commit(), **{package: installed(package) for package in MEASURED_WITH}, "gpu": gpu}
 
 
-def gpu_name() -> str:
-    """torch's name of GPU 0 ("cpu" without one), asked in a child: this process holds no CUDA context beside the
-    runs it starts."""
-    from scripts.lib.launch import run_captured
-
-    code = "import torch; print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'cpu')"
-    stdout, _, status = run_captured([sys.executable, "-c", code], 300)
-    return stdout.strip().splitlines()[-1] if status == 0 and stdout.strip() else "unknown"
-
-
 def commit() -> str:
     """HEAD of this checkout, ``+modified`` when a tracked file differs from it; without git, $BENCH_COMMIT."""
     def git(*args: str) -> Optional[str]:

@@ -290,3 +290,11 @@ def _exit_on_signal(signum: int, frame) -> None:
 
 def timestamp() -> str:
     return datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+
+
+def gpu_name() -> str:
+    """torch's name of GPU 0 ("cpu" without one), asked in a child: this process holds no CUDA context beside the
+    runs it starts."""
+    code = "import torch; print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'cpu')"
+    stdout, _, status = run_captured([sys.executable, "-c", code], 300)
+    return stdout.strip().splitlines()[-1] if status == 0 and stdout.strip() else "unknown"
