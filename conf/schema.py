@@ -158,6 +158,13 @@ class DataConfig:
     train_size: Optional[int] = None
     test_size: Optional[int] = None
     path: Optional[str] = None  # text recipes: a file to tokenize; refused by recipes that read none
+    # language models on token files with document boundaries (packed rows): "document" attends within each
+    # document, "causal" across the whole row; auto: document where the data has boundaries, else causal
+    attention: str = "auto"
+    # its kernel (recipes/document_attention.py): auto (flex on CUDA, dense elsewhere), flex, varlen, dense
+    attention_kernel: str = "auto"
+    # a document longer than recipe.model.context: cut into pieces (true), or refused (false)
+    split_long_documents: bool = True
 
 
 @dataclass

@@ -23,18 +23,21 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Tuple
+from typing import Optional, Tuple
 
 import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from recipes.document_attention import KERNELS, DocumentMask
 from recipes.subset import seeded_subset
-from recipes.tokens import dtype_for_vocab, input_dtype, token_splits, windows
+from recipes.tokens import document_splits, dtype_for_vocab, has_documents, input_dtype, token_splits, windows
+from trainer.data.packing import PackedDocuments
 from trainer.step.activation_checkpointing import checkpointed
 from trainer.run.errors import ConfigError
-from trainer.recipe import Batch, Datasets, Recipe, Split, fused_with_top1, label_scores_highest, top1_correct
+from trainer.recipe import (IGNORE_INDEX, Batch, Datasets, Recipe, Split, fused_with_top1, label_scores_highest,
+                            top1_correct)
 from trainer.run.runtime import Runtime
 
 BYTES = 256  # the vocabulary of byte-level text: one token per byte
@@ -92,13 +95,15 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(c.d_model, c.d_model, bias=False)
         self.resid_dropout = nn.Dropout(c.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, documents: Optional[DocumentMask] = None) -> torch.Tensor:
         b, t, d = x.shape
-        q, k, v = (z.view(b, t, self.n_head, d // self.n_head).transpose(1, 2)
-                   for z in self.qkv(x).split(d, dim=2))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
-        return self.resid_dropout(self.proj(y.transpose(1, 2).reshape(b, t, d)))
+        q, k, v = (z.view(b, t, self.n_head, d // self.n_head) for z in self.qkv(x).split(d, dim=2))
+        if documents is not None:  # within each packed document (no dropout: refused with it)
+            y = documents.attend(q, k, v)
+        else:
+            y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                               dropout_p=self.dropout if self.training else 0.0).transpose(1, 2)
+        return self.resid_dropout(self.proj(y.reshape(b, t, d)))
 
 
 class Block(nn.Module):
@@ -110,17 +115,18 @@ class Block(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(c.d_model, 4 * c.d_model, bias=False), nn.GELU(),
                                  nn.Linear(4 * c.d_model, c.d_model, bias=False), nn.Dropout(c.dropout))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
+    def forward(self, x: torch.Tensor, documents: Optional[DocumentMask] = None) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), documents)
         return x + self.mlp(self.ln2(x))
 
 
 class GPT(nn.Module):
     """``activation_checkpointing``: each Block's forward is recomputed in backward while training."""
 
-    def __init__(self, c: GPTConfig, activation_checkpointing: bool = False):
+    def __init__(self, c: GPTConfig, activation_checkpointing: bool = False, attention_kernel: str = "auto"):
         super().__init__()
         self.config, self.activation_checkpointing = c, activation_checkpointing
+        self.attention_kernel = attention_kernel  # within documents: recipes/document_attention.py KERNELS
         self.tok_emb = nn.Embedding(c.vocab, c.d_model)
         self.pos_emb = nn.Embedding(c.context, c.d_model)
         self.drop = nn.Dropout(c.dropout)
@@ -149,12 +155,19 @@ class GPT(nn.Module):
         if isinstance(m, nn.Linear) and m.bias is not None:
             nn.init.zeros_(m.bias)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """Logits [B, T, vocab] for token ids [B, T]."""
-        pos = torch.arange(idx.shape[1], device=idx.device)
+    def forward(self, idx: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
+                document_ids: Optional[torch.Tensor] = None, cu_seqlens: Optional[torch.Tensor] = None
+                ) -> torch.Tensor:
+        """Logits [B, T, vocab] for token ids [B, T]. Packed documents (trainer/data/packing.py) pass each
+        token's ``position_ids`` within its document and, for attention within each document, their
+        ``document_ids`` and ``cu_seqlens`` (recipes/document_attention.py); without them attention is causal
+        over the whole row."""
+        pos = torch.arange(idx.shape[1], device=idx.device) if position_ids is None else position_ids
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+        documents = None if document_ids is None else DocumentMask.build(document_ids, cu_seqlens,
+                                                                         self.attention_kernel)
         for block in self.blocks:
-            x = checkpointed(block, x) if self.activation_checkpointing else block(x)
+            x = checkpointed(block, x, documents) if self.activation_checkpointing else block(x, documents)
         return self.head(self.ln_f(x))
 
     def training_flops_per_token(self) -> float:
@@ -295,28 +308,28 @@ def next_token_criterion(label_smoothing: float = 0.0):
     return fused_with_top1(criterion, next_token_loss_and_top1(label_smoothing))
 
 
-IGNORE_INDEX = -100  # F.cross_entropy's default: a label that is no token (padding) adds no loss
-
-
 def next_token_loss_and_top1(label_smoothing: float = 0.0):
-    """``next_token_criterion``'s mean and ``top1_correct`` in one function (its ``with_top1``), both
-    from one row maximum of the fp32 logits. Compiled, Inductor computes that maximum in the loss's own pass
-    over the logits (its online softmax), where ``top1_correct`` beside the loss costs a pass of its own
-    (gpt2_small, 16 x 1024 tokens on an H200: 0.5 ms of a 33 ms step). The arithmetic is the decomposition
-    of ``F.cross_entropy`` (log-softmax, then the label's negative, averaged over the labels not -100;
+    """``next_token_criterion``'s mean (or sum: ``reduction="sum"``) and ``top1_correct`` in one function (its
+    ``with_top1``), both from one row maximum of the fp32 logits. Compiled, Inductor computes that maximum in the
+    loss's own pass over the logits (its online softmax), where ``top1_correct`` beside the loss costs a pass of
+    its own (gpt2_small, 16 x 1024 tokens on an H200: 0.5 ms of a 33 ms step). The arithmetic is the decomposition
+    of ``F.cross_entropy`` (log-softmax, then the label's negative, averaged or summed over the labels not -100;
     label smoothing as torch adds it), so the loss is the criterion's to rounding; the correctness is
     ``top1_correct``'s, bit for bit: argmax's, the label's logit equal to the row's maximum and every logit
     before it below (``label_scores_highest``; that masked maximum is read in the same pass)."""
 
-    def loss_and_correct(logits: torch.Tensor, target: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    def loss_and_correct(logits: torch.Tensor, target: torch.Tensor,
+                         reduction: str = "mean") -> Tuple[torch.Tensor, torch.Tensor]:
         x, labels = logits.flatten(0, 1).float(), target.flatten()
         best = x.amax(dim=1, keepdim=True)
         shifted = x - best.detach()  # the maximum only shifts: no gradient through it, as in log_softmax's
         log_probs = shifted - shifted.exp().sum(dim=1, keepdim=True).log()
-        loss = F.nll_loss(log_probs, labels)
+        loss = F.nll_loss(log_probs, labels, reduction=reduction)
         if label_smoothing > 0:
             kept = labels != IGNORE_INDEX
-            smooth = torch.where(kept, -log_probs.sum(dim=1), 0.0).sum() / kept.sum()
+            smooth = torch.where(kept, -log_probs.sum(dim=1), 0.0).sum()
+            if reduction == "mean":
+                smooth = smooth / kept.sum()
             loss = (1 - label_smoothing) * loss + smooth * (label_smoothing / x.shape[1])
         return loss, label_scores_highest(x, labels, best.squeeze(1)).view_as(target)
 
@@ -324,10 +337,12 @@ def next_token_loss_and_top1(label_smoothing: float = 0.0):
 
 
 def language_data(data_cfg, seed: int, context: int, vocab: int, vocab_key: str = "recipe.model.vocab") -> Datasets:
-    """The windows of ``context + 1`` tokens that ``recipe.data`` names (its source: text, tokens, synthetic
-    or auto), for a model of ``vocab`` tokens; ``vocab_key`` is the setting that sizes it, named in messages.
+    """The samples that ``recipe.data`` names (its source: text, tokens, synthetic or auto), for a model of
+    ``vocab`` tokens; ``vocab_key`` is the setting that sizes it, named in messages.
 
-    Every window is whole: no sample is ever padded."""
+    Token files with document boundaries (scripts/prepare_text.py --input documents|jsonl|chat|pairs) give
+    packed rows of whole documents (trainer/data/packing.py: fields x, y, position_ids, document_ids,
+    cu_seqlens); everything else, windows of ``context + 1`` tokens of one stream, every one whole."""
     source = data_cfg.source
     if source not in SOURCES:
         raise ConfigError(f"recipe.data.source={source!r} is not one of {', '.join(SOURCES)}: "
@@ -337,7 +352,18 @@ def language_data(data_cfg, seed: int, context: int, vocab: int, vocab_key: str 
     if data_cfg.path is not None and source != "text":
         raise ConfigError(f"recipe.data.path={data_cfg.path!r} but recipe.data.source={source}: set "
                           "recipe.data.source=text (or auto) to read the file, or recipe.data.path=null")
-    if source == "tokens":
+    stats = {}
+    if source == "tokens" and has_documents(data_cfg.root):
+        if data_cfg.seq_len_buckets:
+            raise ConfigError("recipe.data.seq_len_buckets cuts rows short, which would cut packed documents: "
+                              f"remove it (recipe.data.root={data_cfg.root!r} holds documents)")
+        train, test = document_splits(data_cfg.root, context, vocab, seed=seed,
+                                      split_long=data_cfg.split_long_documents, vocab_key=vocab_key,
+                                      split_key="recipe.data.split_long_documents",
+                                      context_key="recipe.model.context")
+        print(train.describe(), flush=True)
+        stats = packing_stats(train)
+    elif source == "tokens":
         train, test = token_splits(data_cfg.root, context, vocab, vocab_key=vocab_key)
     elif source == "text":
         if data_cfg.path is None:
@@ -355,16 +381,94 @@ def language_data(data_cfg, seed: int, context: int, vocab: int, vocab_key: str 
     where = f"recipe.data.path={data_cfg.path!r}" if source == "text" else f"recipe.data.root={data_cfg.root!r}"
     return Datasets(*(seeded_subset(dataset, size, split=split, seed=seed, where=f"the {split} split of {where}")
                       for split, dataset, size in (("train", train, data_cfg.train_size),
-                                                   ("test", test, data_cfg.test_size))), source)
+                                                   ("test", test, data_cfg.test_size))), source, stats)
+
+
+def packing_stats(train: PackedDocuments) -> dict:
+    """The training split's packing, for results.json and W&B (trainer.recipe.Datasets.stats)."""
+    return {"data/padding_fraction": train.padding_fraction, "data/documents": len(train.documents),
+            "data/rows": len(train), "data/documents_cut": train.plan.split_documents,
+            "data/real_tokens": int(train.real_tokens.sum()), "data/loss_tokens": int(train.loss_tokens.sum())}
+
+
+ATTENTION = ("auto", "document", "causal")
+
+
+def is_packed(data: Datasets) -> bool:
+    """Whether the samples are packed documents (rows with boundaries), not windows of one stream."""
+    train = data.train.dataset if isinstance(data.train, torch.utils.data.Subset) else data.train
+    return isinstance(train, PackedDocuments)
+
+
+def attention_mode(data_cfg, packed: bool) -> str:
+    """``recipe.data.attention`` resolved: "document" (within each packed document) or "causal" (over the whole
+    row or window). auto: document where the data has boundaries."""
+    attention = data_cfg.attention
+    if attention not in ATTENTION:
+        raise ConfigError(f"recipe.data.attention={attention!r} is not one of {', '.join(ATTENTION)}: "
+                          "set recipe.data.attention=auto")
+    if attention == "document" and not packed:
+        raise ConfigError("recipe.data.attention=document needs document boundaries, which this data has none of: "
+                          "prepare token files with `python scripts/prepare_text.py INPUT... --input documents "
+                          "--output DIR` (or jsonl, chat, pairs) and set recipe.data.source=tokens "
+                          "recipe.data.root=DIR, or set recipe.data.attention=causal")
+    if not data_cfg.split_long_documents and not packed:
+        raise ConfigError("recipe.data.split_long_documents=false is read for data with document boundaries only "
+                          "(token files from prepare_text.py --input documents|jsonl|chat|pairs): remove it")
+    resolved = "causal" if attention == "auto" and not packed else ("document" if attention == "auto" else attention)
+    kernel = data_cfg.attention_kernel
+    if kernel not in KERNELS:
+        raise ConfigError(f"recipe.data.attention_kernel={kernel!r} is not one of {', '.join(KERNELS)}: "
+                          "set recipe.data.attention_kernel=auto")
+    if kernel != "auto" and resolved != "document":
+        raise ConfigError(f"recipe.data.attention_kernel={kernel} is the kernel of attention within documents, and "
+                          f"this run attends causally ({'recipe.data.attention=causal' if packed else 'no documents'}): "
+                          "remove it")
+    return resolved
+
+
+def check_attention_kernel(cfg, rt: Optional[Runtime]) -> None:
+    """The kernel named for attention within documents runs here: flex and varlen train on CUDA only (FlexAttention
+    has no CPU backward, varlen is flash); deterministic=true promises the same bits every run, which varlen's
+    backward cannot keep (flash adds each query block's gradient with atomics)."""
+    kernel = cfg.recipe.data.attention_kernel
+    device = rt.device if rt is not None else torch.device("cpu")
+    if kernel in ("flex", "varlen") and device.type != "cuda":
+        raise ConfigError(f"recipe.data.attention_kernel={kernel} trains on CUDA GPUs only, and this run is on "
+                          f"{device.type}: set recipe.data.attention_kernel=auto (dense here)")
+    if cfg.deterministic and kernel == "varlen":
+        raise ConfigError("recipe.data.attention_kernel=varlen: its backward is not deterministic (flash adds the "
+                          "query gradients with atomics), and deterministic=true asks for the same bits every run: "
+                          "set recipe.data.attention_kernel=flex (or auto), or deterministic=false")
+
+
+def packed_forward(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """``Recipe.forward`` for packed rows attended causally across the row: positions restart per document."""
+    return model(batch["x"], batch["position_ids"])
+
+
+def document_forward(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """``Recipe.forward`` for packed rows attended within each document."""
+    return model(batch["x"], batch["position_ids"], batch["document_ids"], batch["cu_seqlens"])
 
 
 def build(cfg, rt: Runtime) -> Recipe:
     config = model_config(cfg.recipe.model)
     data = language_data(cfg.recipe.data, cfg.seed, config.context, config.vocab)
+    packed = is_packed(data)
+    attention = attention_mode(cfg.recipe.data, packed)
+    if attention == "document":
+        check_attention_kernel(cfg, rt)
+    if attention == "document" and config.dropout > 0:
+        raise ConfigError(f"recipe.model.dropout={config.dropout}: attention within documents has no dropout; set "
+                          "recipe.model.dropout=0, or recipe.data.attention=causal")
     with torch.device(rt.init_device):  # the meta device under train.fsdp.init=meta: nothing allocated
-        model = GPT(config, activation_checkpointing=cfg.train.activation_checkpointing)
+        model = GPT(config, activation_checkpointing=cfg.train.activation_checkpointing,
+                    attention_kernel=cfg.recipe.data.attention_kernel)
     return Recipe(name=cfg.recipe.name, model=model, data=data, preprocess=preprocess,
                   criterion=next_token_criterion(cfg.recipe.label_smoothing), correct=top1_correct,
+                  forward=(document_forward if attention == "document" else packed_forward) if packed else None,
+                  loss_average="labels" if packed else "micro_batch",
                   units_per_sample=config.context, unit="tokens", flops_per_unit=model.training_flops_per_token(),
                   activation_checkpointing=model.activation_checkpointing, label_smoothing=cfg.recipe.label_smoothing,
                   blocks=list(model.blocks), init_weights=GPT.init_weights)

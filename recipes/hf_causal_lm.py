@@ -47,7 +47,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from conf.schema import ExportDtype
-from recipes.gpt import language_data, next_token_criterion, preprocess
+from recipes.gpt import (attention_mode, check_attention_kernel, is_packed, language_data, next_token_criterion,
+                         preprocess)
+from recipes.hf_documents import document_logits, packed_logits, use_document_attention
 from trainer.run.errors import ConfigError, first_line
 from trainer.recipe import Batch, Recipe, blocks_named, top1_correct
 from trainer.run.process import quiet_pytree_registrations
@@ -467,6 +469,21 @@ def logits(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     return model(batch["x"]).logits
 
 
+def packed_documents_forward(model: torch.nn.Module, attention: str, transformers, kernel: str = "auto") -> Callable:
+    """``Recipe.forward`` for packed rows of documents (recipes/hf_documents.py): each document's own positions,
+    and attention within each document or causal across the row. Causal needs the causal SDPA switch
+    (``use_causal_sdpa``): with any other implementation transformers would guess document masks from the
+    positions in eager steps only, and a graphed step would train differently."""
+    if attention == "document":
+        use_document_attention(model, transformers, plain_causal_mask(model.config))
+        return functools.partial(document_logits, kernel=kernel)
+    if model.config._attn_implementation != CAUSAL_SDPA:
+        raise ConfigError(f"recipe.data.attention=causal over packed documents needs a plain causal SDPA model, and "
+                          f"this {model.config.model_type} model uses {model.config._attn_implementation!r} attention "
+                          "(or a mask more than causal): set recipe.data.attention=document")
+    return packed_logits
+
+
 def build(cfg, rt: Runtime) -> Recipe:
     transformers = transformers_module(cfg.recipe.name)
     settings = model_settings(cfg.recipe.model)
@@ -484,10 +501,17 @@ def build(cfg, rt: Runtime) -> Recipe:
         draw = functools.partial(load_pretrained_shards, source)
     with torch.device("meta") if meta else contextlib.nullcontext():  # meta: nothing allocated until sharded
         model = build_model(config, settings, transformers)
+    forward = logits
+    if is_packed(data):
+        attention = attention_mode(cfg.recipe.data, packed=True)
+        if attention == "document":
+            check_attention_kernel(cfg, rt)
+        forward = packed_documents_forward(model, attention, transformers, cfg.recipe.data.attention_kernel)
     return Recipe(name=cfg.recipe.name, model=model, data=data, preprocess=preprocess,
                   criterion=next_token_criterion(cfg.recipe.label_smoothing), correct=top1_correct,
                   units_per_sample=settings.context, unit="tokens",
-                  flops_per_unit=training_flops_per_token(model, settings.context), forward=logits,
+                  flops_per_unit=training_flops_per_token(model, settings.context), forward=forward,
+                  loss_average="labels" if forward is not logits else "micro_batch",
                   label_smoothing=cfg.recipe.label_smoothing,
                   blocks=blocks_named(model, model._no_split_modules),  # its own list: LlamaDecoderLayer, ...
                   init_weights=draw, export=functools.partial(

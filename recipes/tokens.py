@@ -217,6 +217,16 @@ class DocumentFiles(Documents):
         return state
 
 
+def has_documents(root) -> bool:
+    """Whether ``root``'s header says it holds documents (format 2), read without checks (``read_header`` and
+    ``read_document_header`` check it when the splits are read)."""
+    try:
+        meta = json.loads((Path(root).expanduser() / META).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(meta, dict) and isinstance(meta.get("format"), int) and meta["format"] >= 2
+
+
 def read_document_header(root, vocab: int, data_key: str = "recipe.data.root",
                          vocab_key: str = "recipe.model.vocab") -> Dict:
     """``read_header``'s checks, and the document files' (offsets and loss masks agree with the tokens):

@@ -48,6 +48,10 @@ def image_datasets(cfg, rt: Runtime, *, recipe: str, real_name: str, sizes: Tupl
         raise ConfigError(f"recipe.data.path={data_cfg.path!r} is read by the text recipes only, and the {recipe} "
                           "recipe reads images: set recipe.data.path=null (images of your own: "
                           "recipe.data.source=folder recipe.data.root=<folder>)")
+    for key, default in (("attention", "auto"), ("attention_kernel", "auto"), ("split_long_documents", True)):
+        if data_cfg[key] != default:
+            raise ConfigError(f"recipe.data.{key}={data_cfg[key]!r} is read by the language recipes only, and the "
+                              f"{recipe} recipe reads images: remove it")
     if data_cfg.source == "folder":
         return folder_datasets(data_cfg.root, recipe=recipe, shape=image_shape, num_classes=num_classes,
                                seed=cfg.seed, train_size=data_cfg.train_size, test_size=data_cfg.test_size)

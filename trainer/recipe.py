@@ -37,13 +37,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Literal, Optional, Sequence, Tuple, Union, get_args
 
 import torch
 
 # "x", "y", the dataset's further inputs by name, and for evaluation "mask" (False on padding).
 Batch = Dict[str, torch.Tensor]
 PADDING_MASK = "mask"  # the trainer's own field: a dataset's fields must be named otherwise
+IGNORE_INDEX = -100  # a label that carries no loss (padding, a prompt token): F.cross_entropy's default ignore_index
+LossAverage = Literal["micro_batch", "labels"]  # Recipe.loss_average
+LOSS_AVERAGES = get_args(LossAverage)
 
 
 @dataclass
@@ -88,6 +91,9 @@ class Datasets:
     train: SplitLike
     test: SplitLike
     source: str  # what was actually used: "mnist", "synthetic", "folder", "tokens", ...
+    # What the data is, for results.json and W&B's summary ("data/padding_fraction" of packed documents: the share
+    # of the training rows' tokens that are padding, which perf/real_tokens_per_s leaves out; "data/documents", ...)
+    stats: Dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -99,8 +105,8 @@ class Recipe:
     preprocess: Callable[[Batch, bool], Batch]
     # The loss from model outputs and labels, one value per sample (or token). Written like
     # torch's functional losses (``F.cross_entropy`` itself fits): when it takes a ``reduction``
-    # keyword, training asks for "mean" and evaluation for "none" (the fused mean saves
-    # kernels in every step); without one, training takes the mean of what it returns.
+    # keyword, training asks for "mean" ("sum" under loss_average="labels") and evaluation for "none"
+    # (the fused mean saves kernels in every step); without one, training takes the mean of what it returns.
     criterion: Callable[..., torch.Tensor]
     # Which predictions are right (bool, shaped like the per-sample loss): the accuracy metrics.
     # Training runs it beside the backward pass, off the step's critical path. With ``top1_correct``, a
@@ -123,6 +129,13 @@ class Recipe:
     # The label smoothing its criterion applies: a recipe that supports recipe.label_smoothing passes
     # the setting's value; a setting other than this value is refused.
     label_smoothing: float = 0.0
+    # What the step's loss averages over. "micro_batch": each micro-batch's mean loss, averaged over the step's
+    # micro-batches and ranks: right when every micro-batch holds as many loss terms (whole windows, samples).
+    # "labels": the per-label losses summed over every micro-batch on every rank, divided by the number of
+    # labels that carry loss (not IGNORE_INDEX) in all of them, so that a token weighs the same wherever it lies
+    # (packed documents, conversations whose prompts carry no loss); the criterion must then take torch's
+    # ``reduction`` keyword (the step asks for "sum"), and evaluation counts those labels alone too.
+    loss_average: LossAverage = "micro_batch"
     # The model's repeated blocks (transformer layers, residual stages), in order: train.parallel=fsdp2
     # shards each on its own (trainer/parallel/sharding.py). A library model's own list serves as it is
     # (``blocks_named(model, model._no_split_modules)``). Empty: the model is sharded as one unit.
@@ -146,19 +159,18 @@ def blocks_named(model: torch.nn.Module, class_names) -> List[torch.nn.Module]:
 
 
 def fused_with_top1(criterion: Callable[..., torch.Tensor],
-                    with_top1: Callable[[torch.Tensor, torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]
-                    ) -> Callable[..., torch.Tensor]:
-    """``criterion``, carrying ``with_top1(output, target) -> (criterion's mean, top1_correct)``: the two in one
-    function, equal to them apart, which the training step runs where it compiles the loss with the accuracy
-    (graph.compile_model) and the recipe's ``correct`` is ``top1_correct`` (recipes.gpt.next_token_loss_and_top1
-    reads the top-1's row maxima from the loss's own softmax). It travels with this criterion object: a recipe
-    whose criterion or correctness is replaced (``dataclasses.replace``) computes the two apart again."""
+                    with_top1: Callable[..., Tuple[torch.Tensor, torch.Tensor]]) -> Callable[..., torch.Tensor]:
+    """``criterion``, carrying ``with_top1(output, target, reduction="mean") -> (criterion's mean, or its sum with
+    ``reduction="sum"``; top1_correct)``: the two in one function, equal to them apart, which the training step
+    runs where it compiles the loss with the accuracy (graph.compile_model) and the recipe's ``correct`` is
+    ``top1_correct`` (recipes.gpt.next_token_loss_and_top1 reads the top-1's row maxima from the loss's own
+    softmax). It travels with this criterion object: a recipe whose criterion or correctness is replaced
+    (``dataclasses.replace``) computes the two apart again."""
     criterion.with_top1 = with_top1
     return criterion
 
 
-def measure_with_top1(recipe: "Recipe") -> Optional[Callable[[torch.Tensor, torch.Tensor],
-                                                             Tuple[torch.Tensor, torch.Tensor]]]:
+def measure_with_top1(recipe: "Recipe") -> Optional[Callable[..., Tuple[torch.Tensor, torch.Tensor]]]:
     """The recipe's criterion and correctness in one function (``fused_with_top1``), or None where the two are
     not the criterion's own pair: another correctness than ``top1_correct``, or a criterion without one."""
     return getattr(recipe.criterion, "with_top1", None) if recipe.correct is top1_correct else None

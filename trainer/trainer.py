@@ -119,7 +119,8 @@ class Trainer:
         global_batch = data_cfg.batch_size * train_cfg.grad_accum * rt.world_size
         perf = Perf(device, units_per_step=global_batch * recipe.units_per_sample, unit=recipe.unit,
                     world_size=rt.world_size, flops_per_unit=recipe.flops_per_unit, precision=plan.precision,
-                    units_per_sample=recipe.units_per_sample)
+                    units_per_sample=recipe.units_per_sample,
+                    padding_fraction=recipe.data.stats.get("data/padding_fraction"))
         config = plan.config_used(recipe, executor, rt.world_size)
         state = TrainingState(rt, model=model, parallelism=parallelism, optimizer=optimizer,
                               step_counter=train_step.step, scaler=scaler, recipe_name=recipe.name, config=config,
@@ -385,6 +386,7 @@ class Trainer:
             headline_phase = "warmup"
         out: Dict[str, Any] = {
             "mode": report.mode, "recipe": self.recipe.name, "data_source": self.recipe.data.source,
+            **self.recipe.data.stats,
             "capture_error_mode": report.capture_error_mode,
             "precision": self.plan.precision, "world_size": self.rt.world_size, "global_batch": self.global_batch,
             "steps": steps,

@@ -91,8 +91,11 @@ class Perf:
     """Times every step by phase and turns the times into throughput and MFU."""
 
     def __init__(self, device: torch.device, *, units_per_step: float, unit: str, world_size: int,
-                 flops_per_unit: float, precision: str, units_per_sample: float = 1.0):
+                 flops_per_unit: float, precision: str, units_per_sample: float = 1.0,
+                 padding_fraction: Optional[float] = None):
         self.device, self.unit, self.world_size = device, unit, world_size
+        # packed rows: the share of their tokens that is padding; perf/real_<unit>_per_s counts the others only
+        self.padding_fraction = padding_fraction
         self.units_per_step = units_per_step  # global: samples (or tokens) per optimizer step, all ranks
         self.flops_per_unit, self.precision = flops_per_unit, precision
         self.timer = StepTimer(device)
@@ -133,7 +136,17 @@ class Perf:
         units, self.window_units = self.window_units, 0.0
         if not steps:
             return {}
-        return {"perf/step_ms": total_ms / steps, f"perf/{self.unit}_per_s": units * 1e3 / total_ms}
+        return self.with_real({"perf/step_ms": total_ms / steps, f"perf/{self.unit}_per_s": units * 1e3 / total_ms})
+
+    def with_real(self, values: Dict[str, Any]) -> Dict[str, Any]:
+        """``values`` and, for packed rows, each ``*<unit>_per_s`` as ``*real_<unit>_per_s`` too: the tokens that
+        are not padding (the epoch's packing's share, which every epoch's rows hold in total)."""
+        if self.padding_fraction is None:
+            return values
+        per_s = f"{self.unit}_per_s"
+        real = {k.replace(per_s, f"real_{per_s}"): v * (1.0 - self.padding_fraction)
+                for k, v in values.items() if k.endswith((per_s, f"{per_s}_per_gpu"))}
+        return {**values, **real}
 
     def peak(self) -> Optional[Tuple[str, float]]:
         """(name, dense TFLOP/s) of this GPU at the run's precision; None off CUDA or for an unlisted GPU."""
@@ -181,6 +194,7 @@ class Perf:
         if peak is not None and self.flops_per_unit > 0:
             out["perf/mfu_peak"], out["perf/mfu_peak_tflops"] = peak
             out["perf/flops_per_unit"] = self.flops_per_unit
+        out = self.with_real(out)
         out["perf/peak_host_mib"] = peak_host_mib()  # this rank's process: a model loaded on the host shows here
         if self.device.type == "cuda":
             out["perf/peak_allocated_mib"] = torch.cuda.max_memory_allocated(self.device) / 2**20

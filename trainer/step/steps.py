@@ -11,14 +11,15 @@ from __future__ import annotations
 import contextlib
 import inspect
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Dict, Optional, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
 from graphing import Executor, no_sync_except_last
 from trainer.data import StepShape
 from trainer.run.errors import ConfigError
-from trainer.recipe import PADDING_MASK, Batch, Recipe, measure_with_top1
+from trainer.recipe import IGNORE_INDEX, LOSS_AVERAGES, PADDING_MASK, Batch, Recipe, measure_with_top1
 from trainer.step.schedules import LRSchedule
 from trainer.step.seq_len import truncate
 from trainer.parallel.sharding import full_norm
@@ -30,8 +31,8 @@ def per_term(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 def accumulate(metrics: torch.Tensor, per_sample: torch.Tensor, correct: torch.Tensor, mask: torch.Tensor) -> None:
-    """Adds a batch's masked [loss sum, correct count, sample count] to ``metrics`` (on the device)."""
-    mask = per_term(mask, per_sample)
+    """Adds a batch's [loss sum, correct count, term count] over the terms ``mask`` keeps (shaped like
+    ``per_sample``) to ``metrics`` (on the device)."""
     losses = torch.where(mask, per_sample.double(), 0.0)
     metrics += torch.stack([losses.sum(), (correct & mask).sum().double(), mask.sum().double()])
 
@@ -53,7 +54,7 @@ def model_call(recipe: Recipe, memory_format: torch.memory_format) -> Callable[[
 
 def loss_and_correct(loss: Callable[[Any, torch.Tensor], torch.Tensor],
                      correct: Optional[Callable[[Any, torch.Tensor], torch.Tensor]]) -> Callable[..., Tuple[Any, Any]]:
-    """One function of (output, target) giving (the mean loss, the per-item correctness or None). Compiled as
+    """One function of (output, target) giving (the loss, the per-item correctness or None). Compiled as
     one, the correctness (a top-1 over a language model's logits) is read in the loss's own kernels instead
     of a pass of its own over the whole output, and the output need not be held for it until backward ends."""
     if correct is None:
@@ -64,11 +65,12 @@ def loss_and_correct(loss: Callable[[Any, torch.Tensor], torch.Tensor],
 class ModelAndLoss(torch.nn.Module):
     """The model and its loss as one callable: what the training step calls, in every mode.
 
-    ``forward(batch, output)`` returns (the model's output or None with ``output=False``, the mean loss,
-    the per-item correctness or None): ``measure`` (``loss_and_correct``) gives the last two. Under
-    ``graph.compile_model`` the executor wraps it whole, so that torch.compile sees one function and the
-    output, never one of its results, is the compiler's to free once backward no longer needs it (a language
-    model's logits); otherwise it holds the executor's wrapped model. The loss is computed outside autocast."""
+    ``forward(batch, output)`` returns (the model's output or None with ``output=False``, the loss (the
+    micro-batch's mean, or its sum under loss_average="labels"), the per-item correctness or None): ``measure``
+    (``loss_and_correct``) gives the last two. Under ``graph.compile_model`` the executor wraps it whole, so that
+    torch.compile sees one function and the output, never one of its results, is the compiler's to free once
+    backward no longer needs it (a language model's logits); otherwise it holds the executor's wrapped model.
+    The loss is computed outside autocast."""
 
     def __init__(self, model: torch.nn.Module, call: Callable[[torch.nn.Module, Batch], Any],
                  measure: Callable[[Any, torch.Tensor], Tuple[torch.Tensor, Optional[torch.Tensor]]],
@@ -87,8 +89,8 @@ class ModelAndLoss(torch.nn.Module):
 @dataclass(frozen=True)
 class StepModel:
     """What the steps compute, chosen once when the run is built: ``train(batch, output)`` returns (the model's
-    output, or None when ``output`` is False; the micro-batch's mean loss; its per-item correctness when counted
-    with the loss, else None); ``evaluate(batch)`` the output; ``correct(output, target)`` the correctness that
+    output, or None when ``output`` is False; the micro-batch's loss (``step_loss``); its per-item correctness when
+    counted with the loss, else None); ``evaluate(batch)`` the output; ``correct(output, target)`` the correctness that
     the metrics stream computes from the output (None: counted with the loss, or recipe.accuracy=false).
     ``module`` is what DDP wraps (``no_sync``) and what the optimizer's parameters belong to."""
     module: torch.nn.Module
@@ -111,10 +113,11 @@ def build_step_model(recipe: Recipe, model: torch.nn.Module, executor: Executor,
     compiled function, fused with it (in one function with the loss where the criterion carries one:
     trainer.recipe.fused_with_top1); otherwise the metrics stream computes it from the output, beside
     backward (uncompiled, a kernel of its own either way, and off the step's critical path there)."""
+    check_loss_average(recipe)
     call = model_call(recipe, memory_format)
     with_correct = recipe.correct if accuracy and count_with_loss else None
-    fused = measure_with_top1(recipe) if with_correct is not None else None  # the criterion's own pair, fused
-    measure = fused if fused is not None else loss_and_correct(mean_loss(recipe.criterion), with_correct)
+    fused = fused_step_loss(recipe) if with_correct is not None else None  # the criterion's own pair, fused
+    measure = fused if fused is not None else loss_and_correct(step_loss(recipe), with_correct)
     device_type, autocast = settings.device.type, settings.autocast
     if with_loss:
         module = executor.wrap_model(ModelAndLoss(model, call, measure, device_type), sample_inputs, autocast)
@@ -185,7 +188,7 @@ def autocast_factory(precision: str, device: torch.device) -> Callable[[], conte
 
 
 def takes_reduction(criterion: Callable) -> bool:
-    """Whether a criterion takes torch's ``reduction`` keyword ("none" | "mean")."""
+    """Whether a criterion takes torch's ``reduction`` keyword ("none" | "mean" | "sum")."""
     try:
         return "reduction" in inspect.signature(criterion).parameters
     except (TypeError, ValueError):  # a builtin without a signature
@@ -197,6 +200,47 @@ def mean_loss(criterion: Callable) -> Callable[[torch.Tensor, torch.Tensor], tor
     if takes_reduction(criterion):
         return lambda output, target: criterion(output, target, reduction="mean")
     return lambda output, target: criterion(output, target).mean()
+
+
+def summed_loss(criterion: Callable) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The micro-batch's loss summed over its labels, by the criterion itself (which leaves out IGNORE_INDEX)."""
+    return lambda output, target: criterion(output, target, reduction="sum")
+
+
+def check_loss_average(recipe: Recipe) -> None:
+    """Refuses a Recipe.loss_average the step cannot keep, once, when the step is built."""
+    if recipe.loss_average not in LOSS_AVERAGES:
+        raise ConfigError(f"the recipe {recipe.name!r} returns Recipe(loss_average={recipe.loss_average!r}), which is "
+                          f"not one of {', '.join(LOSS_AVERAGES)}: return Recipe(loss_average='micro_batch') "
+                          "(each micro-batch's mean) or 'labels' (the step's summed loss over its loss labels)")
+    if recipe.loss_average == "labels" and not takes_reduction(recipe.criterion):
+        raise ConfigError(f"the recipe {recipe.name!r} returns Recipe(loss_average='labels'), which sums its "
+                          "criterion's per-label losses, but its criterion takes no `reduction` keyword: give the "
+                          "criterion torch's `reduction` ('none' | 'mean' | 'sum', as F.cross_entropy has), or "
+                          "return Recipe(loss_average='micro_batch')")
+
+
+def step_loss(recipe: Recipe) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The micro-batch's loss as the training step takes it: its mean, or under loss_average="labels" its sum
+    (the step divides by the labels counted over all its micro-batches and ranks)."""
+    return summed_loss(recipe.criterion) if recipe.loss_average == "labels" else mean_loss(recipe.criterion)
+
+
+def fused_step_loss(recipe: Recipe) -> Optional[Callable[[Any, torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]]:
+    """The criterion's fused loss and top-1 (``measure_with_top1``) reduced as ``step_loss`` reduces, or None
+    (computed apart): a fused function that cannot sum is not asked to under loss_average="labels"."""
+    fused = measure_with_top1(recipe)
+    if fused is None or recipe.loss_average != "labels":
+        return fused
+    if not takes_reduction(fused):
+        return None
+    return lambda output, target: fused(output, target, reduction="sum")
+
+
+def loss_labels(target: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Which of ``target``'s labels carry loss (not IGNORE_INDEX); with ``mask``, of the real rows only."""
+    labels = target != IGNORE_INDEX
+    return labels if mask is None else labels & per_term(mask, target)
 
 
 def per_sample_loss(criterion: Callable) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -219,6 +263,7 @@ class TrainStep:
         self.scaler = scaler
         self.correct = model.correct
         self.per_sample_loss = per_sample_loss(recipe.criterion)  # a tail step's: masked, summed
+        self.by_labels = recipe.loss_average == "labels"  # the step's loss: summed, over its loss labels
         self.params = [p for p in model.module.parameters() if p.requires_grad]
         device = settings.device
         # Kept lean, since these kernels run every step, off the critical path (metrics
@@ -247,14 +292,19 @@ class TrainStep:
             self.settings.first_in_step()
         self.optimizer.zero_grad(set_to_none=True)  # nothing left over is summed into this step's gradients
         micro_batches = range(len(shape.rows) if shape is not None else grad_accum)
+        if self.by_labels:  # every micro-batch first: the step's loss labels are counted before its first loss
+            batches = [self._batch(shape, micro) for micro in micro_batches]
+            labels = [loss_labels(batch["y"], batch[PADDING_MASK] if tail else None) for batch in batches]
+            counts = [micro_labels.sum() for micro_labels in labels]
+            per_label = self._per_label_scale(counts)
         for micro in no_sync_except_last(self.model.module, micro_batches):  # DDP all-reduces on the last only
-            raw = self.loader.tail_batch(shape, micro) if tail else self.loader.next_batch()
-            batch = self.recipe.preprocess(raw, True)
-            if shape is not None and shape.seq_len is not None:
-                batch = truncate(batch, shape.seq_len)  # a static slice: each length its own graph
+            batch = batches[micro] if self.by_labels else self._batch(shape, micro)
             with self.settings.autocast():
                 output, loss, correct = self.model.train(batch, output=want_output)  # the loss outside autocast
-            if tail:
+            if self.by_labels:
+                loss, joined = self._labels_loss(output, loss, batch, labels[micro], counts[micro], per_label,
+                                                 tail, correct)
+            elif tail:
                 loss, joined = self._masked_loss(output, batch, shape, correct)
             else:
                 joined = self._count(loss, output, batch["y"], correct=correct)
@@ -281,15 +331,43 @@ class TrainStep:
         if self.advance_step:
             self.step += 1
 
+    def _batch(self, shape: Optional[StepShape], micro: int) -> Batch:
+        """Micro-batch ``micro`` of the step, preprocessed (and cut to the step's sequence length)."""
+        tail = shape is not None and shape.tail
+        batch = self.recipe.preprocess(self.loader.tail_batch(shape, micro) if tail else self.loader.next_batch(), True)
+        if tail and PADDING_MASK not in batch:
+            raise ConfigError(f"the recipe's preprocess dropped the batch's {PADDING_MASK!r} field, which marks the "
+                              "real samples of an epoch's last partial step: return {**batch, ...} from preprocess, "
+                              "or set recipe.data.drop_last=true")
+        if shape is not None and shape.seq_len is not None:
+            batch = truncate(batch, shape.seq_len)  # a static slice: each length its own graph
+        return batch
+
+    def _per_label_scale(self, counts: List[torch.Tensor]) -> torch.Tensor:
+        """world_size / the step's loss labels on every rank (at least 1), on the device: summed by an all-reduce,
+        which a CUDA graph captures with the step (no host sync). DDP and FSDP2 divide the summed gradients by
+        world_size, so each rank's summed losses times this give the gradient of the step's sum over its count."""
+        total = torch.stack(counts).sum()
+        if self.settings.world_size > 1:
+            dist.all_reduce(total)  # SUM
+        return self.settings.world_size / total.clamp(min=1).double()  # float64: exact for any loss dtype
+
+    def _labels_loss(self, output: Optional[torch.Tensor], loss: torch.Tensor, batch: Batch, labels: torch.Tensor,
+                     count: torch.Tensor, per_label: torch.Tensor, tail: bool, correct: Optional[torch.Tensor]
+                     ) -> Tuple[torch.Tensor, Callable[[], None]]:
+        """A micro-batch's loss for backward under loss_average="labels": its summed loss (a tail's over the loss
+        labels of its real rows) times ``per_label``; the metrics add the sum and ``count``, its loss labels."""
+        if tail:
+            loss = torch.where(labels, self.per_sample_loss(output, batch["y"]), 0.0).sum()
+        joined = self._count(loss, output, batch["y"], mask=batch[PADDING_MASK] if tail else None, correct=correct,
+                             labels=count)
+        return loss * per_label, joined
+
     def _masked_loss(self, output: torch.Tensor, batch: Batch, shape: StepShape, correct: Optional[torch.Tensor]
                      ) -> Tuple[torch.Tensor, Callable[[], None]]:
         """A tail micro-batch's loss for backward: the sum over its real samples, scaled so that
         the step's gradient (summed over micro-batches, averaged over ranks by DDP) is the mean
         over the tail's real samples on all ranks, as a full step's is over its samples."""
-        if PADDING_MASK not in batch:
-            raise ConfigError(f"the recipe's preprocess dropped the batch's {PADDING_MASK!r} field, which marks the "
-                              "real samples of an epoch's last partial step: return {**batch, ...} from preprocess, "
-                              "or set recipe.data.drop_last=true")
         per_sample = self.per_sample_loss(output, batch["y"])
         summed = torch.where(per_term(batch[PADDING_MASK], per_sample), per_sample, 0.0).sum()
         terms_per_sample = per_sample[0].numel()  # 1, or the tokens of a sequence
@@ -297,29 +375,37 @@ class TrainStep:
         return summed * (self.settings.world_size / (shape.real * terms_per_sample)), joined
 
     def _count(self, loss: torch.Tensor, output: Optional[torch.Tensor], target: torch.Tensor,
-               mask: Optional[torch.Tensor] = None, correct: Optional[torch.Tensor] = None) -> Callable[[], None]:
+               mask: Optional[torch.Tensor] = None, correct: Optional[torch.Tensor] = None,
+               labels: Optional[torch.Tensor] = None) -> Callable[[], None]:
         """Adds a micro-batch to the metrics, on the metrics stream; returns the join to call after backward.
-        ``loss``: the micro-batch's mean loss, or with ``mask`` the sum over its real samples; ``correct``: the
+        ``loss``: the micro-batch's mean loss, or with ``mask`` the sum over its real samples, or with ``labels``
+        (loss_average="labels": how many labels carry loss) the sum over those labels; ``correct``: the
         per-item correctness when the loss's function gave it (else the metrics stream computes it from
         ``output``, or counts none: recipe.accuracy=false)."""
         stream = self.metrics_stream
         if stream is None:
-            self._add(loss, output, target, mask, correct)
+            self._add(loss, output, target, mask, correct, labels)
             return lambda: None
         main = torch.cuda.current_stream()
         stream.wait_stream(main)
         with torch.cuda.stream(stream):
-            self._add(loss, output, target, mask, correct)
+            self._add(loss, output, target, mask, correct, labels)
         read = (output, target) if self.correct is not None else ()  # the output only when read here
-        return _Join(main, stream, (loss, mask, correct, *read))
+        return _Join(main, stream, (loss, mask, correct, labels, *read))
 
     @torch.no_grad()
     def _add(self, loss: torch.Tensor, output: Optional[torch.Tensor], target: torch.Tensor,
-             mask: Optional[torch.Tensor] = None, correct: Optional[torch.Tensor] = None) -> None:
+             mask: Optional[torch.Tensor] = None, correct: Optional[torch.Tensor] = None,
+             labels: Optional[torch.Tensor] = None) -> None:
         if correct is None and self.correct is not None:
             correct = self.correct(output, target)
         terms = correct if correct is not None else target  # one per loss term: a sample, or a token
-        if mask is None:
+        if labels is not None:  # a sum over ``labels`` loss labels; a label of IGNORE_INDEX is never correct
+            self.loss_sum += loss.detach()
+            self.item_count += labels
+            if mask is not None and correct is not None:
+                correct = correct & per_term(mask, correct)
+        elif mask is None:
             self.loss_sum.add_(loss.detach(), alpha=terms.numel())  # a mean over the micro-batch's terms
             self.item_count += terms.numel()
         else:
@@ -362,12 +448,14 @@ class _Join:
 
 
 class EvalStep:
-    """One evaluation batch: per-sample losses and correctness, masked to the real samples, summed on the device."""
+    """One evaluation batch: per-sample losses and correctness, masked to the real samples (under
+    loss_average="labels" to their labels that carry loss), summed on the device."""
 
     def __init__(self, recipe: Recipe, model: StepModel, loader, settings: StepSettings):
         self.recipe, self.model, self.loader, self.settings = recipe, model, loader, settings
         self.loss = per_sample_loss(recipe.criterion)
-        self.metrics = torch.zeros(3, dtype=torch.float64, device=settings.device)  # loss sum, correct, samples
+        self.by_labels = recipe.loss_average == "labels"
+        self.metrics = torch.zeros(3, dtype=torch.float64, device=settings.device)  # loss sum, correct, terms
 
     @torch.no_grad()
     def __call__(self) -> None:
@@ -379,7 +467,9 @@ class EvalStep:
         per_sample = self.loss(output, batch["y"])
         correct = self.recipe.correct(output, batch["y"]) if self.model.accuracy else \
             torch.zeros(per_sample.shape, dtype=torch.bool, device=per_sample.device)
-        accumulate(self.metrics, per_sample, correct, batch[PADDING_MASK])
+        real = batch[PADDING_MASK]
+        counted = loss_labels(batch["y"], real) if self.by_labels else per_term(real, per_sample)
+        accumulate(self.metrics, per_sample, correct, counted)
         if self.settings.last_in_step is not None:
             self.settings.last_in_step()
 
