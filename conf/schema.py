@@ -253,6 +253,11 @@ class TrainLoopConfig:
     # one more forward of compute. The recipe applies it (Recipe.activation_checkpointing) or is refused.
     activation_checkpointing: bool = False
     progress: bool = True  # progress bar on rank 0
+    # Under torchrun, a rank that sees no step finish for this long (at least 20 median steps; the first steps of a
+    # graph, an evaluation and a checkpoint's save get 15 times as long, 15 min at least) says which rank and step,
+    # aborts the process group and exits with 8, so a restart resumes from the last checkpoint; a rank that is
+    # stopped or stuck holding the GIL is ended by its guard process (trainer/run/watchdog.py). null: off
+    stall_timeout_s: Optional[float] = 60.0
     # The matmuls of the Linear layers inside the recipe's blocks in float8 (torchao; compute capability 8.9+):
     # faster where the GPU is busy, with compile (graph=full_compiled). docs/float8.md
     float8: Float8 = Float8.none

@@ -120,6 +120,9 @@ def _check_values(cfg) -> None:
                        ("graph.compare_steps", cfg.graph.compare_steps)):
         if value < 1:
             raise ConfigError(f"{key}={value} must be at least 1: set {key}=...")
+    if t.stall_timeout_s is not None and t.stall_timeout_s < 1:
+        raise ConfigError(f"train.stall_timeout_s={t.stall_timeout_s} must be at least 1 (seconds), or null to turn "
+                          "the stall watchdog off")
     for key, value in (("train.grad_clip", t.grad_clip), ("checkpoint.every_steps", c.every_steps),
                        ("checkpoint.every_epochs", c.every_epochs), ("checkpoint.every_minutes", c.every_minutes),
                        ("recipe.data.num_workers", d.num_workers)):

@@ -50,6 +50,7 @@ from trainer.step.seq_len import seq_len_schedule
 from trainer.step.steps import (EvalStep, StepSettings, TrainStep, autocast_factory, build_step_model,
                                 positional_model_inputs)
 from trainer.run.stop import StopAgreement
+from trainer.run.watchdog import StallWatchdog
 
 log = logging.getLogger("train")
 
@@ -145,6 +146,11 @@ class Trainer:
         self.clock: Dict[str, float] = {"eval_s": 0.0}  # where the loop's wall time went
         self._last_train: Dict[str, float] = {}
         self._script_steps = 0  # steps next_step has run
+        # The stall watchdog (trainer/run/watchdog.py), while fit runs under torchrun; the allowance of a step's
+        # first run in a phase and shape (compile, warm-up, capture), an evaluation and a checkpoint's save.
+        self.watchdog: Optional[StallWatchdog] = None
+        self.allowance_s = max(15 * (cfg.train.stall_timeout_s or 0.0), 900.0)
+        self._steps_seen: set = set()
         self._last_eval: Dict[str, float] = {}
         self.last_step_done = 0.0  # perf_counter when the last step's work was done (fit)
 
@@ -173,8 +179,15 @@ class Trainer:
             began = time.perf_counter()
         shape = self.step_shape(step)
         phase = self.executor.phase(StepRole.train, shape)
+        watchdog = self.watchdog
+        steady = phase in ("eager", "graph") and (phase, shape) in self._steps_seen
+        if watchdog is not None and not steady:  # its first time: compile, warm-up or capture take longer
+            watchdog.expect(f"the first {phase} step of shape {shape}", self.allowance_s, step)
+        self._steps_seen.add((phase, shape))
         self.perf.begin(phase)  # opens the phase's wall window at its first step (Perf.walls)
         self.executor.run(StepRole.train, self.train_loader.stage, partial(self.train_step, shape), shape)
+        if watchdog is not None:
+            watchdog.step(step + 1, steady)
         if first:  # the first step's own cost (first-use initialization: kernels, optimizer state), to its end
             _synchronize(self.device)
             self.clock["first_step_s"] = time.perf_counter() - began
@@ -247,6 +260,16 @@ class Trainer:
         """Trains from ``start_step`` (steps done: 0, or where a checkpoint left off) to the end the
         config asks for (or evaluates once, train.eval_only), logging to ``logger``; returns the summary."""
         self.logger = logger
+        timeout = self.cfg.train.stall_timeout_s
+        if not (timeout and self.rt.distributed):  # one process has no peer to lose
+            return self._fit(start_step)
+        with StallWatchdog(timeout, self.rt.rank, self.device) as self.watchdog:
+            try:
+                return self._fit(start_step)
+            finally:
+                self.watchdog = None
+
+    def _fit(self, start_step: int) -> Dict[str, Any]:
         train_cfg = self.cfg.train
         step = start_step
         if self.device.type == "cuda":
@@ -286,6 +309,8 @@ class Trainer:
                     # Read (and check for NaN) before saving: a checkpoint is always a good one.
                     clock_due = self._read_train_metrics(at, bar)
                     if save or clock_due:
+                        if self.watchdog is not None:
+                            self.watchdog.expect("a checkpoint save", self.allowance_s, step)
                         self.checkpoints.saved()
                         self.state.save(step, step // self.steps_per_epoch, self.logger.run_id,
                                        before=self.logger.write_pending)  # rows a full disk held back
@@ -298,6 +323,8 @@ class Trainer:
                 if self.evaluations.due(at):
                     close_bar(bar)
                     bar = None
+                    if self.watchdog is not None:
+                        self.watchdog.expect("an evaluation", self.allowance_s, step)
                     self._evaluate_and_log(step, epoch + 1)
                     self.stop.soon(step)  # nor an evaluation's
                 if at.last:

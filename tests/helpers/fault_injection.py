@@ -14,6 +14,10 @@
   ``statvfs``), so the trainer's own room check passes and the failure path is what runs.
   This patches ``torch.save`` of files (not of in-memory buffers) in rank 0's process, only here.
 
+- HOLD_GIL_AT_STEP, "STEP:RANK": right after that step, on a job's first attempt only, that rank calls C's
+  ``sleep`` through ``ctypes.PyDLL``, which keeps Python's lock for the whole call: a rank stuck in a C call
+  that holds the GIL, which no thread of its own can end (its stall guard does: tests/test_stall.py).
+
 - STOP_CHECK_S, seconds: the ranks ask each other about a stop request (SIGTERM) about every that
   many seconds of training instead of 2 (``trainer.run.stop.StopAgreement``'s spacing), so that a short
   test run stops within a few steps of the signal; the agreement itself is the same code.
@@ -35,7 +39,8 @@ KILL_AT_STEP_ENV = "GRAPHED_DDP_TEST_KILL_AT_STEP"
 QUOTA_AT_STEP_ENV = "GRAPHED_DDP_TEST_QUOTA_AT_STEP"
 STOP_CHECK_S_ENV = "GRAPHED_DDP_TEST_STOP_CHECK_S"
 REPORT_GATHERS_ENV = "GRAPHED_DDP_TEST_REPORT_GATHERS"
-FAULT_ENVS = (KILL_AT_STEP_ENV, QUOTA_AT_STEP_ENV, STOP_CHECK_S_ENV, REPORT_GATHERS_ENV)
+HOLD_GIL_AT_STEP_ENV = "GRAPHED_DDP_TEST_HOLD_GIL_AT_STEP"
+FAULT_ENVS = (KILL_AT_STEP_ENV, QUOTA_AT_STEP_ENV, STOP_CHECK_S_ENV, REPORT_GATHERS_ENV, HOLD_GIL_AT_STEP_ENV)
 GATHER_REPORT = "gathered a sharded tensor whole"
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -47,6 +52,19 @@ def kill_at(spec: str):
         if step == int(at) and rank == int(victim or 1):
             print(f"[rank {rank}] {KILL_AT_STEP_ENV}={spec}: killing this rank at step {step}", flush=True)
             os._exit(13)
+
+    return hook
+
+
+def hold_gil_at(spec: str):
+    at, _, victim = spec.partition(":")
+
+    def hook(step: int, rank: int) -> None:
+        if step == int(at) and rank == int(victim or 1):
+            import ctypes
+
+            print(f"[rank {rank}] {HOLD_GIL_AT_STEP_ENV}={spec}: holding the GIL in C from step {step}", flush=True)
+            ctypes.PyDLL("libc.so.6").sleep(3600)
 
     return hook
 
@@ -115,6 +133,8 @@ if __name__ == "__main__":
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if attempt < len(kills):
         hooks.after_step.append(kill_at(kills[attempt]))
+    if os.environ.get(HOLD_GIL_AT_STEP_ENV) and attempt == 0:
+        hooks.after_step.append(hold_gil_at(os.environ[HOLD_GIL_AT_STEP_ENV]))
     if os.environ.get(QUOTA_AT_STEP_ENV):
         hooks.after_step.append(quota_at(os.environ[QUOTA_AT_STEP_ENV]))
     if os.environ.get(STOP_CHECK_S_ENV):

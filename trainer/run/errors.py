@@ -14,11 +14,14 @@ EXIT_CONFIG = 2  # a setting that cannot work, or a config that does not compose
 EXIT_CAPTURE = 3  # a CUDA graph capture failed under graph.on_failure=fail (the default; =eager goes on eagerly)
 EXIT_NONFINITE = 4  # the training loss became NaN/Inf
 EXIT_STORAGE = 5  # a checkpoint, results or metrics write failed (no space, quota, read-only)
+# (6 and 7 are the doctor's verdicts, graphing/doctor/report.py)
+EXIT_STALLED = 8  # no step finished within train.stall_timeout_s: a peer rank lost or stuck (trainer/run/watchdog.py)
 EXIT_INTERRUPTED = 130  # SIGINT (128 + 2)
 EXIT_PREEMPTED = 143  # SIGTERM (128 + 15), after a checkpoint
 
 TRAINER_EXIT_CODES = {"done": EXIT_DONE, "crash": EXIT_CRASH, "config": EXIT_CONFIG, "capture": EXIT_CAPTURE,
-                      "nonfinite": EXIT_NONFINITE, "storage": EXIT_STORAGE, "interrupted": EXIT_INTERRUPTED,
+                      "nonfinite": EXIT_NONFINITE, "storage": EXIT_STORAGE, "stalled": EXIT_STALLED,
+                      "interrupted": EXIT_INTERRUPTED,
                       "preempted": EXIT_PREEMPTED}
 
 

@@ -1,0 +1,117 @@
+"""A lost or stuck rank never hangs the job (trainer/run/watchdog.py, trainer/run/stall_guard.py).
+
+Two "nodes" of one gloo rank each: two torchrun agents on this machine meeting through a c10d rendezvous, as
+tests/test_multinode.py starts them, plain interpreters (the test is about how processes end). One rank is stopped
+with SIGSTOP in the middle of training: the other ends within the deadline, saying which rank and step waited how
+long, with exit code 8 in torchrun's report; the stopped rank is ended by its guard; no process of the job is left.
+"""
+from __future__ import annotations
+
+import re
+import signal
+import time
+import uuid
+
+import psutil
+import pytest
+
+from helpers.launches import Launch, free_port
+
+STALL_S = 5  # train.stall_timeout_s here; the default is 60
+ARGS = ["recipe=mnist", "recipe.data.source=synthetic", "recipe.data.train_size=4096", "recipe.data.test_size=256",
+        "recipe.data.batch_size=32", "train.epochs=1000", "train.log_every=5", "train.progress=false",
+        "logger=none", "checkpoint.save=false", f"train.stall_timeout_s={STALL_S}"]
+
+
+def agent(node: int, port: int, run_id: str, output_root, log_dir) -> Launch:
+    return Launch([*ARGS, f"output_root={output_root}"], log_dir, name=f"node{node}", nproc=1, warm=False,
+                  torchrun_args={"rdzv_endpoint": f"127.0.0.1:{port}", "rdzv_id": run_id,
+                                 "extra": ["--nnodes=2", f"--rdzv-conf=is_host={1 if node == 0 else 0}"]},
+                  merge_output=True)
+
+
+def rank_pid(launch: Launch) -> int:
+    """The rank's process of one agent: train.py's interpreter, not torchrun's nor the stall guard."""
+    for pid in launch.pids():
+        try:
+            cmdline = " ".join(psutil.Process(pid).cmdline())
+        except psutil.NoSuchProcess:
+            continue
+        if "train.py" in cmdline and "torch.distributed.run" not in cmdline:
+            return pid
+    raise AssertionError(f"no rank process among {launch.pids()}")
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def test_a_rank_stopped_mid_run_ends_the_job_within_the_deadline_with_exit_8(tmp_path):
+    output_root, log_dir = tmp_path / "outputs", tmp_path / "agents"
+    port, run_id = free_port(), f"stall-{uuid.uuid4().hex[:8]}"
+    agents = [agent(node, port, run_id, output_root, log_dir) for node in (0, 1)]
+    try:
+        wait_for(lambda: any(p.stat().st_size for p in output_root.rglob("metrics.jsonl")), 180,
+                 "the first logged steps")
+        time.sleep(1.0)  # well into training: past every first step's allowance
+        stopped = rank_pid(agents[1])
+        psutil.Process(stopped).send_signal(signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        first = agents[0].finish(timeout=60)
+        survivor_s = time.monotonic() - stopped_at
+        second = agents[1].finish(timeout=60)
+        ended_s = time.monotonic() - stopped_at
+    finally:
+        for a in agents:
+            a.kill()
+    output = "\n".join(f"--- node {n} ---\n{(log_dir / f'node{n}.out').read_text()[-4000:]}" for n in (0, 1))
+    assert first.returncode != 0 and second.returncode != 0, output
+    # the surviving rank: within the deadline (and the watchdog's 1 s look), one message naming rank, step, wait
+    assert survivor_s < STALL_S + 15, f"{survivor_s:.1f} s\n{output}"
+    said = re.search(r"rank 0: no progress for (\d+) s in a training step at step (\d+) \(train.stall_timeout_s=5\)",
+                     first.output)
+    assert said and int(said.group(1)) >= STALL_S and int(said.group(2)) > 0, output
+    assert "exitcode  : 8" in first.output or "exitcode: 8" in first.output, output  # torchrun's report
+    # the stopped rank: ended by its guard, which says why
+    assert "rank 1 (pid" in second.output and "has run no Python for" in second.output, output
+    assert ended_s < 2 * STALL_S + 30, f"{ended_s:.1f} s\n{output}"
+    assert not psutil.pid_exists(stopped) or psutil.Process(stopped).status() == psutil.STATUS_ZOMBIE
+    for a in agents:
+        assert not a.pids(), f"left behind: {a.pids()}\n{output}"
+
+
+@pytest.mark.fast
+def test_a_stall_timeout_below_a_second_is_refused_naming_the_setting(train_here):
+    done = train_here(["experiment=debug", "logger=none", "train.stall_timeout_s=0.5"])
+    assert done.returncode == 2
+    assert "train.stall_timeout_s=0.5 must be at least 1 (seconds), or null" in done.stderr
+
+
+def test_a_rank_stuck_in_c_holding_the_gil_is_ended_and_the_restarted_job_ends_like_an_unbroken_one(tmp_path):
+    """One torchrun of two ranks, ``--max-restarts=1``: rank 1 calls C's sleep holding the GIL after step 20 on
+    the first attempt. Rank 0's watchdog ends it with 8; rank 1's guard ends rank 1 (no thread of its own runs);
+    torchrun restarts the job, which resumes from the checkpoint of step 16 and ends with the weights of a run
+    that was never stopped."""
+    from helpers.fault_injection import HOLD_GIL_AT_STEP_ENV
+    from helpers.launches import launch_together
+
+    args = [*ARGS, "train.epochs=1", "train.max_steps=40", "checkpoint.save=true", "checkpoint.every_steps=8",
+            "train.precision=fp32"]
+    runs = launch_together({"unbroken": args, "stuck": args}, tmp_path / "runs", nproc=2, timeout=300,
+                           each={"stuck": {"faults": {HOLD_GIL_AT_STEP_ENV: "20:1"}, "warm": False,
+                                           "torchrun_args": {"max_restarts": 1}}})
+    unbroken, stuck = runs["unbroken"], runs["stuck"]
+    assert unbroken.returncode == 0, unbroken.output[-3000:]
+    assert stuck.returncode == 0, stuck.output[-5000:]
+    out = stuck.output
+    assert "holding the GIL in C from step 20" in out, out[-5000:]
+    assert re.search(r"rank 0: no progress for \d+ s in a training step at step 2\d", out), out[-5000:]
+    assert "rank 1 (pid" in out and "has run no Python for" in out, out[-5000:]
+    assert "resumed from" in out and "step_00000016" in out, out[-5000:]
+    assert stuck.results()["param_digests"] == unbroken.results()["param_digests"]
+    assert not stuck.left and not unbroken.left
