@@ -115,3 +115,36 @@ def test_a_rank_stuck_in_c_holding_the_gil_is_ended_and_the_restarted_job_ends_l
     assert "resumed from" in out and "step_00000016" in out, out[-5000:]
     assert stuck.results()["param_digests"] == unbroken.results()["param_digests"]
     assert not stuck.left and not unbroken.left
+
+
+def test_a_frozen_node_ends_the_job_and_leaves_nothing_once_it_wakes(tmp_path):
+    """Node 1's agent and rank both stopped (a frozen machine): rank 0 ends with 8 within the deadline, node 1's
+    guard (not stopped: a process of its own) ends its rank; when the node wakes, its agent finds its rank gone
+    and ends too. No process of the job is left."""
+    output_root, log_dir = tmp_path / "outputs", tmp_path / "agents"
+    port, run_id = free_port(), f"frozen-{uuid.uuid4().hex[:8]}"
+    agents = [agent(node, port, run_id, output_root, log_dir) for node in (0, 1)]
+    try:
+        wait_for(lambda: any(p.stat().st_size for p in output_root.rglob("metrics.jsonl")), 180,
+                 "the first logged steps")
+        time.sleep(1.0)
+        frozen = [agents[1].proc.pid, rank_pid(agents[1])]
+        for pid in frozen:
+            psutil.Process(pid).send_signal(signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        first = agents[0].finish(timeout=60)
+        survivor_s = time.monotonic() - stopped_at
+        wait_for(lambda: not psutil.pid_exists(frozen[1]) or psutil.Process(frozen[1]).status() ==
+                 psutil.STATUS_ZOMBIE, 2 * STALL_S + 30, "the guard to end the frozen rank")
+        psutil.Process(frozen[0]).send_signal(signal.SIGCONT)  # the node wakes
+        second = agents[1].finish(timeout=120)
+    finally:
+        for a in agents:
+            a.kill()
+    output = "\n".join(f"--- node {n} ---\n{(log_dir / f'node{n}.out').read_text()[-4000:]}" for n in (0, 1))
+    assert first.returncode != 0 and second.returncode != 0, output
+    assert survivor_s < STALL_S + 15, f"{survivor_s:.1f} s\n{output}"
+    assert re.search(r"rank 0: no progress for \d+ s in a training step", first.output), output
+    assert "rank 1 (pid" in second.output and "has run no Python for" in second.output, output
+    for a in agents:
+        assert not a.pids(), f"left behind: {a.pids()}\n{output}"
