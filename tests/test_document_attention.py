@@ -315,3 +315,37 @@ def test_two_gloo_ranks_on_documents_resume_mid_epoch_exactly_as_if_never_stoppe
     losses = {name: [m["train/loss"] for m in done.metrics() if "train/loss" in m]
               for name, done in (("straight", straight), ("resumed", resumed))}
     assert losses["resumed"] == losses["straight"], losses
+
+
+def test_a_tiny_llama_fine_tunes_on_conversations_with_loss_on_the_replies_only(tmp_path, train_here):
+    """What docs/hf_models.md shows, end to end on the CPU: a tokenizer directory with a chat template and a
+    save_pretrained model (both made here), prepare_text.py --input chat, train.py recipe=hf_causal_lm on the
+    token files. Every label that counts is a reply's token: the loss tokens the run counts are the loss mask's."""
+    transformers = needs_extra("transformers")
+    from test_documents import CONVERSATION, tokenizer_directory, write_jsonl
+
+    from scripts.prepare_text import main as prepare
+
+    tokenizer = tokenizer_directory(tmp_path / "tokenizer")
+    chats = [CONVERSATION, CONVERSATION[1:3], CONVERSATION[:3], CONVERSATION[1:]] * 10
+    source = write_jsonl(tmp_path / "chats.jsonl", [{"messages": m} for m in chats])
+    prepare([str(source), "--input", "chat", "--tokenizer", str(tokenizer), "--output", str(tmp_path / "tokens"),
+             "--val-fraction", "0.2"])
+    config = transformers.AutoConfig.for_model("llama", hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                               num_key_value_heads=2, intermediate_size=64, vocab_size=64,
+                                               max_position_embeddings=128)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "model")
+
+    done = train_here(["recipe=hf_causal_lm", "recipe.model.config=null", f"recipe.model.path={tmp_path / 'model'}",
+                       "recipe.model.context=128", "recipe.data.source=tokens",
+                       f"recipe.data.root={tmp_path / 'tokens'}", "recipe.data.batch_size=2",
+                       "recipe.data.eval_batch_size=4", "logger=none", "train.max_steps=6", "train.log_every=2",
+                       "train.precision=fp32"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = done.results()
+    loss_mask = np.fromfile(tmp_path / "tokens" / "val.loss.bin", dtype=np.uint8)
+    offsets = np.load(tmp_path / "tokens" / "val.docs.npy")
+    first_tokens = loss_mask[offsets[:-1]].sum()  # a document's first token is no document's label
+    assert results["final/eval_tokens"] == loss_mask.sum() - first_tokens
+    assert results["data/loss_tokens"] < results["data/real_tokens"] / 2  # the prompts carry none
+    assert np.isfinite(results["final/eval_loss"])
