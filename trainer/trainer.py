@@ -43,7 +43,7 @@ from trainer.step.optim import build_optimizer, build_schedule
 from trainer.metrics.perf import Perf, peak_host_mib
 from trainer.plan import RunPlan, graph_setting
 from trainer.policies import CheckpointPolicy, EvalPolicy, LogPolicy, StepPoint
-from trainer.run.process import process_started_at
+from trainer.run.process import process_started_at, under_torchrun
 from trainer.metrics.progress import close_bar, progress_bar, show_on_bar
 from trainer.run.runtime import Runtime, print_once, seed_rank_streams
 from trainer.step.seq_len import seq_len_schedule
@@ -261,7 +261,7 @@ class Trainer:
         config asks for (or evaluates once, train.eval_only), logging to ``logger``; returns the summary."""
         self.logger = logger
         timeout = self.cfg.train.stall_timeout_s
-        if not (timeout and self.rt.distributed):  # one process has no peer to lose
+        if not (timeout and (self.rt.distributed or under_torchrun())):  # python train.py: nothing would restart it
             return self._fit(start_step)
         with StallWatchdog(timeout, self.rt.rank, self.device) as self.watchdog:
             try:
