@@ -49,9 +49,8 @@ from typing import Dict, List, Optional
 import numpy as np
 import torch
 
+from trainer.recipe import IGNORE_INDEX  # noqa: F401 (read from here by the tests and recipes too)
 from trainer.run.errors import ConfigError
-
-IGNORE_INDEX = -100  # torch.nn.functional.cross_entropy's default ignore_index
 PADDING_DOCUMENT = -1  # the document id of a row's padding
 DEFAULT_BUFFER = 16384  # pieces sorted together: enough for well under 1% padding at a few hundred tokens each
 FIELDS = ("x", "y", "position_ids", "document_ids", "cu_seqlens")
