@@ -165,6 +165,13 @@ class DataConfig:
     attention_kernel: str = "auto"
     # a document longer than recipe.model.context: cut into pieces (true), or refused (false)
     split_long_documents: bool = True
+    # image folders (recipes/image_folder.py): training crops' share of the image's area, [low, high], as
+    # torchvision's RandomResizedCrop; null: [0.08, 1.0] where the images' sizes differ from the recipe's,
+    # no crops where they all match it; set: crops whatever the sizes
+    crop_scale: Optional[List[float]] = None
+    # image folders that are cropped: evaluation resizes the shorter side to the recipe's size / this
+    # and takes the center crop (torchvision's references: 224 of 256)
+    eval_resize_ratio: float = 0.875
 
 
 @dataclass

@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from recipes.vision import classification_criterion, image_datasets
+from trainer.data.items import draws_per_epoch
 from trainer.step.activation_checkpointing import checkpointed
 from trainer.recipe import Batch, Recipe, Split, top1_correct
 from trainer.run.runtime import Runtime
@@ -123,7 +124,7 @@ def random_crop_flip(x: torch.Tensor, pad: int = PAD) -> torch.Tensor:
     return out.gather(3, cols[:, None, None, :].expand(n, c, h, w))
 
 
-def make_preprocess(device: torch.device):
+def make_preprocess(device: torch.device, crop: bool = True):
     # Normalization constants live on the device: building them inside the step would
     # copy from host memory on every call (and from a freed buffer on graph replay).
     scale = (1.0 / (255.0 * torch.tensor(STD))).view(1, 3, 1, 1).to(device)
@@ -131,7 +132,7 @@ def make_preprocess(device: torch.device):
 
     def preprocess(batch: Batch, train: bool) -> Batch:
         x = batch["x"].to(torch.float32)
-        if train:
+        if train and crop:
             x = random_crop_flip(x)  # pads with black, as torchvision's RandomCrop does
         return {**batch, "x": x * scale + shift}
 
@@ -145,7 +146,9 @@ def build(cfg, rt: Runtime) -> Recipe:
     checkpointing, smoothing = cfg.train.activation_checkpointing, cfg.recipe.label_smoothing
     model = ResNet18Cifar(checkpointing)
     return Recipe(name=cfg.recipe.name, model=model, data=data,
-                  preprocess=make_preprocess(rt.device),
+                  # a folder cropped by its loader (random-resized crop and flip, recipes/image_crops.py) is not
+                  # cropped again here
+                  preprocess=make_preprocess(rt.device, crop=not draws_per_epoch(data.train)),
                   criterion=classification_criterion(log_probs_given=False, label_smoothing=smoothing),
                   correct=top1_correct, flops_per_unit=training_flops_per_sample(ResNet18Cifar),
                   activation_checkpointing=checkpointing, label_smoothing=smoothing,

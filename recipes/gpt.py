@@ -349,6 +349,10 @@ def language_data(data_cfg, seed: int, context: int, vocab: int, vocab_key: str 
                           "set recipe.data.source=auto")
     if source == "auto":  # a file given: read it; none: the synthetic language, quietly
         source = "synthetic" if data_cfg.path is None else "text"
+    for key, default in (("crop_scale", None), ("eval_resize_ratio", 0.875)):
+        if data_cfg[key] != default:
+            raise ConfigError(f"recipe.data.{key}={data_cfg[key]} is read by the image recipes' folders only, and "
+                              "this recipe reads text: remove it")
     if data_cfg.path is not None and source != "text":
         raise ConfigError(f"recipe.data.path={data_cfg.path!r} but recipe.data.source={source}: set "
                           "recipe.data.source=text (or auto) to read the file, or recipe.data.path=null")

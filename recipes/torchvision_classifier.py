@@ -110,7 +110,12 @@ def datasets(cfg, size: int) -> Datasets:
     if source == "folder":
         return folder_datasets(data_cfg.root, recipe=cfg.recipe.name, shape=(3, size, size),
                                num_classes=cfg.recipe.model.get("num_classes") or MAX_FOLDER_CLASSES,
-                               seed=cfg.seed, train_size=data_cfg.train_size, test_size=data_cfg.test_size)
+                               seed=cfg.seed, train_size=data_cfg.train_size, test_size=data_cfg.test_size,
+                               crop_scale=data_cfg.crop_scale, eval_resize_ratio=data_cfg.eval_resize_ratio)
+    for key, default in (("crop_scale", None), ("eval_resize_ratio", 0.875)):
+        if data_cfg[key] != default:
+            raise ConfigError(f"recipe.data.{key}={data_cfg[key]} is read for image folders only "
+                              "(recipe.data.source=folder), and this run draws the synthetic stand-in: remove it")
     train, test = synthetic_images(cfg.seed, size, data_cfg.train_size or SYNTHETIC_SIZES[0],
                                    data_cfg.test_size or SYNTHETIC_SIZES[1])
     return Datasets(train, test, "synthetic")

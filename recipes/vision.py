@@ -37,8 +37,9 @@ def image_datasets(cfg, rt: Runtime, *, recipe: str, real_name: str, sizes: Tupl
     test_size)`` draws the stand-in, at the real set's ``sizes`` unless
     ``recipe.data.train_size``/``test_size`` say otherwise; of the real set they pick a seeded
     subset. ``source=folder`` reads images of ``image_shape`` (C, H, W) and at most
-    ``num_classes`` classes from ``recipe.data.root`` (recipes/image_folder.py); train_size/test_size
-    then pick a seeded subset too.
+    ``num_classes`` classes from ``recipe.data.root`` (recipes/image_folder.py): images of any size
+    become random-resized crops of ``image_shape`` (``recipe.data.crop_scale``,
+    ``eval_resize_ratio``); train_size/test_size then pick a seeded subset too.
     """
     data_cfg = cfg.recipe.data
     if cfg.recipe.model:
@@ -54,7 +55,13 @@ def image_datasets(cfg, rt: Runtime, *, recipe: str, real_name: str, sizes: Tupl
                               f"{recipe} recipe reads images: remove it")
     if data_cfg.source == "folder":
         return folder_datasets(data_cfg.root, recipe=recipe, shape=image_shape, num_classes=num_classes,
-                               seed=cfg.seed, train_size=data_cfg.train_size, test_size=data_cfg.test_size)
+                               seed=cfg.seed, train_size=data_cfg.train_size, test_size=data_cfg.test_size,
+                               crop_scale=data_cfg.crop_scale, eval_resize_ratio=data_cfg.eval_resize_ratio)
+    for key, default in (("crop_scale", None), ("eval_resize_ratio", 0.875)):
+        if data_cfg[key] != default:
+            raise ConfigError(f"recipe.data.{key}={data_cfg[key]} is read for image folders only "
+                              f"(recipe.data.source=folder), and the {recipe} recipe reads {data_cfg.source} data: "
+                              "remove it")
     train_size = data_cfg.train_size or sizes[0]
     test_size = data_cfg.test_size or sizes[1]
     data = resolve_source(

@@ -26,7 +26,7 @@ def test_every_group_combination_composes_with_its_own_recipe_and_mode():
     # Every recipe × mode; the experiments (none, compare, debug) rotate so that every recipe meets each of them
     # and every mode meets each of them; the loggers (independent of the rest) alternate.
     recipes, graphs, experiments = options("recipe"), options("graph"), [None, *options("experiment")]
-    assert len(recipes) == 6  # mnist, cifar10_resnet18, gpt_tiny, gpt2_small, gpt_1b, hf_causal_lm
+    assert len(recipes) == 7  # mnist, cifar10_resnet18, torchvision_classifier, gpt_tiny, gpt2_small, gpt_1b, hf_causal_lm
     combos = [(recipe, graph, experiments[(r + g) % len(experiments)])
               for r, recipe in enumerate(recipes) for g, graph in enumerate(graphs)]
     assert {(c[0], c[2]) for c in combos} == set(itertools.product(recipes, experiments))

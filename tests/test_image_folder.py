@@ -1,8 +1,10 @@
-"""Images from a folder: export a recipe's data as PNG files, train on the folder, and get one
-clear message for each way a folder can be wrong.
+"""Images from a folder: export a recipe's data as PNG files, or make a folder of photos of every
+size, train on either, and get one clear message for each way a folder can be wrong.
 
     python scripts/export_images.py recipe=mnist --output DIR [--limit N]
     python train.py recipe=mnist recipe.data.source=folder recipe.data.root=DIR
+    python scripts/make_image_folder.py --output DIR --classes 4 --per-class 20
+    python train.py recipe=cifar10_resnet18 recipe.data.source=folder recipe.data.root=DIR recipe.data.loader=host
 """
 from __future__ import annotations
 
@@ -211,6 +213,67 @@ def test_an_exported_folder_trains_alike_from_the_device_and_host_loaders(export
         assert host.results()[key] == pytest.approx(device.results()[key], rel=1e-5)
 
 
+# ---- images of any size ------------------------------------------------------------------
+
+@pytest.mark.fast
+def test_a_folder_of_mixed_sizes_is_cropped_to_the_recipes_shape_and_the_log_says_how(tmp_path, capsys):
+    root = write_folder(tmp_path / "mixed", {
+        "train": {"a": [png(gray(1)), png(gray(2, 64))], "b": [("c.jpg", jpeg(gray(3, 40)))]},
+        "val": {"a": [png(gray(4, 50))]},  # ImageNet's name for the test split; no images of class b
+    })
+    data = build_mnist("recipe.data.source=folder", f"recipe.data.root={root}").data
+    log = capsys.readouterr().out
+    assert callable(data.train.set_epoch) and not hasattr(data.test, "set_epoch")  # crops drawn per epoch
+    assert [data.train[i][0].shape for i in range(3)] == [(1, 28, 28)] * 3 and data.test[0][0].shape == (1, 28, 28)
+    assert [data.train[i][1] for i in range(3)] == [0, 0, 1] and data.test[0][1] == 0
+    assert f"recipe.data.root={root}: 3 images in train/ and 1 in val/ (the test split), 2 classes" in log
+    assert "random-resized crops (recipe.data.crop_scale=[0.08,1.0]) and flips drawn anew each epoch, so the host " \
+           "loader serves them; evaluating on center crops (shorter side to 32)" in log
+    assert "val/ has no images of class b: evaluation leaves it out" in log
+
+
+@pytest.mark.fast
+def test_crop_settings_are_read_for_image_folders_and_refused_where_nothing_reads_them(exported):
+    folder = ["recipe.data.source=folder", f"recipe.data.root={exported}"]
+    assert not hasattr(build_mnist(*folder).data.train, "set_epoch")  # every image 28x28: read as it is
+    asked = build_mnist(*folder, "recipe.data.crop_scale=[0.5,1.0]", "recipe.data.eval_resize_ratio=0.8").data
+    assert asked.train.crop_scale == (0.5, 1.0) and asked.test.eval_resize_ratio == 0.8  # crops asked for
+    with pytest.raises(ConfigError, match=r"recipe\.data\.eval_resize_ratio=0\.9 is read when a folder's images are "
+                                          r"cropped, and every image in .* is 28x28 already"):
+        build_mnist(*folder, "recipe.data.eval_resize_ratio=0.9")
+    with pytest.raises(ConfigError, match=r"recipe\.data\.crop_scale=\[0\.5, 1\.5\] must be two shares of the "
+                                          r"image's area, 0 < low <= high <= 1"):
+        build_mnist(*folder, "recipe.data.crop_scale=[0.5,1.5]")
+    with pytest.raises(ConfigError, match=r"recipe\.data\.crop_scale=\[0\.5, 1\.0\] is read for image folders only"):
+        build_mnist("recipe.data.source=synthetic", "recipe.data.crop_scale=[0.5,1.0]")
+
+
+def test_a_folder_of_photos_trains_through_the_host_loader_skipping_a_truncated_jpeg(tmp_path, train_here, out):
+    """scripts/make_image_folder.py's photos of every size and mode, one of them cut short, into cifar10_resnet18:
+    the device loader is refused (crops change every epoch), auto (the recipe's default) picks the host loader,
+    the run finishes."""
+    from scripts.make_image_folder import main
+
+    root = tmp_path / "photos"
+    assert main(["--output", str(root), "--classes", "4", "--per-class", "6", "--test-per-class", "2",
+                 "--min-side", "48", "--max-side", "160", "--odd-modes", "--workers", "1"]) == 0
+    broken = sorted((root / "train" / "class0").iterdir())[0]  # sample 0: the loader reads it as it starts
+    broken.write_bytes(broken.read_bytes()[:600])
+    args = ["recipe=cifar10_resnet18", "recipe.data.source=folder", f"recipe.data.root={root}", "logger=none",
+            "recipe.data.batch_size=4", "recipe.data.eval_batch_size=8", "train.max_steps=4"]
+    refused = train_here([*args, "recipe.data.loader=device"], out / "device")
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert "recipe.data.loader=device holds the training set as read once, but it draws new items each epoch " \
+           f"(random-resized crops of the 24 images in {root}/train, new each epoch): set recipe.data.loader=host " \
+           "(or auto)" in refused.stderr
+    done = train_here(args, out / "auto")  # the recipe's own recipe.data.loader=auto
+    assert done.returncode == 0, done.stderr[-3000:]
+    res = done.results()
+    assert res["steps"] == 4 and res["final/eval_samples"] == 8
+    assert OmegaConf.load(done.run_dir / "config.yaml").recipe.data.loader_used == "host"
+    assert f"WARNING: {broken} could not be decoded" in done.stderr and "files skipped so far" in done.stderr
+
+
 # ---- bad folders -----------------------------------------------------------------------
 
 def _bad_folder(root: Path, case: str) -> str:
@@ -235,15 +298,20 @@ def _bad_folder(root: Path, case: str) -> str:
     if case == "too-many-classes":
         write_folder(root, {**good, "train": {str(c): [png(gray(c))] for c in range(11)}})
         return str(root / "train")
-    if case == "png-of-another-size":
-        write_folder(root, {**good, "test": {"1": [png(gray(3)), png(gray(4, 32))]}})
-        return str(root / "test" / "1" / "1.png")
-    if case == "jpeg-of-another-size":
-        write_folder(root, {**good, "train": {**good["train"], "2": [("x.jpg", jpeg(gray(5, 32)))]}})
-        return str(root / "train" / "2" / "x.jpg")
-    if case == "not-a-png":
+    if case == "not-an-image":
         write_folder(root, {**good, "train": {**good["train"], "2": [b"<html>404</html>"]}})
         return str(root / "train" / "2" / "0.png")
+    if case == "one-pixel":
+        write_folder(root, {**good, "test": {"1": [png(gray(3)), png(gray(4, 1))]}})
+        return str(root / "test" / "1" / "1.png")
+    if case == "damaged-jpeg-header":
+        write_folder(root, {**good, "train": {**good["train"], "2": [("x.jpg", jpeg(gray(5))[:20])]}})
+        return str(root / "train" / "2" / "x.jpg")
+    if case == "twelve-bit-jpeg":
+        data = bytearray(jpeg(gray(5)))
+        data[data.index(b"\xff\xc0") + 4] = 12  # the frame header's sample precision
+        write_folder(root, {**good, "train": {**good["train"], "2": [("x.jpg", bytes(data))]}})
+        return str(root / "train" / "2" / "x.jpg")
     raise ValueError(case)
 
 
@@ -254,10 +322,10 @@ BAD_FOLDERS = {  # case: what the message says besides the path
     "class-without-images": "has no images (.png, .jpg, .jpeg)",
     "unknown-test-class": "is a class that",
     "too-many-classes": "has 11 class folders but the mnist model has 10 outputs",
-    "png-of-another-size": "is 32x32 (width x height) but the mnist recipe needs 28x28 images (1x28x28 grayscale): "
-                           "resize them, or write the folder with scripts/export_images.py",
-    "jpeg-of-another-size": "is 32x32 (width x height) but the mnist recipe needs 28x28",
-    "not-a-png": "is not a PNG file",
+    "not-an-image": "is not an image: its first bytes are neither a PNG's nor a JPEG's signature",
+    "one-pixel": "is 1x1 (width x height), too small to crop from: the mnist recipe reads images of at least 7x7",
+    "damaged-jpeg-header": "is a damaged JPEG file (no frame header with its size)",
+    "twelve-bit-jpeg": "is a 12-bit JPEG, which Pillow cannot decode",
 }
 
 
@@ -278,7 +346,7 @@ def test_an_unknown_source_lists_folder_among_the_choices():
 
 
 def test_train_py_prints_a_bad_folder_once_and_exits_2(tmp_path, out, train_here):
-    named = _bad_folder(tmp_path / "images", "png-of-another-size")
+    named = _bad_folder(tmp_path / "images", "one-pixel")
     done = train_here(["recipe=mnist", "recipe.data.source=folder", f"recipe.data.root={tmp_path / 'images'}",
                        "logger=none"], out)
     assert done.returncode == 2, done.stderr[-3000:]
@@ -360,4 +428,4 @@ def test_workers_never_inherit_a_lock_that_a_thread_of_their_rank_held(tmp_path)
         rank.wait()
         for pid in marked_pids(mark):
             os.kill(pid, signal.SIGKILL)
-    assert rank.returncode == 0 and out.strip() == "read", out
+    assert rank.returncode == 0 and out.strip().splitlines()[-1] == "read", out  # after the folder's one-line log

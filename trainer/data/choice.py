@@ -1,6 +1,6 @@
 """Which loader a split gets (``recipe.data.loader``), and building it: the device loader
 when the data fits in a share of free memory (the host then pays nothing per step), the host
-loader otherwise.
+loader otherwise, and always for a training set whose items change with the epoch.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from trainer.data.device_loader import DeviceLoader
 from trainer.data.host_loader import HostLoader
-from trainer.data.items import read_all, sample_item
+from trainer.data.items import draws_per_epoch, read_all, sample_item
 from trainer.run.errors import ConfigError
 from trainer.recipe import SplitLike
 from trainer.run.runtime import Runtime
@@ -31,9 +31,16 @@ def fits_on_device(nbytes: int, device: torch.device) -> bool:
 
 
 def choose_loader(kind: str, train: SplitLike, test: SplitLike, device: torch.device) -> str:
-    """``device`` or ``host`` for ``recipe.data.loader`` (auto: device when both splits fit)."""
+    """``device`` or ``host`` for ``recipe.data.loader`` (auto: device when both splits fit, and
+    the training set's items do not change with the epoch)."""
     if kind == "host":
         return kind
+    if draws_per_epoch(train):
+        if kind == "auto":
+            return "host"
+        raise ConfigError(f"recipe.data.loader=device holds the training set as read once, but it draws new items "
+                          f"each epoch ({train!r}): set recipe.data.loader=host (or auto) to read it through "
+                          "DataLoader workers (recipe.data.num_workers of them)")
     nbytes = split_bytes(train) + split_bytes(test)
     if fits_on_device(nbytes, device):
         return "device"

@@ -17,22 +17,26 @@ import torch
 from trainer.data.epochs import (
     StepShape, epoch_index, micro_slice, eval_epoch_size, train_epoch_shapes, train_epoch_index,
 )
-from trainer.data.items import BatchReader, keep_batch, sample_item
+from trainer.data.items import BatchReader, EpochRows, draws_per_epoch, keep_batch, sample_item
 from trainer.data.workers import batches, worker_options
 from trainer.recipe import PADDING_MASK, Batch, SplitLike
 from trainer.run.runtime import Runtime
 
 
 class _EpochBatches:
-    """The batch sampler: this rank's epoch as rows of dataset indices, from a start row."""
+    """The batch sampler: this rank's epoch as rows of dataset indices, from a start row; each row
+    goes with its epoch to a dataset that draws its items per epoch (``draws_per_epoch``)."""
 
-    def __init__(self):
+    def __init__(self, with_epoch: bool):
         self.rows: List[torch.Tensor] = []
         self.start = 0
+        self.epoch = 0
+        self.with_epoch = with_epoch
 
     def __iter__(self):
         for r in range(self.start, len(self.rows)):
-            yield self.rows[r].tolist()
+            rows = self.rows[r].tolist()
+            yield EpochRows(self.epoch, rows) if self.with_epoch else rows
 
     def __len__(self) -> int:
         return len(self.rows) - self.start
@@ -62,7 +66,7 @@ class HostLoader:
                        for _ in range(2 if pin else 0)]
         self.copied = [torch.cuda.Event() if pin else None for _ in self.pinned]
         self._slot = 0
-        self.sampler = _EpochBatches()
+        self.sampler = _EpochBatches(with_epoch=draws_per_epoch(dataset))
         self.masks: List[torch.Tensor] = []  # per row of the sampler: its real samples
         self.loader = torch.utils.data.DataLoader(
             BatchReader(dataset), batch_sampler=self.sampler, collate_fn=keep_batch, **worker_options(num_workers, dataset),
@@ -75,6 +79,7 @@ class HostLoader:
         self.start_epoch(0)
 
     def start_epoch(self, epoch: int) -> None:
+        self.sampler.epoch = epoch
         if self.train:
             full, tail, tail_mask = train_epoch_index(len(self.dataset), self.shapes, self.rt, seed=self.seed,
                                                       epoch=epoch)

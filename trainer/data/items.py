@@ -6,7 +6,7 @@ item 0 against it once, so that a dataset that does not fit says why before a lo
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Union
 
 import torch
 
@@ -98,11 +98,19 @@ def collate(items: Sequence) -> Batch:
     return batch
 
 
+class EpochRows(NamedTuple):
+    """A batch request that carries its epoch: for a dataset whose items change with it (``set_epoch``)."""
+    epoch: int
+    indices: List[int]
+
+
 class BatchReader(torch.utils.data.Dataset):
     """Reads whole batches of a dataset by index list (what DataLoader workers run).
 
     A ``Split`` is gathered with one tensor index; any other dataset item by item, or
-    through its own ``__getitems__`` when it has one.
+    through its own ``__getitems__`` when it has one. A request of ``EpochRows`` first tells
+    the dataset its epoch (``set_epoch``), here in the process that reads: a persistent
+    worker's copy of the dataset then never lags the loader's epoch.
     """
 
     def __init__(self, dataset: SplitLike):
@@ -111,13 +119,32 @@ class BatchReader(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitems__(self, indices: List[int]) -> Batch:
+    def __getitems__(self, indices: Union[List[int], EpochRows]) -> Batch:
         ds = self.dataset
+        if isinstance(indices, EpochRows):
+            drawing = epoch_drawing(ds)
+            if drawing is not None:
+                drawing.set_epoch(indices.epoch)
+            indices = indices.indices
         if isinstance(ds, Split):
             idx = torch.as_tensor(indices)
             return {name: values[idx] for name, values in ds.fields().items()}
         items = ds.__getitems__(indices) if hasattr(ds, "__getitems__") else [ds[i] for i in indices]
         return collate(items)
+
+
+def epoch_drawing(dataset: SplitLike):
+    """The dataset (``dataset`` itself, or what a ``torch.utils.data.Subset`` of it wraps) whose items change with
+    the epoch (random crops drawn per epoch): it has ``set_epoch(epoch)``, as torch's DistributedSampler does;
+    None where there is none."""
+    while isinstance(dataset, torch.utils.data.Subset):
+        dataset = dataset.dataset
+    return dataset if callable(getattr(dataset, "set_epoch", None)) else None
+
+
+def draws_per_epoch(dataset: SplitLike) -> bool:
+    """Whether ``dataset``'s items change with the epoch (``epoch_drawing``). Only the host loader serves it."""
+    return epoch_drawing(dataset) is not None
 
 
 def keep_batch(batch):

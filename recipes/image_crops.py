@@ -1,0 +1,162 @@
+"""How a stored image of any size and mode becomes one uint8 sample of a recipe's shape.
+
+Modes are converted as torchvision's references load images (Pillow's ``convert("RGB")``; ``"L"``
+for a gray recipe): palette and CMYK through Pillow's tables, alpha dropped (not composited onto a
+background), gray repeated into three channels. A 16-bit gray PNG (Pillow's ``I;16``, which
+``convert`` would clip at 255) is scaled to 8 bits, ``round(value / 257)``; 16-bit color PNGs
+Pillow already reads as 8-bit (their high byte). EXIF orientation is applied
+(``ImageOps.exif_transpose``) before anything else, so crops are drawn in the image as a viewer
+shows it; torchvision's references do not apply it.
+
+Geometry, in the oriented image's pixels:
+- training, ``random_resized_crop``: torchvision's RandomResizedCrop rule (an area share drawn
+  from ``scale``, a log-uniform aspect ratio in [3/4, 4/3], up to 10 tries, else the center crop
+  of the nearest allowed ratio), then a horizontal flip with probability 1/2; both drawn from
+  ``sample_generator(seed, epoch, index)``, so a sample's crop depends on nothing else (worker,
+  rank, eager or graphed, resumed or not).
+- evaluation, ``center_crop``: the shorter side resized to ``int(size / eval_resize_ratio)`` (the
+  references' 256 for 224) and the center ``size`` cut out.
+One resampling (Pillow's bilinear, antialiased) does the crop and the resize. A JPEG decodes at
+the smallest DCT scale (1, 1/2, 1/4, 1/8) that still gives the box at least the output's pixels
+(``Image.draft``): an 800-pixel photo cropped to 32 decodes at 1/8 of its size.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional, Tuple
+
+import numpy as np
+import torch
+
+Box = Tuple[float, float, float, float]  # left, top, right, bottom
+CROP_STREAM = 0x1C80  # keeps these draws apart from any other use of the run seed
+SIXTEEN_BIT_GRAY = ("I;16", "I;16L", "I;16B", "I;16N", "I")
+TURNED = (5, 6, 7, 8)  # EXIF orientations that swap width and height
+RATIO = (3 / 4, 4 / 3)  # torchvision's RandomResizedCrop default
+
+
+class UndecodableImage(Exception):
+    """Pillow could not decode the file (a truncated or damaged body): headers looked right."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the output comes from: ``box`` of the oriented image, mirrored when ``flip``."""
+    box: Box
+    flip: bool = False
+
+
+def sample_generator(seed: int, epoch: int, index: int, attempt: int = 0) -> np.random.Generator:
+    """The generator of one sample's crop: a function of these numbers alone. ``attempt`` > 0 draws
+    for a replacement file after the sample's own could not be decoded."""
+    return np.random.default_rng([seed % 2**63, epoch, index, attempt, CROP_STREAM])
+
+
+def random_resized_crop(width: int, height: int, rng: np.random.Generator,
+                        scale: Tuple[float, float]) -> Placement:
+    """torchvision's RandomResizedCrop box (its ``get_params``), and a flip with probability 1/2."""
+    area = width * height
+    log_ratio = (math.log(RATIO[0]), math.log(RATIO[1]))
+    for _ in range(10):
+        target_area = area * rng.uniform(scale[0], scale[1])
+        aspect = math.exp(rng.uniform(*log_ratio))
+        w = int(round(math.sqrt(target_area * aspect)))
+        h = int(round(math.sqrt(target_area / aspect)))
+        if 0 < w <= width and 0 < h <= height:
+            top = int(rng.integers(0, height - h + 1))
+            left = int(rng.integers(0, width - w + 1))
+            return Placement((left, top, left + w, top + h), flip=bool(rng.random() < 0.5))
+    # No try fitted: the center crop of the allowed ratio nearest the image's own
+    if width / height < RATIO[0]:
+        w, h = width, int(round(width / RATIO[0]))
+    elif width / height > RATIO[1]:
+        w, h = int(round(height * RATIO[1])), height
+    else:
+        w, h = width, height
+    top, left = (height - h) // 2, (width - w) // 2
+    return Placement((left, top, left + w, top + h), flip=bool(rng.random() < 0.5))
+
+
+def center_crop(width: int, height: int, out_size: Tuple[int, int], eval_resize_ratio: float) -> Placement:
+    """The box that resizing the shorter side to ``int(max(out) / eval_resize_ratio)`` and cutting out
+    the center ``out_size`` (height, width) would keep, in the image's own pixels."""
+    out_h, out_w = out_size
+    factor = int(max(out_h, out_w) / eval_resize_ratio) / min(width, height)
+    box_w, box_h = min(width, out_w / factor), min(height, out_h / factor)
+    left, top = (width - box_w) / 2, (height - box_h) / 2
+    return Placement((left, top, left + box_w, top + box_h))
+
+
+def read_image(path: str, *, gray: bool, out_size: Optional[Tuple[int, int]] = None,
+               place: Optional[Callable[[int, int], Placement]] = None) -> torch.Tensor:
+    """The image at ``path`` as uint8 ``[1, H, W]`` (``gray``) or ``[3, H, W]``, oriented by its EXIF tag.
+
+    Without ``place``: the whole image. With it: ``place(width, height)`` of the oriented image
+    picks the box, resized to ``out_size`` (height, width). Raises UndecodableImage when Pillow
+    cannot decode the file."""
+    from PIL import Image
+
+    try:
+        image = Image.open(path)
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
+        raise UndecodableImage(f"{type(e).__name__}: {e}") from None
+    with image:  # closing the file invalidates the image: everything up to the array happens inside
+        try:
+            orientation = image.getexif().get(0x0112, 1)  # (a PNG may keep its EXIF after the pixels: read here)
+        except (OSError, SyntaxError, ValueError, EOFError) as e:
+            raise UndecodableImage(f"{type(e).__name__}: {e}") from None
+        width, height = image.size[::-1] if orientation in TURNED else image.size
+        placement = place(width, height) if place is not None else None
+        try:
+            if image.format == "JPEG":
+                _draft(image, gray, placement, out_size, orientation, width, height)
+            pixels = _decoded(image, gray, orientation)
+        except (OSError, SyntaxError, ValueError, EOFError) as e:
+            raise UndecodableImage(f"{type(e).__name__}: {e}") from None
+        if placement is not None:
+            scale_x, scale_y = pixels.width / width, pixels.height / height  # < 1 where the JPEG decoded smaller
+            left, top, right, bottom = placement.box
+            pixels = pixels.resize((out_size[1], out_size[0]), Image.BILINEAR,
+                                   box=(left * scale_x, top * scale_y, right * scale_x, bottom * scale_y))
+            if placement.flip:
+                pixels = pixels.transpose(Image.FLIP_LEFT_RIGHT)
+        array = np.array(pixels)  # a copy torch may own
+    return torch.from_numpy(array).unsqueeze(0) if gray else torch.from_numpy(array).permute(2, 0, 1).contiguous()
+
+
+def _draft(image, gray: bool, placement: Optional[Placement], out_size, orientation: int, width: int,
+           height: int) -> None:
+    """Asks libjpeg for the smallest DCT scale at which ``placement``'s box keeps at least ``out_size``'s
+    pixels (and for gray output, when ``gray``): it then decodes that much less."""
+    needed = None
+    if placement is not None:
+        left, top, right, bottom = placement.box
+        factor = max(out_size[1] / (right - left), out_size[0] / (bottom - top))
+        needed = (math.ceil(width * factor), math.ceil(height * factor))
+        needed = needed[::-1] if orientation in TURNED else needed  # the file stores it unturned
+    if gray or needed is not None:
+        image.draft("L" if gray else image.mode, needed)
+
+
+def _decoded(image, gray: bool, orientation: int):
+    """The file's pixels, turned upright, in mode "L" or "RGB"."""
+    from PIL import ImageOps
+
+    image.load()
+    if orientation in (2, 3, 4, *TURNED):
+        ImageOps.exif_transpose(image, in_place=True)
+    return eight_bit(image, gray)
+
+
+def eight_bit(image, gray: bool):
+    """``image`` in mode "L" (``gray``) or "RGB", as torchvision's loader converts it; 16-bit gray scaled."""
+    from PIL import Image
+
+    if image.mode in SIXTEEN_BIT_GRAY:
+        values = np.clip(np.asarray(image, dtype=np.int64), 0, 65535)
+        image = Image.fromarray(((2 * values + 257) // 514).astype(np.uint8))  # round(v / 257): 65535 -> 255
+    elif image.mode == "P" and "transparency" in image.info:
+        image = image.convert("RGBA")  # what convert("RGB") reads too, without Pillow's warning about it
+    target = "L" if gray else "RGB"
+    return image if image.mode == target else image.convert(target)
