@@ -20,7 +20,8 @@ from helpers.launches import Launch, free_port
 STALL_S = 5  # train.stall_timeout_s here; the default is 60
 ARGS = ["recipe=mnist", "recipe.data.source=synthetic", "recipe.data.train_size=4096", "recipe.data.test_size=256",
         "recipe.data.batch_size=32", "train.epochs=1000", "train.log_every=5", "train.progress=false",
-        "logger=none", "checkpoint.save=false", f"train.stall_timeout_s={STALL_S}"]
+        "logger=none", "checkpoint.save=false", f"train.stall_timeout_s={STALL_S}",
+        "train.eval=false"]  # no evaluation: its allowance (15 min) would outlast the guard's 10 s if a stop fell in one
 
 
 def agent(node: int, port: int, run_id: str, output_root, log_dir) -> Launch:
