@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 STEPS_OF_DEADLINE = 20  # the deadline is at least this many median steps
 TICK_S = 1.0  # how often the thread looks (and feeds the guard)
 GUARD_FACTOR = 2.0  # the guard's deadline over the watchdog's
+TRAINING = "a training step"  # what the watchdog waits on between the phases expect() announces
 EVENT_EVERY_S = 0.5  # at most this often a CUDA event after a step: nothing per step worth measuring
 
 
@@ -53,7 +54,8 @@ class StallWatchdog:
         self._what = "starting"
         self._step = 0
         self._pending: Deque = deque()  # (step, CUDA event recorded after it, steady)
-        self._done_step: Optional[int] = None  # the last step known done
+        self._done_step: Optional[int] = None  # the last step known done, and when: the median step's times
+        self._done_at = self._last
         self._last_event_at = 0.0
         self._intervals: Deque[float] = deque(maxlen=50)
         self._stop = threading.Event()
@@ -78,6 +80,8 @@ class StallWatchdog:
         if self.device.type != "cuda":  # the step ran on this thread: it is done
             self._progress(step, now, steady)
             return
+        if self._what != TRAINING:  # the phase announced by expect() ended on the host now: steps are watched again
+            self._what, self._deadline, self._last = TRAINING, self.deadline(), now
         if now - self._last_event_at >= EVENT_EVERY_S:
             event = torch.cuda.Event()
             event.record()
@@ -87,9 +91,9 @@ class StallWatchdog:
     def _progress(self, step: int, now: float, steady: bool) -> None:
         """Step ``step`` is done at ``now``: progress; its time per step since the last one done counts when steady."""
         if steady and self._done_step is not None and step > self._done_step:
-            self._intervals.append((now - self._last) / (step - self._done_step))
-        self._done_step, self._step, self._last = step, step, now
-        self._what, self._deadline = "a training step", self.deadline()
+            self._intervals.append((now - self._done_at) / (step - self._done_step))
+        self._done_step, self._done_at, self._step, self._last = step, now, step, now
+        self._what, self._deadline = TRAINING, self.deadline()
 
     def deadline(self) -> float:
         """The timeout, or more where the median step is long."""
@@ -133,7 +137,7 @@ class StallWatchdog:
         """The steps the device finished since the last look (their events queried: no sync)."""
         while self._pending and self._pending[0][1].query():
             step, _, steady = self._pending.popleft()
-            if self._what == "a training step":  # an evaluation or a save announced since keeps its allowance
+            if self._what == TRAINING:  # an evaluation or a save announced since keeps its allowance
                 self._progress(step, time.monotonic(), steady)
             else:
                 self._last = time.monotonic()
