@@ -52,14 +52,28 @@ def wait_for(predicate, timeout: float, what: str) -> None:
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
+def two_nodes(tmp_path, name: str):
+    """Two agents of one rank each, meeting in one job: started, not waited for."""
+    port, run_id = free_port(), f"{name}-{uuid.uuid4().hex[:8]}"
+    return [agent(node, port, run_id, tmp_path / "outputs", tmp_path / "agents") for node in (0, 1)]
+
+
+def wait_until_training(tmp_path) -> None:
+    """Until the job has logged its first steps, and a second more: past every first step's allowance."""
+    wait_for(lambda: any(p.stat().st_size for p in (tmp_path / "outputs").rglob("metrics.jsonl")), 180,
+             "the first logged steps")
+    time.sleep(1.0)
+
+
+def nodes_output(tmp_path) -> str:
+    return "\n".join(f"--- node {n} ---\n{(tmp_path / 'agents' / f'node{n}.out').read_text()[-4000:]}"
+                     for n in (0, 1))
+
+
 def test_a_rank_stopped_mid_run_ends_the_job_within_the_deadline_with_exit_8(tmp_path):
-    output_root, log_dir = tmp_path / "outputs", tmp_path / "agents"
-    port, run_id = free_port(), f"stall-{uuid.uuid4().hex[:8]}"
-    agents = [agent(node, port, run_id, output_root, log_dir) for node in (0, 1)]
+    agents = two_nodes(tmp_path, "stall")
     try:
-        wait_for(lambda: any(p.stat().st_size for p in output_root.rglob("metrics.jsonl")), 180,
-                 "the first logged steps")
-        time.sleep(1.0)  # well into training: past every first step's allowance
+        wait_until_training(tmp_path)
         stopped = rank_pid(agents[1])
         psutil.Process(stopped).send_signal(signal.SIGSTOP)
         stopped_at = time.monotonic()
@@ -70,7 +84,7 @@ def test_a_rank_stopped_mid_run_ends_the_job_within_the_deadline_with_exit_8(tmp
     finally:
         for a in agents:
             a.kill()
-    output = "\n".join(f"--- node {n} ---\n{(log_dir / f'node{n}.out').read_text()[-4000:]}" for n in (0, 1))
+    output = nodes_output(tmp_path)
     assert first.returncode != 0 and second.returncode != 0, output
     # the surviving rank: within the deadline (and the watchdog's 1 s look), one message naming rank, step, wait
     assert survivor_s < STALL_S + 15, f"{survivor_s:.1f} s\n{output}"
@@ -122,13 +136,9 @@ def test_a_frozen_node_ends_the_job_and_leaves_nothing_once_it_wakes(tmp_path):
     """Node 1's agent and rank both stopped (a frozen machine): rank 0 ends with 8 within the deadline, node 1's
     guard (not stopped: a process of its own) ends its rank; when the node wakes, its agent finds its rank gone
     and ends too. No process of the job is left."""
-    output_root, log_dir = tmp_path / "outputs", tmp_path / "agents"
-    port, run_id = free_port(), f"frozen-{uuid.uuid4().hex[:8]}"
-    agents = [agent(node, port, run_id, output_root, log_dir) for node in (0, 1)]
+    agents = two_nodes(tmp_path, "frozen")
     try:
-        wait_for(lambda: any(p.stat().st_size for p in output_root.rglob("metrics.jsonl")), 180,
-                 "the first logged steps")
-        time.sleep(1.0)
+        wait_until_training(tmp_path)
         frozen = [agents[1].proc.pid, rank_pid(agents[1])]
         for pid in frozen:
             psutil.Process(pid).send_signal(signal.SIGSTOP)
@@ -142,7 +152,7 @@ def test_a_frozen_node_ends_the_job_and_leaves_nothing_once_it_wakes(tmp_path):
     finally:
         for a in agents:
             a.kill()
-    output = "\n".join(f"--- node {n} ---\n{(log_dir / f'node{n}.out').read_text()[-4000:]}" for n in (0, 1))
+    output = nodes_output(tmp_path)
     assert first.returncode != 0 and second.returncode != 0, output
     assert survivor_s < STALL_S + 15, f"{survivor_s:.1f} s\n{output}"
     assert re.search(r"rank 0: no progress for \d+ s in a training step", first.output), output
