@@ -18,6 +18,10 @@
   ``sleep`` through ``ctypes.PyDLL``, which keeps Python's lock for the whole call: a rank stuck in a C call
   that holds the GIL, which no thread of its own can end (its stall guard does: tests/test_stall.py).
 
+- GPU_HANG_AT_STEP, "STEP:RANK": right after that step, on a job's first attempt only, that rank queues a
+  kernel that spins for about ten minutes on its stream: a GPU that stops answering, with the rank's Python free
+  (its step watchdog sees no step event complete: tests/test_stall_gpu.py).
+
 - STOP_CHECK_S, seconds: the ranks ask each other about a stop request (SIGTERM) about every that
   many seconds of training instead of 2 (``trainer.run.stop.StopAgreement``'s spacing), so that a short
   test run stops within a few steps of the signal; the agreement itself is the same code.
@@ -40,7 +44,9 @@ QUOTA_AT_STEP_ENV = "GRAPHED_DDP_TEST_QUOTA_AT_STEP"
 STOP_CHECK_S_ENV = "GRAPHED_DDP_TEST_STOP_CHECK_S"
 REPORT_GATHERS_ENV = "GRAPHED_DDP_TEST_REPORT_GATHERS"
 HOLD_GIL_AT_STEP_ENV = "GRAPHED_DDP_TEST_HOLD_GIL_AT_STEP"
-FAULT_ENVS = (KILL_AT_STEP_ENV, QUOTA_AT_STEP_ENV, STOP_CHECK_S_ENV, REPORT_GATHERS_ENV, HOLD_GIL_AT_STEP_ENV)
+GPU_HANG_AT_STEP_ENV = "GRAPHED_DDP_TEST_GPU_HANG_AT_STEP"
+FAULT_ENVS = (KILL_AT_STEP_ENV, QUOTA_AT_STEP_ENV, STOP_CHECK_S_ENV, REPORT_GATHERS_ENV, HOLD_GIL_AT_STEP_ENV,
+              GPU_HANG_AT_STEP_ENV)
 GATHER_REPORT = "gathered a sharded tensor whole"
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -65,6 +71,19 @@ def hold_gil_at(spec: str):
 
             print(f"[rank {rank}] {HOLD_GIL_AT_STEP_ENV}={spec}: holding the GIL in C from step {step}", flush=True)
             ctypes.PyDLL("libc.so.6").sleep(3600)
+
+    return hook
+
+
+def gpu_hang_at(spec: str):
+    at, _, victim = spec.partition(":")
+
+    def hook(step: int, rank: int) -> None:
+        if step == int(at) and rank == int(victim or 1):
+            import torch
+
+            print(f"[rank {rank}] {GPU_HANG_AT_STEP_ENV}={spec}: the GPU spins from step {step}", flush=True)
+            torch.cuda._sleep(2 ** 40)  # about 10 minutes of clock cycles on this rank's stream
 
     return hook
 
@@ -135,6 +154,8 @@ if __name__ == "__main__":
         hooks.after_step.append(kill_at(kills[attempt]))
     if os.environ.get(HOLD_GIL_AT_STEP_ENV) and attempt == 0:
         hooks.after_step.append(hold_gil_at(os.environ[HOLD_GIL_AT_STEP_ENV]))
+    if os.environ.get(GPU_HANG_AT_STEP_ENV) and attempt == 0:
+        hooks.after_step.append(gpu_hang_at(os.environ[GPU_HANG_AT_STEP_ENV]))
     if os.environ.get(QUOTA_AT_STEP_ENV):
         hooks.after_step.append(quota_at(os.environ[QUOTA_AT_STEP_ENV]))
     if os.environ.get(STOP_CHECK_S_ENV):
