@@ -72,6 +72,7 @@ class DocumentMask:
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float] = None) -> torch.Tensor:
         """Attention of ``q`` [B, T, Hq, D] over ``k``, ``v`` [B, T, Hkv, D] within each document: [B, T, Hq, D]."""
         gqa = q.shape[2] != k.shape[2]
+        q, k, v = autocast_inputs(q, k, v)
         if self.kernel == "varlen":
             return varlen_document_attention(q, k, v, self.mask, self.context, scale)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
@@ -115,6 +116,17 @@ def flex_block_mask(document_ids: torch.Tensor):
     """FlexAttention's block mask of document-causal attention over ``document_ids`` [B, T], built on the
     device by a compiled function (no host sync: it can sit inside a captured step)."""
     return _compiled_block_mask_builder()(document_ids)  # inside a compiled step: traced with it
+
+
+def autocast_inputs(*tensors: torch.Tensor):
+    """The inputs in autocast's dtype where autocast is on and they are wider, as SDPA takes them: Flash varlen
+    accepts only fp16 and bf16, and a model's rotary embedding can hand fp32 queries to attention under bf16
+    autocast (Qwen2's does); flex would otherwise run the whole attention in fp32."""
+    device = tensors[0].device.type
+    if not torch.is_autocast_enabled(device):
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(t.to(dtype) if t.is_floating_point() and t.dtype.itemsize > dtype.itemsize else t for t in tensors)
 
 
 @functools.lru_cache(maxsize=None)

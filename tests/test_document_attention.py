@@ -83,6 +83,17 @@ def test_flex_attention_equals_the_dense_reference():
 
 
 @pytest.mark.fast
+def test_wide_inputs_are_cast_to_the_autocast_dtype_as_sdpa_takes_them():
+    from recipes.document_attention import autocast_inputs
+
+    q, ids = torch.randn(2, 8, 4, 16), torch.arange(8, dtype=torch.int32)
+    assert [t.dtype for t in autocast_inputs(q, ids)] == [torch.float32, torch.int32]  # autocast off: as given
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cast = autocast_inputs(q, q.double(), q.half(), ids)
+    assert [t.dtype for t in cast] == [torch.bfloat16, torch.bfloat16, torch.float16, torch.int32]
+    assert torch.equal(cast[0], q.to(torch.bfloat16))
+
+
 def test_an_unknown_kernel_is_named():
     ids, cu = packed_rows([[4]], 4)
     with pytest.raises(ValueError, match="'flash' is not one of auto, dense, flex, varlen"):

@@ -66,6 +66,23 @@ def test_each_kernel_equals_the_fp32_dense_reference_forward_and_backward(kernel
 
 
 @pytest.mark.parametrize("kernel", ["flex", "varlen"])
+def test_fp32_queries_under_bf16_autocast_attend_in_bf16_as_sdpa_does(kernel):
+    """A model whose rotary embedding hands attention fp32 queries under bf16 autocast (Qwen2's): Flash varlen takes
+    only 16-bit inputs, so the kernels cast as SDPA does under autocast, and equal the fp32 reference."""
+    import torch
+
+    from recipes.document_attention import DocumentMask
+
+    ids, cu, q, k, v = inputs(2, 512, 14, 2, 64, [100, 300, 7, 200])
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = DocumentMask.build(ids, cu, kernel).attend(q.float(), k.float(), v.float())
+    ref = DocumentMask.build(ids, cu, "dense").attend(q.float(), k.float(), v.float())
+    real = ids >= 0
+    assert out.dtype == torch.bfloat16
+    assert (out.float()[real] - ref[real]).abs().max().item() < BF16_ATOL
+
+
+@pytest.mark.parametrize("kernel", ["flex", "varlen"])
 def test_a_captured_step_replayed_with_new_boundaries_computes_what_eager_does(kernel):
     """Gradients kept between steps and zeroed in place, so the graph's buffers are the ones read after a replay.
     varlen's backward adds each query block's dq with atomics (flash's non-deterministic dq: run to run, eager or
