@@ -1,7 +1,7 @@
 """This repo against TRL's SFTTrainer on conversations, one GPU, side by side (issue 62 item 5).
 
     python scripts/bench_trl.py                                   # 0.5b and 1.5b, 60 steps of 4 x 4096 tokens
-    python scripts/bench_trl.py --sizes 0.5b --our-batch 8 --trl-batch 8 --attention flex
+    python scripts/bench_trl.py --sizes 0.5b --attention flex --trl-attention varlen --no-compile --liger on
     python scripts/bench_trl.py --dry-run --sizes tiny            # the commands both sides would run; no GPU
     python scripts/bench_trl.py --sizes tiny --context 256 --our-batch 2 --trl-batch 2 --steps 8 --warmup-steps 3 \\
         --graph eager --attention dense --no-compile              # both sides on a CPU, in a minute
@@ -13,15 +13,18 @@ for every step of both sides), a word-level ChatML tokenizer trained on them, a 
 ``prepare_text.py --input chat`` token files of the same conversations. Then, one after the other on the same GPU:
 
 - TRL: scripts/lib/trl_worker.py, its SFTTrainer with its fastest settings (packing ``bfd`` with ``padding_free``,
-  ``assistant_only_loss``, bf16, ``torch_compile``, Liger's kernels where they import, fused AdamW),
-  ``--trl-batch`` packed rows of at most ``--context`` tokens a step;
+  ``assistant_only_loss``, bf16, ``torch_compile`` (``--no-compile``: off; on an H200 its compile of the model
+  ran past 4 minutes, with Liger it failed), Liger's kernels with ``--liger on``, fused AdamW), ``--trl-batch``
+  packed rows of at most ``--context`` tokens a step;
 - this repo: ``train.py recipe=hf_causal_lm`` on the token files, ``graph=full_compiled``, ``--our-batch`` packed
   rows of ``--context`` tokens a step, attention within each document;
 
-both with the same attention kernel (``--attention``: this repo's document attention, registered in TRL's model
-through transformers' AttentionInterface), the same optimizer and schedule (AdamW, lr 2e-4, betas 0.9/0.95, eps 1e-8,
-weight decay 0.1, 10 warm-up steps then constant, gradient clipping at 1.0), ``--steps`` steps of which the first
-``--warmup-steps`` are not timed (this repo's: its eager warm-up and the capture), and the loss read every step.
+both with this repo's document attention (``--attention``; registered in TRL's model through transformers'
+AttentionInterface; ``--trl-attention`` gives TRL another kernel: flex, compiled for one shape, recompiles at each
+of TRL's padding-free batch lengths and never got past its first steps on an H200, so TRL takes varlen there),
+the same optimizer and schedule (AdamW, lr 2e-4, betas 0.9/0.95, eps 1e-8, weight decay 0.1, 10 warm-up steps then
+constant, gradient clipping at 1.0), ``--steps`` steps of which the first ``--warmup-steps`` are not timed (this
+repo's: its eager warm-up and the capture), and the loss read every step.
 
 Real tokens per second: the tokens that are not padding trained in the timed steps over their wall window (the first
 timed step's start to the last one's end, trainer/metrics/perf.py WallWindow on both sides): this repo's
@@ -84,6 +87,7 @@ class Plan:
     steps: int
     warmup_steps: int
     attention: str
+    trl_attention: str  # TRL's kernel: its padding-free batches change length every step (flex compiles per shape)
     graph: str
     compile_trl: bool
     liger: str  # TRL's use_liger_kernel: auto (where liger_kernel imports), on, off
@@ -116,7 +120,9 @@ class Plan:
 
     @property
     def runs(self) -> Path:
-        return self.work / "runs" / f"{self.size}_{self.context}_ours{self.our_batch}_trl{self.trl_batch}_{self.attention}"
+        return self.work / "runs" / (f"{self.size}_{self.context}_ours{self.our_batch}_trl{self.trl_batch}_{self.attention}"
+                                         + (f"_trl{self.trl_attention}" if self.trl_attention != self.attention
+                                            else ""))
 
 
 # ---- the commands -----------------------------------------------------------------------
@@ -130,7 +136,7 @@ def trl_command(plan: Plan, output: Path) -> List[str]:
     return [sys.executable, "-m", "scripts.lib.trl_worker", "--model", str(plan.model), "--tokenizer",
             str(plan.tokenizer), "--data", str(plan.chats), "--context", str(plan.context), "--batch",
             str(plan.trl_batch), "--steps", str(plan.steps), "--warmup-steps", str(plan.warmup_steps),
-            "--attention", plan.attention, "--liger", plan.liger, "--seed", str(plan.seed), "--output", str(output),
+            "--attention", plan.trl_attention, "--liger", plan.liger, "--seed", str(plan.seed), "--output", str(output),
             *([] if plan.compile_trl else ["--no-compile"])]
 
 
@@ -181,7 +187,7 @@ def make_inputs(plan: Plan) -> None:
 
 def trl_row(plan: Plan, status: str, result: Dict[str, Any], command: Sequence[str]) -> Dict[str, Any]:
     return {"run": "TRL SFTTrainer", "size": plan.size, "rows": plan.trl_batch, "context": plan.context,
-            "attention": result.get("attention", f"document_attention ({plan.attention})"),
+            "attention": result.get("attention", f"document_attention ({plan.trl_attention})"),
             "compile": "torch_compile" if plan.compile_trl else "eager",
             "liger": result.get("liger"), "real_tokens_per_s": result.get("wall_real_tokens_per_s"),
             "real_tokens_per_step": result.get("real_tokens_per_step"),
@@ -274,8 +280,10 @@ def report(plan: Plan, rows: List[Dict[str, Any]], measured: Dict[str, Optional[
              "vs TRL: this repo's real tokens/s (or peak allocated memory) over TRL's.",
              f"- Loss: TRL, {LOSS_NORMALIZATION['trl']}; this repo, {LOSS_NORMALIZATION['ours']}. One GPU, no "
              "gradient accumulation: the same normalization.",
-             "- Attention: both sides this repo's document attention (recipes/hf_documents.py, "
-             f"kernel `{plan.attention}`), in TRL's model through transformers' AttentionInterface, its mask built "
+             "- Attention: both sides this repo's document attention (recipes/hf_documents.py), "
+             + (f"kernel `{plan.attention}`" if plan.trl_attention == plan.attention else
+                f"this repo's kernel `{plan.attention}`, TRL's `{plan.trl_attention}`")
+             + ", in TRL's model through transformers' AttentionInterface, its mask built "
              "once per forward from TRL's padding-free batch (scripts/lib/trl_worker.py).",
              "- Not matched: the packing (TRL: best-fit decreasing over the whole set, rows of at most the context; "
              "this repo: best-fit decreasing in a shuffle buffer, rows of exactly the context), the order of the "
@@ -337,7 +345,8 @@ def loss_plot(rows: List[Dict[str, Any]], path: Path) -> Optional[str]:
 
 def plans(args: argparse.Namespace) -> List[Plan]:
     return [Plan(size, args.work.resolve(), args.context, args.our_batch, args.trl_batch, args.steps,
-                 args.warmup_steps, args.attention, args.graph, not args.no_compile, args.liger, args.seed)
+                 args.warmup_steps, args.attention, args.trl_attention or args.attention, args.graph,
+                 not args.no_compile, args.liger, args.seed)
             for size in dict.fromkeys(args.sizes)]
 
 
@@ -375,6 +384,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="TRL's per_device_train_batch_size: packed rows of at most --context tokens (4)")
     parser.add_argument("--attention", choices=KERNELS, default="varlen",
                         help="the document attention kernel of both sides (default varlen; dense: a CPU's)")
+    parser.add_argument("--trl-attention", choices=KERNELS, default=None,
+                        help="TRL's kernel, where it differs from --attention: its padding-free batches change "
+                             "length every step, and flex, compiled for one shape, recompiles at each (varlen "
+                             "takes any length)")
     parser.add_argument("--graph", choices=graph_names(), default="full_compiled",
                         help="this repo's graph mode (default full_compiled)")
     parser.add_argument("--no-compile", action="store_true", help="TRL's torch_compile off")
@@ -410,7 +423,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if importlib.util.find_spec("trl") is None:
         refuse(f"{SCRIPT}: TRL's side needs trl, which this Python ({sys.executable}) cannot import: {INSTALL} "
                "(--dry-run shows both sides' commands without it)")
-    cpu_only = args.graph in CPU_MODES and args.attention == "dense" and args.no_compile
+    cpu_only = (args.graph in CPU_MODES and args.attention == "dense" and args.trl_attention in (None, "dense")
+                and args.no_compile)
     if not cpu_only and cuda_device_count() == 0:
         refuse(f"{SCRIPT}: no CUDA GPU here; on a CPU run both sides with --graph eager --attention dense "
                "--no-compile (--dry-run prints what would run)")
