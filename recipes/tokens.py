@@ -284,4 +284,8 @@ def document_splits(root, context: int, vocab: int, *, seed: int = 0, buffer: in
                                       max_documents=max_documents, x_dtype=input_dtype(meta["dtype"]),
                                       split_key=split_key, context_key=context_key))
         max_documents = splits[0].max_documents
+        if int(splits[-1].loss_tokens.sum()) == 0:  # every label a prompt's: nothing to learn or to average over
+            raise ConfigError(f"{data_key}={root}: its {Path(name).stem} split has no token that carries loss (the "
+                              "loss mask marks only prompts): each conversation needs an assistant turn, or prepare "
+                              "it again with scripts/prepare_text.py --loss all")
     return splits[0], splits[1]

@@ -167,6 +167,20 @@ def test_prompt_completion_pairs_carry_loss_on_the_completion_only(tmp_path, cap
 
 
 @pytest.mark.fast
+def test_a_split_where_no_token_carries_loss_is_refused_naming_the_directory(tmp_path):
+    """Nothing to learn and nothing to average the loss over (the step's metrics would divide by zero)."""
+    from recipes.tokens import document_splits
+    from trainer.run.errors import ConfigError
+
+    pairs = [{"prompt": f"Q: {i} plus {i}? A:", "completion": f" {2 * i}"} for i in range(8)]
+    prepare(write_jsonl(tmp_path / "pairs.jsonl", pairs), "--input", "pairs", "--output", tmp_path / "out")
+    mask = tmp_path / "out" / "train.loss.bin"
+    mask.write_bytes(bytes(mask.stat().st_size))  # every label a prompt's
+    with pytest.raises(ConfigError, match=r"its train split has no token that carries loss .* --loss all"):
+        document_splits(tmp_path / "out", context=64, vocab=256)
+
+
+@pytest.mark.fast
 @pytest.mark.extras
 def test_conversations_render_with_the_chat_template_and_carry_loss_on_assistant_turns_only(tmp_path, capsys):
     from recipes.tokens import document_splits
