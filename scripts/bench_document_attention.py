@@ -27,6 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from scripts.lib.timing import time_window  # noqa: E402
+
 # name: (rows, tokens per row, query heads, key/value heads, head size)
 SHAPES = {
     "mha": (1, 8192, 16, 16, 128),  # the issue's measurement: 8192 tokens, 16 heads of 128
@@ -91,20 +93,6 @@ def step_fn(kernel: str, q, k, v, grad):
         return out
 
     return run
-
-
-def time_window(fn, iters: int) -> float:
-    """Mean ms per call of ``fn`` over one window of ``iters`` calls, CUDA events at its ends."""
-    import torch
-
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def measure(shape: str, spread: str, kernel: str, iters: int, seed: int) -> Dict:

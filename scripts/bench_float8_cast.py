@@ -33,6 +33,9 @@ from scripts.lib.comparison import (  # noqa: E402
 from scripts.lib.launch import gpu_name, run_or_mark  # noqa: E402
 from scripts.lib.llama3 import SHAPES  # noqa: E402
 from scripts.lib.refuse import refuse  # noqa: E402
+from scripts.lib.timing import time_window  # noqa: E402
+
+ITERS = 20  # calls in each timed window
 
 WAYS = ("list_static", "list_dynamic", "one_dynamic", "eager")
 
@@ -64,18 +67,9 @@ def measure(way: str, size: str, ranks: int) -> dict:
     torch.cuda.synchronize()
     first = time.perf_counter() - began
 
-    def timed(fn, iters: int = 20) -> float:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / iters
-
     for _ in range(3):
         call()
-    launched = timed(call)
+    launched = time_window(call, ITERS)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -84,7 +78,7 @@ def measure(way: str, size: str, ranks: int) -> dict:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         call()
-    graphed = timed(graph.replay)
+    graphed = time_window(graph.replay, ITERS)
     same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(cast_shards(shards, scales, f8), out))
     return {"way": way, "first_call_s": first, "launched_ms": launched, "graphed_ms": graphed, "bytes_as_eager": same,
             "shards": len(shards), "elements": sum(w.numel() for w in shards)}

@@ -11,6 +11,21 @@ from __future__ import annotations
 from typing import Callable, Dict, Optional
 
 
+def time_window(fn: Callable[[], object], iters: int) -> float:
+    """Mean ms per call of ``fn`` (device work: a kernel, a replay) over one window of ``iters`` calls, CUDA events
+    at its ends, after the work queued before it has finished."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
 def time_steps(trainer, steps: int, *, warmup: int = 0, log_every: int = 0,
                read_metrics: Optional[Callable[[], None]] = None) -> Dict[str, float]:
     """Runs ``warmup`` untimed steps, then ``steps`` timed ones (``trainer.next_step()``), and returns the timed
