@@ -145,8 +145,8 @@ def training_flops_per_sample(name: str, num_classes: int, size: int, **sized) -
     import torchvision
     from torch.utils.flop_counter import FlopCounterMode
 
-    with torch.device("meta"):
-        model = torchvision.models.get_model(name, weights=None, num_classes=num_classes, **sized)
+    with torch.device("meta"):  # in eval mode: BatchNorm refuses one image of 1x1 maps in training (32 pixels)
+        model = torchvision.models.get_model(name, weights=None, num_classes=num_classes, **sized).eval()
         x = torch.empty(1, 3, size, size)
     with FlopCounterMode(display=False) as counter:
         model(x)

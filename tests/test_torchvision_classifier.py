@@ -1,5 +1,5 @@
-"""recipe=torchvision_classifier: any torchvision classification model by name, on the CPU here (GPU runs:
-tests/test_torchvision_classifier_gpu.py once written; the decode benchmarks: issue 68)."""
+"""recipe=torchvision_classifier: any torchvision classification model by name, on the CPU here (on a GPU, from a
+folder of mixed sizes, graphed against eager: tests/test_image_folder_gpu.py)."""
 from __future__ import annotations
 
 import pytest
@@ -34,6 +34,25 @@ def test_a_vision_transformer_builds_at_the_size_asked_with_its_encoder_blocks_t
     assert len(recipe.blocks) == 12 and type(recipe.blocks[0]).__name__ == "EncoderBlock"
     assert recipe.model.image_size == 32 and recipe.model.heads.head.out_features == 10
     assert recipe.flops_per_unit > 0
+
+
+@pytest.mark.parametrize("size", [16, 32])
+def test_a_resnet_builds_at_the_smallest_sizes_its_flops_counted(size):
+    """At 32 pixels and under ResNet's last maps are 1x1: its FLOPs are counted on one image in eval mode (BatchNorm in
+    training refuses a single value per channel)."""
+    from omegaconf import OmegaConf
+
+    from conf.schema import compose
+    from recipes.torchvision_classifier import build
+
+    cfg = compose([*SMALL, f"recipe.model.image_size={size}"])
+    OmegaConf.set_readonly(cfg, False)
+
+    class Rt:
+        device = __import__("torch").device("cpu")
+
+    recipe = build(cfg, Rt())
+    assert recipe.flops_per_unit > 0 and recipe.model.training
 
 
 @pytest.mark.parametrize("overrides,message", [
