@@ -14,7 +14,6 @@ the commit, versions and GPU.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -26,7 +25,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from scripts.lib.comparison import provenance, provenance_line  # noqa: E402
-from scripts.lib.launch import check_overrides, cuda_device_count, gpu_name, run_captured, train_launcher  # noqa: E402
+from scripts.lib.launch import check_overrides, cuda_device_count, gpu_name, train_launcher  # noqa: E402
+from scripts.lib.train_runs import train_results  # noqa: E402
 from trainer.metrics.results import markdown_table, write_json  # noqa: E402
 from trainer.run.cli import script_config  # noqa: E402
 
@@ -39,17 +39,9 @@ SETS = ("train.stall_timeout_s", "train.max_steps", "run_dir")  # this script's 
 
 def run_once(setting: str, steps: int, args: argparse.Namespace, work: Path, index: int) -> Dict[str, Any]:
     run_dir = work / f"{index:02d}_{setting}"
-    command = [*train_launcher(1, torchrun=True), *args.train_options, *DEFAULTS, *args.overrides, f"train.max_steps={steps}",
-               f"train.stall_timeout_s={SETTINGS[setting]}", f"run_dir={run_dir}"]
-    timeout = args.timeout
-    stdout, stderr, code = run_captured(command, timeout, name=f"{setting} #{index}")
-    results = run_dir / "results.json"
-    if code != 0 or not results.is_file():
-        tail = (stderr or stdout).strip().splitlines()[-5:]
-        raise SystemExit(f"{SCRIPT}: the run with the watchdog {setting} "
-                         f"{'ran past ' + format(timeout, 'g') + ' s' if code is None else 'exited ' + str(code)}:\n"
-                         + "\n".join(tail))
-    r = json.loads(results.read_text())
+    command = [*train_launcher(1, torchrun=True), *args.train_options, *DEFAULTS, *args.overrides,
+               f"train.max_steps={steps}", f"train.stall_timeout_s={SETTINGS[setting]}", f"run_dir={run_dir}"]
+    r = train_results(SCRIPT, f"the run with the watchdog {setting}", command, run_dir, args.timeout)
     return {"setting": setting, "stall_timeout_s": SETTINGS[setting], "samples_per_s": r["perf/wall_samples_per_s"],
             "step_ms_median": r["perf/step_ms_median"], "steps_timed": r["perf/wall_steps"], "mode": r["mode"]}
 

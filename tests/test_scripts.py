@@ -327,7 +327,8 @@ def test_the_projection_does_not_extrapolate_beyond_the_sweep(tmp_path):
 
 OVERRIDE_SCRIPTS = ["doctor.py", "profile_step.py", "bench_input.py", "bench_checkpointing.py", "bench_shapes.py",
                     "bench_gpt2.py", "export_images.py", "project_scaling.py", "compare.py", "sweep.py",
-                    "check_fsdp2.py", "bench_torchtitan.py", "bench_trl.py", "bench_watchdog.py"]
+                    "check_fsdp2.py", "bench_torchtitan.py", "bench_trl.py", "bench_watchdog.py",
+                    "bench_images.py"]
 # It imports torch at module level (an example to read top to bottom): its --help takes torch's import time too.
 TORCH_AT_IMPORT = {"own_loop.py"}
 ALL_SCRIPTS = sorted(p.name for p in (ROOT / "scripts").glob("*.py") if p.name != "__init__.py")

@@ -1,0 +1,123 @@
+"""Does JPEG decoding keep a graphed image step busy? The same step fed from a folder and from the device (issue 68).
+
+    python scripts/make_image_folder.py --output /data/photos --classes 100 --per-class 200
+    python scripts/bench_images.py --root /data/photos                         # resnet50 and vit_b_16, full
+    python scripts/bench_images.py --root /data/photos --models resnet50 --graphs full full_compiled --repeats 3
+    python scripts/bench_images.py --root /tmp/tiny --models resnet18 --image-size 64 --batch 8 --steps 30 \\
+        --graphs eager train.precision=fp32                                     # a CPU, to try it
+
+For each model and graph mode, ``train.py recipe=torchvision_classifier`` runs twice, alternating, ``--repeats``
+times: ``recipe.data.source=folder`` (random-resized crops decoded by the host loader's workers: Pillow, every core
+but one by default) and ``recipe.data.source=synthetic`` (images held on the GPU: the step with no input cost). The
+ratio column is each pair's folder run over its synthetic run, images per second from each run's own wall window
+over its timed steps (results.json ``perf/wall_samples_per_s``: every input wait inside it). Each row also
+records the start-up to the first step and the peak host memory of the whole run, loader workers included
+(scripts/lib/train_runs.py). Evaluation and checkpoints are off. Writes --output (JSON) and a Markdown table beside
+it, with the commit, versions and GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Dict, List, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from scripts.lib.comparison import provenance, provenance_line  # noqa: E402
+from scripts.lib.launch import check_overrides, cuda_device_count, gpu_name, train_launcher  # noqa: E402
+from scripts.lib.refuse import refuse  # noqa: E402
+from scripts.lib.train_runs import train_results  # noqa: E402
+from trainer.metrics.results import markdown_table, write_json  # noqa: E402
+from trainer.run.cli import script_config  # noqa: E402
+
+SCRIPT = "bench_images.py"
+DEFAULTS = ["recipe=torchvision_classifier", "train.eval=false", "checkpoint.save=false", "logger=none",
+            "train.progress=false", "train.epochs=1000"]
+SOURCES = ("folder", "synthetic")
+# Set by this script for every run: refused as overrides.
+SETS = ("recipe", "recipe.model.name", "recipe.model.image_size", "recipe.data.source", "recipe.data.root",
+        "recipe.data.batch_size", "recipe.data.num_workers", "graph", "train.max_steps", "run_dir")
+
+
+def run_once(args: argparse.Namespace, model: str, graph: str, source: str, work: Path, index: int) -> Dict[str, Any]:
+    run_dir = work / f"{index:02d}_{model}_{graph}_{source}"
+    command = [*train_launcher(1), *args.train_options, *DEFAULTS, *args.overrides, f"recipe.model.name={model}",
+               f"recipe.model.image_size={args.image_size}", f"recipe.data.source={source}",
+               f"recipe.data.root={args.root}", f"recipe.data.batch_size={args.batch}",
+               f"recipe.data.num_workers={args.workers}", f"graph={graph}", f"train.max_steps={args.steps}",
+               f"run_dir={run_dir}"]
+    r = train_results(SCRIPT, f"{model} {graph} from {source}", command, run_dir, args.timeout)
+    return {"model": model, "graph": graph, "source": source, "images_per_s": r["perf/wall_samples_per_s"],
+            "step_ms_median": r["perf/step_ms_median"], "steps_timed": r["perf/wall_steps"],
+            "startup_s": r["time/startup_s"], "first_step_s": r["time/first_step_s"],
+            "rank_peak_host_mib": r["perf/peak_host_mib"], "run_peak_host_mib": r["host/tree_peak_mib"]}
+
+
+def main(argv: Sequence[str] = None) -> int:
+    parser = argparse.ArgumentParser(prog=SCRIPT, description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--root", type=Path, required=True, help="an image folder (scripts/make_image_folder.py)")
+    parser.add_argument("--models", nargs="+", default=["resnet50", "vit_b_16"], help="torchvision model names")
+    parser.add_argument("--graphs", nargs="+", default=["full"], help="graph modes (full)")
+    parser.add_argument("--image-size", type=int, default=224, help="pixels a side (224)")
+    parser.add_argument("--batch", type=int, default=256, help="images a step (256)")
+    parser.add_argument("--steps", type=int, default=80, help="steps a run, the untimed first ones included (80)")
+    parser.add_argument("--repeats", type=int, default=2, help="pairs of runs, folder then synthetic (2)")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
+    parser.add_argument("--workers", type=int, default=max(1, cores - 1),
+                        help=f"the loader's worker processes (every core but one: {max(1, cores - 1)})")
+    parser.add_argument("--timeout", type=float, default=400.0, help="seconds one run may take (400)")
+    parser.add_argument("--output", type=Path, default=ROOT / "scripts" / "results" / "images.json")
+    args, _ = script_config(parser, argv, defaults=DEFAULTS)  # composed once: a bad override is said before any run
+    check_overrides(args.overrides, SETS, SCRIPT)
+    if not (args.root / "train").is_dir():
+        refuse(f"{SCRIPT}: --root {args.root} has no train/ folder: give an image folder (train/<class>/*.jpg and "
+               "test/<class>/; scripts/make_image_folder.py writes one)")
+    if args.steps < 30 or args.repeats < 1:
+        parser.error("--steps must be at least 30 (the first are warm-up and capture) and --repeats at least 1")
+    args.root = args.root.resolve()
+    rows: List[Dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="bench_images_") as work:
+        for model in args.models:
+            for graph in args.graphs:
+                for _ in range(args.repeats):
+                    for source in SOURCES:
+                        rows.append(run_once(args, model, graph, source, Path(work), len(rows)))
+                        print(f"{SCRIPT}: {model} {graph} {source}: {rows[-1]['images_per_s']:,.0f} images/s",
+                              flush=True)
+    for folder, synthetic in zip(rows[::2], rows[1::2]):
+        folder["folder_over_synthetic"] = folder["images_per_s"] / synthetic["images_per_s"]
+    measured = provenance(gpu_name() if cuda_device_count() else "CPU")
+    table = markdown_table(
+        ["model", "graph", "source", "images/s (wall)", "median step ms", "folder / synthetic", "start-up s",
+         "first step s", "host MiB (rank)", "host MiB (run, workers too)"],
+        [[r["model"], r["graph"], r["source"], f"{r['images_per_s']:,.0f}", round(r["step_ms_median"], 2),
+          f"{r['folder_over_synthetic']:.3f}" if "folder_over_synthetic" in r else "", round(r["startup_s"], 1),
+          round(r["first_step_s"], 1), round(r["rank_peak_host_mib"]), round(r["run_peak_host_mib"])]
+         for r in rows])
+    medians = {f"{m} {g}": statistics.median(r["folder_over_synthetic"] for r in rows
+                                             if (r["model"], r["graph"]) == (m, g) and "folder_over_synthetic" in r)
+               for m in args.models for g in args.graphs}
+    command = " ".join(["python", f"scripts/{SCRIPT}", f"--root {args.root}", "--models", *args.models, "--graphs",
+                        *args.graphs, f"--image-size {args.image_size}", f"--batch {args.batch}",
+                        f"--steps {args.steps}", f"--repeats {args.repeats}", f"--workers {args.workers}",
+                        *args.train_options, *args.overrides])
+    text = (f"{table}\n\nFolder over synthetic, median of the pairs: "
+            + ", ".join(f"{k} {v:.3f}" for k, v in medians.items())
+            + f".\n\n`{command}`; {os.cpu_count()} CPU cores. {provenance_line(measured)}\n")
+    print(text)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    write_json(args.output, {"rows": rows, "median_folder_over_synthetic": medians, "command": command,
+                             "provenance": measured, "cpu_cores": os.cpu_count()})
+    args.output.with_suffix(".md").write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

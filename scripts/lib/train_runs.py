@@ -1,0 +1,66 @@
+"""One train.py run of a benchmark, read back: its results.json, and the host memory of all its processes.
+
+Benchmarks that compare settings across whole runs (scripts/bench_watchdog.py, scripts/bench_images.py) start each
+run here: the command runs through launch.run_captured (its own session, every process ended on a timeout or a
+Ctrl-C), and a run that fails or runs past its time ends the benchmark with the run's last lines. While it runs,
+a thread adds up the proportional set size (PSS: a page shared by n processes counts 1/n in each) of every process
+the run started, its loader workers included, once a second: their peak is the run's host memory, what
+results.json's perf/peak_host_mib (the rank's own process) leaves out.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+from typing import Any, Dict, List
+
+import psutil
+
+from scripts.lib import process_tree
+from scripts.lib.launch import run_captured
+
+SAMPLE_S = 1.0
+
+
+class TreeMemory:
+    """The peak, over samples taken every ``SAMPLE_S``, of the summed PSS of the processes marked ``mark``."""
+
+    def __init__(self, mark: str):
+        self.mark, self.peak_mib = mark, 0.0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="tree-memory", daemon=True)
+
+    def __enter__(self) -> "TreeMemory":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
+
+    def _watch(self) -> None:
+        while not self._done.wait(SAMPLE_S):
+            total = 0
+            for pid in process_tree.marked_pids(self.mark):
+                try:
+                    info = psutil.Process(pid).memory_full_info()
+                except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                    continue
+                total += getattr(info, "pss", info.rss)  # PSS where the system reports it (Linux)
+            self.peak_mib = max(self.peak_mib, total / 2**20)
+
+
+def train_results(script: str, name: str, command: List[str], run_dir: Path, timeout: float) -> Dict[str, Any]:
+    """Runs ``command`` (a train.py launch writing into ``run_dir``) and returns its results.json with
+    ``host/tree_peak_mib`` added; a failure or a timeout ends the benchmark (SystemExit) naming ``name``."""
+    env, mark = process_tree.marked(dict(os.environ))
+    with TreeMemory(mark) as memory:
+        stdout, stderr, code = run_captured(command, timeout, env={process_tree.MARK: env[process_tree.MARK]},
+                                            name=name)
+    results = run_dir / "results.json"
+    if code != 0 or not results.is_file():
+        tail = "\n".join((stderr or stdout).strip().splitlines()[-5:])
+        how = f"ran past {timeout:g} s" if code is None else f"exited {code}"
+        raise SystemExit(f"{script}: {name} {how}:\n{tail}")
+    return {**json.loads(results.read_text()), "host/tree_peak_mib": memory.peak_mib}
