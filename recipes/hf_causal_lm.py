@@ -46,27 +46,30 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from conf.schema import ExportDtype
+from conf.schema import ExportDtype, Parallel
 from recipes.gpt import (attention_mode, check_attention_kernel, is_packed, language_data, next_token_criterion,
                          preprocess)
+from recipes.chunked_head import chunked_head_criterion, pass_hidden_states_through
 from recipes.hf_documents import document_logits, packed_logits, use_document_attention
 from trainer.run.errors import ConfigError, first_line
-from trainer.recipe import Batch, Recipe, blocks_named, top1_correct
+from trainer.recipe import Batch, Recipe, blocks_named
 from trainer.run.process import quiet_pytree_registrations
 from trainer.run.runtime import Runtime
 from graphing.sharded import local_tensor
 
 REQUIREMENT = "transformers>=5.17,<6"  # as requirements-hf.txt says
 INSTALL = "pip install -r requirements-hf.txt"
-MODEL_KEYS = ("config", "path", "context")
+MODEL_KEYS = ("config", "path", "context", "head_chunk_tokens")
 
 
 @dataclass(frozen=True)
 class ModelSettings:
-    """``recipe.model``: exactly one of ``config`` (a mapping) and ``path``, and the context."""
+    """``recipe.model``: exactly one of ``config`` (a mapping) and ``path``, the context, and ``head_chunk_tokens``
+    (the LM head and its loss this many tokens at a time, recipes/chunked_head.py; None: the whole step's logits)."""
     config: Optional[Dict[str, Any]]
     path: Optional[str]
     context: int
+    head_chunk_tokens: Optional[int] = None
 
 
 def transformers_module(recipe: str = "hf_causal_lm"):
@@ -110,7 +113,11 @@ def model_settings(settings) -> ModelSettings:
     if isinstance(context, bool) or not isinstance(context, int) or context < 1:
         raise ConfigError(f"recipe.model.context={context!r} must be a positive integer: the tokens per sample, "
                           "e.g. recipe.model.context=512")
-    return ModelSettings(config, path, context)
+    chunk = values.get("head_chunk_tokens")
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise ConfigError(f"recipe.model.head_chunk_tokens={chunk!r} must be a positive integer (tokens a chunk, "
+                          "e.g. 4096), or null for the whole step's logits at once")
+    return ModelSettings(config, path, context, chunk)
 
 
 def model_config(settings: ModelSettings, transformers):
@@ -484,6 +491,25 @@ def packed_documents_forward(model: torch.nn.Module, attention: str, transformer
     return packed_logits
 
 
+def chunked_head(model: torch.nn.Module, chunk: int, cfg):
+    """The criterion of ``recipe.model.head_chunk_tokens``: the model's ``lm_head`` passes its hidden states through
+    and the loss applies the head a chunk at a time (recipes/chunked_head.py); refused where the head's weight is
+    not a plain local tensor when the loss reads it, or the model does more after its head."""
+    key = f"recipe.model.head_chunk_tokens={chunk}"
+    refuse = [why for why, applies in (
+        ("train.parallel=fsdp2 (the head's weight is sharded outside its own forward)",
+         Parallel(cfg.train.parallel) is Parallel.fsdp2),
+        (f"{model.config.model_type}'s softcapped logits", getattr(model.config, "final_logit_softcapping", None)),
+    ) if applies]
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear) or head.bias is not None:
+        refuse.append(f"the head of {type(model).__name__} is not one bias-free linear layer")
+    if refuse:
+        raise ConfigError(f"{key} cannot be used with {'; '.join(refuse)}: set recipe.model.head_chunk_tokens=null")
+    pass_hidden_states_through(head)
+    return chunked_head_criterion(head, chunk, cfg.recipe.label_smoothing)
+
+
 def build(cfg, rt: Runtime) -> Recipe:
     transformers = transformers_module(cfg.recipe.name)
     settings = model_settings(cfg.recipe.model)
@@ -507,8 +533,11 @@ def build(cfg, rt: Runtime) -> Recipe:
         if attention == "document":
             check_attention_kernel(cfg, rt)
         forward = packed_documents_forward(model, attention, transformers, cfg.recipe.data.attention_kernel)
+    criterion = next_token_criterion(cfg.recipe.label_smoothing)
+    if settings.head_chunk_tokens is not None:
+        criterion = chunked_head(model, settings.head_chunk_tokens, cfg)
     return Recipe(name=cfg.recipe.name, model=model, data=data, preprocess=preprocess,
-                  criterion=next_token_criterion(cfg.recipe.label_smoothing), correct=top1_correct,
+                  criterion=criterion, correct=criterion.top1,
                   units_per_sample=settings.context, unit="tokens",
                   flops_per_unit=training_flops_per_token(model, settings.context), forward=forward,
                   loss_average="labels" if forward is not logits else "micro_batch",

@@ -92,6 +92,7 @@ class Plan:
     compile_trl: bool
     liger: str  # TRL's use_liger_kernel: auto (where liger_kernel imports), on, off
     seed: int
+    head_chunk: Optional[int] = None  # this repo's recipe.model.head_chunk_tokens (None: the whole logits)
 
     @property
     def conversations(self) -> int:
@@ -121,8 +122,8 @@ class Plan:
     @property
     def runs(self) -> Path:
         return self.work / "runs" / (f"{self.size}_{self.context}_ours{self.our_batch}_trl{self.trl_batch}_{self.attention}"
-                                         + (f"_trl{self.trl_attention}" if self.trl_attention != self.attention
-                                            else ""))
+                                     + (f"_trl{self.trl_attention}" if self.trl_attention != self.attention else "")
+                                     + (f"_chunk{self.head_chunk}" if self.head_chunk else ""))
 
 
 # ---- the commands -----------------------------------------------------------------------
@@ -146,7 +147,7 @@ def ours_overrides(plan: Plan) -> List[str]:
             f"recipe.model.context={plan.context}", "recipe.data.source=tokens",
             f"recipe.data.root={hydra_value(str(plan.tokens))}", f"recipe.data.batch_size={plan.our_batch}",
             "recipe.data.attention=document", f"recipe.data.attention_kernel={plan.attention}",
-            f"recipe.optim.lr={MATCHED['lr']!r}", f"recipe.optim.betas={hydra_value(list(MATCHED['betas']))}",
+            f"recipe.model.head_chunk_tokens={hydra_value(plan.head_chunk)}", f"recipe.optim.lr={MATCHED['lr']!r}", f"recipe.optim.betas={hydra_value(list(MATCHED['betas']))}",
             f"recipe.optim.weight_decay={MATCHED['weight_decay']!r}", f"+recipe.optim.eps={MATCHED['eps']!r}",
             "recipe.schedule._target_=trainer.step.schedules.Constant",
             f"recipe.schedule.warmup_steps={MATCHED['warmup_lr_steps']}", "~recipe.schedule.min_lr_ratio",
@@ -285,6 +286,10 @@ def report(plan: Plan, rows: List[Dict[str, Any]], measured: Dict[str, Optional[
                 f"this repo's kernel `{plan.attention}`, TRL's `{plan.trl_attention}`")
              + ", in TRL's model through transformers' AttentionInterface, its mask built "
              "once per forward from TRL's padding-free batch (scripts/lib/trl_worker.py).",
+             "- LM head and loss: TRL, " + ("Liger's fused linear cross-entropy" if plan.liger == "on" else
+                                            "the whole logits, or Liger's fused head where it imports (--liger auto)")
+             + "; this repo, " + (f"in chunks of {plan.head_chunk} tokens (recipe.model.head_chunk_tokens)"
+                                  if plan.head_chunk else "the whole step's logits") + ".",
              "- Not matched: the packing (TRL: best-fit decreasing over the whole set, rows of at most the context; "
              "this repo: best-fit decreasing in a shuffle buffer, rows of exactly the context), the order of the "
              "conversations, weight decay on biases and norms (TRL leaves them out; this repo decays every "
@@ -346,7 +351,7 @@ def loss_plot(rows: List[Dict[str, Any]], path: Path) -> Optional[str]:
 def plans(args: argparse.Namespace) -> List[Plan]:
     return [Plan(size, args.work.resolve(), args.context, args.our_batch, args.trl_batch, args.steps,
                  args.warmup_steps, args.attention, args.trl_attention or args.attention, args.graph,
-                 not args.no_compile, args.liger, args.seed)
+                 not args.no_compile, args.liger, args.seed, args.head_chunk)
             for size in dict.fromkeys(args.sizes)]
 
 
@@ -384,6 +389,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="TRL's per_device_train_batch_size: packed rows of at most --context tokens (4)")
     parser.add_argument("--attention", choices=KERNELS, default="varlen",
                         help="the document attention kernel of both sides (default varlen; dense: a CPU's)")
+    parser.add_argument("--head-chunk", type=positive_int, default=None,
+                        help="this repo's recipe.model.head_chunk_tokens: its LM head and loss this many tokens at a "
+                             "time (default: the whole step's logits)")
     parser.add_argument("--trl-attention", choices=KERNELS, default=None,
                         help="TRL's kernel, where it differs from --attention: its padding-free batches change "
                              "length every step, and flex, compiled for one shape, recompiles at each (varlen "

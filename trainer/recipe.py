@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Literal, Optional, Sequence, Tuple, Union, get_args
+from typing import Any, Callable, Dict, List, Literal, Optional, Sequence, Tuple, Union, get_args
 
 import torch
 
@@ -158,22 +158,26 @@ def blocks_named(model: torch.nn.Module, class_names) -> List[torch.nn.Module]:
     return [m for m in model.modules() if type(m).__name__ in names]
 
 
-def fused_with_top1(criterion: Callable[..., torch.Tensor],
-                    with_top1: Callable[..., Tuple[torch.Tensor, torch.Tensor]]) -> Callable[..., torch.Tensor]:
+def fused_with_top1(criterion: Callable[..., torch.Tensor], with_top1: Callable[..., Tuple[torch.Tensor, torch.Tensor]],
+                    top1: Optional[Callable[[Any, torch.Tensor], torch.Tensor]] = None) -> Callable[..., torch.Tensor]:
     """``criterion``, carrying ``with_top1(output, target, reduction="mean") -> (criterion's mean, or its sum with
     ``reduction="sum"``; top1_correct)``: the two in one function, equal to them apart, which the training step
     runs where it compiles the loss with the accuracy (graph.compile_model) and the recipe's ``correct`` is
     ``top1_correct`` (recipes.gpt.next_token_loss_and_top1 reads the top-1's row maxima from the loss's own
     softmax). It travels with this criterion object: a recipe whose criterion or correctness is replaced
-    (``dataclasses.replace``) computes the two apart again."""
+    (``dataclasses.replace``) computes the two apart again. ``top1``: the correctness ``with_top1`` counts, where the
+    output is not the logits ``top1_correct`` reads (recipes/chunked_head.py: hidden states); the recipe's
+    ``correct`` must be that function for the two to be fused."""
     criterion.with_top1 = with_top1
+    criterion.top1 = top1 or top1_correct
     return criterion
 
 
 def measure_with_top1(recipe: "Recipe") -> Optional[Callable[..., Tuple[torch.Tensor, torch.Tensor]]]:
     """The recipe's criterion and correctness in one function (``fused_with_top1``), or None where the two are
-    not the criterion's own pair: another correctness than ``top1_correct``, or a criterion without one."""
-    return getattr(recipe.criterion, "with_top1", None) if recipe.correct is top1_correct else None
+    not the criterion's own pair: another correctness than the one it counts, or a criterion without one."""
+    fused = getattr(recipe.criterion, "with_top1", None)
+    return fused if fused is not None and recipe.correct is recipe.criterion.top1 else None
 
 
 def top1_correct(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,128 @@
+"""A language model's head and its cross-entropy, a chunk of tokens at a time: the whole step's logits never exist.
+
+A step of 4 x 4096 tokens over Qwen2's vocabulary of 151,936 holds logits of 16,384 x 151,936: 5 GB in bf16, their
+gradient as much again. Here the head (``hidden @ weight.T``) and the loss run over ``chunk`` tokens at a time, and
+each chunk's gradients (of its hidden states, and its share of the weight's) are computed in the same pass, while
+its logits are at hand, as Liger's fused linear cross-entropy does: backward then only scales what forward kept, so
+the head costs the FLOPs it costs unchunked (no recomputation) and its memory is one chunk's logits, the hidden
+states' gradient and an fp32 gradient of the weight.
+
+The arithmetic is the unchunked path's: the head's matmul in the hidden states' dtype (bf16 under autocast, as
+the model's own ``lm_head`` runs there), the loss in fp32 from those logits (log-sum-exp, then the label's; torch's
+label smoothing), labels equal to IGNORE_INDEX left out, and top-1 correctness as ``trainer.recipe.top1_correct``
+judges it (argmax's, from the chunk's own maxima). Gradients reach the weight (tied to the embedding or not) and the
+hidden states as autograd's: ``softmax - target`` in the logits' dtype, through the same two matmuls.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Optional, Tuple
+
+import torch
+
+from trainer.recipe import IGNORE_INDEX, fused_with_top1, label_scores_highest
+
+
+def _chunk_terms(logits: torch.Tensor, target: torch.Tensor, smoothing: float):
+    """(per-token losses, the rows' log-sum-exp, the kept labels' mask, correctness) of one chunk's fp32 logits."""
+    best = logits.amax(dim=-1)
+    lse = (logits - best.unsqueeze(-1)).exp().sum(dim=-1).log() + best
+    kept = target != IGNORE_INDEX
+    label = torch.where(kept, target, 0)
+    loss = lse - logits.gather(-1, label.unsqueeze(-1)).squeeze(-1)
+    if smoothing:
+        loss = (1 - smoothing) * loss + smoothing * (lse - logits.mean(dim=-1))
+    return torch.where(kept, loss, 0.0), lse, kept, label_scores_highest(logits, target, best)
+
+
+class _ChunkedHeadLoss(torch.autograd.Function):
+    """(summed loss over the kept labels, correctness per token) of ``hidden [N, H] @ weight.T [H, V]``; the
+    gradients of ``hidden`` and ``weight`` computed in forward, chunk by chunk, and scaled in backward."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, chunk: int,
+                smoothing: float) -> Tuple[torch.Tensor, torch.Tensor]:
+        w = weight.to(hidden.dtype)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        correct = torch.empty(target.shape, dtype=torch.bool, device=hidden.device)
+        grads = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        grad_hidden = torch.empty_like(hidden) if grads else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if grads else None
+        for start in range(0, hidden.shape[0], chunk):
+            h, t = hidden[start:start + chunk], target[start:start + chunk]
+            logits = (h @ w.T).float()
+            loss, lse, kept, right = _chunk_terms(logits, t, smoothing)
+            total = total + loss.sum()
+            correct[start:start + chunk] = right
+            if grads:  # d loss / d logits: softmax minus the (smoothed) target, on kept rows only
+                g = (logits - lse.unsqueeze(-1)).exp()
+                if smoothing:
+                    g = g - smoothing / logits.shape[-1]
+                g.scatter_add_(-1, torch.where(kept, t, 0).unsqueeze(-1),
+                               torch.full_like(lse, -(1 - smoothing)).unsqueeze(-1))
+                g = torch.where(kept.unsqueeze(-1), g, 0.0).to(hidden.dtype)
+                grad_hidden[start:start + chunk] = g @ w
+                grad_weight += (g.T @ h).float()
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.mark_non_differentiable(correct)
+        ctx.weight_dtype = weight.dtype
+        return total, correct
+
+    @staticmethod
+    def backward(ctx, grad_total: torch.Tensor, _grad_correct: Optional[torch.Tensor]):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        scale = grad_total.to(torch.float32)
+        return ((grad_hidden * scale.to(grad_hidden.dtype)) if ctx.needs_input_grad[0] else None,
+                (grad_weight * scale).to(ctx.weight_dtype) if ctx.needs_input_grad[1] else None,
+                None, None, None)
+
+
+def chunked_head_terms(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, chunk: int,
+                       smoothing: float = 0.0) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per-token losses (0 where the label is IGNORE_INDEX) and correctness of ``hidden [..., H]`` against
+    ``target [...]``: ``reduction="none"``. Evaluation's run without gradients, a chunk's logits at a time; where
+    gradients are asked for (a last partial batch's masked sum) autograd keeps every chunk's logits, as unchunked."""
+    flat_h, flat_t = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1)
+    w = weight.to(hidden.dtype)
+    losses, correct = [], []
+    tracked = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    with contextlib.nullcontext() if tracked else torch.no_grad():
+        for start in range(0, flat_h.shape[0], chunk):
+            loss, _, _, right = _chunk_terms((flat_h[start:start + chunk] @ w.T).float(),
+                                             flat_t[start:start + chunk], smoothing)
+            losses.append(loss)
+            correct.append(right)
+    return torch.cat(losses).view_as(target), torch.cat(correct).view_as(target)
+
+
+def chunked_head_criterion(head: torch.nn.Linear, chunk: int, smoothing: float = 0.0):
+    """``Recipe.criterion`` (with its ``with_top1`` and ``top1``) over the model's hidden states, ``head`` (the
+    model's ``lm_head``, bias-free) applied ``chunk`` tokens at a time; ``Recipe.correct`` is its ``top1``."""
+
+    def with_top1(hidden: torch.Tensor, target: torch.Tensor,
+                  reduction: str = "mean") -> Tuple[torch.Tensor, torch.Tensor]:
+        if reduction == "none":
+            return chunked_head_terms(hidden, head.weight, target, chunk, smoothing)
+        total, correct = _ChunkedHeadLoss.apply(hidden.reshape(-1, hidden.shape[-1]), head.weight,
+                                                target.reshape(-1), chunk, smoothing)
+        if reduction == "mean":
+            total = total / (target != IGNORE_INDEX).sum()
+        return total, correct.view_as(target)
+
+    def criterion(hidden: torch.Tensor, target: torch.Tensor, reduction: str = "none") -> torch.Tensor:
+        return with_top1(hidden, target, reduction)[0]
+
+    def top1(hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Each token's top-1 against its label, a chunk at a time, no gradients: a pass of the head of its own,
+        which the compiled step (graph.compile_model) saves by counting it in the loss's pass (``with_top1``)."""
+        with torch.no_grad():
+            return chunked_head_terms(hidden, head.weight, target, chunk)[1]
+
+    return fused_with_top1(criterion, with_top1, top1)
+
+
+def pass_hidden_states_through(head: torch.nn.Module) -> None:
+    """The model's ``lm_head`` returns its input: the model's ``logits`` are then its final hidden states, for the
+    chunked criterion. The module keeps its weight (state dict, checkpoints, export and a tied embedding as they
+    were); only its call changes."""
+    head.forward = lambda hidden: hidden

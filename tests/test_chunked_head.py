@@ -1,0 +1,130 @@
+"""The LM head and its loss a chunk of tokens at a time (recipes/chunked_head.py, recipe.model.head_chunk_tokens):
+the same loss, gradients and top-1 as the whole step's logits, and hf_causal_lm training alike either way."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from recipes.chunked_head import chunked_head_criterion
+from recipes.gpt import next_token_criterion
+from trainer.recipe import IGNORE_INDEX, top1_correct
+
+
+def case(dtype=torch.float64, rows=3, tokens=11, hidden=16, vocab=37, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    head = torch.nn.Linear(hidden, vocab, bias=False).double()
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(vocab, hidden, generator=g, dtype=torch.float64))
+    x = torch.randn(rows, tokens, hidden, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+    target = torch.randint(0, vocab, (rows, tokens), generator=g)
+    target[0, 3] = target[2, :] = IGNORE_INDEX  # a prompt token, and a whole row of them (a chunk with no label)
+    return head, x, target
+
+
+def unchunked(head, x, target, smoothing, reduction):
+    logits = x @ head.weight.to(x.dtype).T
+    return next_token_criterion(smoothing)(logits, target, reduction=reduction), logits
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("chunk", [1, 5, 11, 1000])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_loss_gradients_and_top1_equal_the_whole_logits_from_fp64_inputs(chunk, smoothing, reduction):
+    """Both sides take the loss in fp32 from the logits, as the recipe does: equal to fp32's rounding."""
+    head, x, target = case()
+    loss, correct = chunked_head_criterion(head, chunk, smoothing).with_top1(x, target, reduction=reduction)
+    (3.0 * loss).backward()  # a scale from outside (the step's 1 / loss tokens) reaches both gradients
+    got = loss.detach(), x.grad.clone(), head.weight.grad.clone()
+    x.grad = head.weight.grad = None
+    ref, logits = unchunked(head, x, target, smoothing, reduction)
+    (3.0 * ref).backward()
+    assert got[0].item() == pytest.approx(ref.item(), rel=1e-6)  # fp32 loss arithmetic on both sides
+    assert torch.allclose(got[1], x.grad, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(got[2], head.weight.grad, rtol=1e-5, atol=1e-5)
+    assert torch.equal(correct, top1_correct(logits.detach().float(), target))
+
+
+@pytest.mark.fast
+def test_bf16_hidden_states_give_the_whole_logits_gradients_to_bf16_rounding():
+    """Under autocast the head runs in bf16: the hidden states' gradient is the same matmul, the weight's sums the
+    chunks in fp32 (the whole-logits one rounds its single product to bf16)."""
+    head, x, target = case(torch.bfloat16, rows=4, tokens=64, hidden=32, vocab=300)
+    loss = chunked_head_criterion(head, 48).with_top1(x, target, reduction="sum")[0]
+    loss.backward()
+    got = loss.detach(), x.grad.float(), head.weight.grad.clone()
+    x.grad = head.weight.grad = None
+    ref = unchunked(head, x, target, 0.0, "sum")[0]
+    ref.backward()
+    assert got[0].item() == pytest.approx(ref.item(), rel=1e-5)
+    assert torch.allclose(got[1], x.grad.float(), rtol=2e-2, atol=1e-2)
+    scale = head.weight.grad.abs().max()
+    assert (got[2] - head.weight.grad).abs().max() <= 1e-2 * scale
+
+
+@pytest.mark.fast
+def test_per_token_losses_for_evaluation_and_with_gradients_for_a_partial_batch():
+    head, x, target = case()
+    criterion = chunked_head_criterion(head, 4, 0.1)
+    ref, logits = unchunked(head, x, target, 0.1, "none")
+    with torch.no_grad():
+        assert torch.allclose(criterion(x, target, reduction="none"), ref, rtol=1e-6, atol=1e-6)
+        assert torch.equal(criterion.top1(x, target), top1_correct(logits.float(), target))
+    kept = torch.tensor([True, False, True]).unsqueeze(-1).expand_as(target)  # the step's masked sum of a tail
+    torch.where(kept, criterion(x, target, reduction="none"), 0.0).sum().backward()
+    got = x.grad.clone()
+    x.grad = None
+    torch.where(kept, unchunked(head, x, target, 0.1, "none")[0], 0.0).sum().backward()
+    assert torch.allclose(got, x.grad, rtol=1e-5, atol=1e-5)
+
+
+transformers_needed = pytest.mark.extras
+TINY = ["recipe=hf_causal_lm", "experiment=debug", "logger=none", "recipe.data.train_size=64",
+        "recipe.data.test_size=32", "train.precision=fp32", "train.max_steps=6", "train.log_every=2"]
+
+
+@transformers_needed
+def test_hf_causal_lm_trains_alike_with_the_head_in_chunks(train_here, tmp_path):
+    from helpers.availability import needs_extra
+
+    needs_extra("transformers")
+    runs = {chunk: train_here([*TINY, f"recipe.model.head_chunk_tokens={chunk}"], tmp_path / str(chunk))
+            for chunk in ("null", "100")}
+    for done in runs.values():
+        assert done.returncode == 0, done.stderr[-3000:]
+    whole, chunked = (runs[c].results() for c in ("null", "100"))
+    for key in ("final/loss", "final/eval_loss", "final/accuracy", "final/eval_accuracy", "final/grad_norm"):
+        assert chunked[key] == pytest.approx(whole[key], rel=1e-4), key
+
+
+@transformers_needed
+@pytest.mark.parametrize("overrides, message", [
+    (["recipe.model.head_chunk_tokens=0"], "recipe.model.head_chunk_tokens=0 must be a positive integer"),
+    (["recipe.model.head_chunk_tokens=64", "train.parallel=fsdp2"],
+     "recipe.model.head_chunk_tokens=64 cannot be used with train.parallel=fsdp2"),
+])
+def test_a_head_chunk_setting_that_cannot_work_is_refused_naming_it(train_here, overrides, message):
+    from helpers.availability import needs_extra
+
+    needs_extra("transformers")
+    done = train_here([*TINY, *overrides])
+    assert done.returncode == 2 and message in done.stderr, done.stderr[-2000:]
+
+
+@transformers_needed
+def test_two_gloo_ranks_train_alike_with_the_untied_head_in_chunks(tmp_path):
+    """Under DDP the head's weight (untied here) is used outside the wrapped forward, by the loss: its gradient still
+    reaches the all-reduce, and both ranks train as with the whole logits."""
+    from helpers.availability import needs_extra
+    from helpers.launches import launch_together
+
+    needs_extra("transformers")
+    args = [a for a in TINY if a != "recipe=hf_causal_lm"]
+    runs = launch_together({c: ["recipe=hf_causal_lm", *args, f"recipe.model.head_chunk_tokens={c}"]
+                            for c in ("null", "50")}, tmp_path, nproc=2, timeout=240)
+    for done in runs.values():
+        assert done.returncode == 0, done.stderr[-3000:]
+    whole, chunked = (runs[c].results() for c in ("null", "50"))
+    assert whole["world_size"] == chunked["world_size"] == 2
+    for key in ("final/loss", "final/eval_loss", "final/grad_norm"):
+        assert chunked[key] == pytest.approx(whole[key], rel=1e-4), key
