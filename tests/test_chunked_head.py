@@ -83,12 +83,17 @@ TINY = ["recipe=hf_causal_lm", "experiment=debug", "logger=none", "recipe.data.t
         "recipe.data.test_size=32", "train.precision=fp32", "train.max_steps=6", "train.log_every=2"]
 
 
+TIED_GPT2 = ["recipe.model.config=null", "+recipe.model.config={model_type:gpt2,n_embd:32,n_layer:2,n_head:4,"
+             "n_positions:64,vocab_size:256,resid_pdrop:0.0,embd_pdrop:0.0,attn_pdrop:0.0}"]
+
+
 @transformers_needed
-def test_hf_causal_lm_trains_alike_with_the_head_in_chunks(train_here, tmp_path):
+@pytest.mark.parametrize("model", [[], TIED_GPT2], ids=["llama_untied", "gpt2_tied"])
+def test_hf_causal_lm_trains_alike_with_the_head_in_chunks(train_here, tmp_path, model):
     from helpers.availability import needs_extra
 
     needs_extra("transformers")
-    runs = {chunk: train_here([*TINY, f"recipe.model.head_chunk_tokens={chunk}"], tmp_path / str(chunk))
+    runs = {chunk: train_here([*TINY, *model, f"recipe.model.head_chunk_tokens={chunk}"], tmp_path / str(chunk))
             for chunk in ("null", "100")}
     for done in runs.values():
         assert done.returncode == 0, done.stderr[-3000:]

@@ -147,3 +147,27 @@ def test_a_captured_forward_builds_no_attention_mask():
         masks["stock"] = causal_mask_built(stock, embeds)
     assert masks["recipe"] is None
     assert isinstance(masks["stock"], torch.Tensor) and masks["stock"].shape[-2:] == (64, 64)  # what it replaces
+
+
+# The head in chunks (recipes/chunked_head.py) sums a chunk's weight gradient in fp32 where the whole logits' is one
+# bf16 product: eager against eager, bf16 rounding of that gradient, amplified by training. Compiled and graphed,
+# Inductor's fusions too, as COMPILED_TOLERANCE in tests/test_recipes_gpu.py.
+CHUNKED_TOLERANCE = {"eager": 2e-3, "full": 2e-3, "full_compiled": 2e-2}
+
+
+@pytest.mark.parametrize("graph", sorted(CHUNKED_TOLERANCE))
+def test_the_head_in_chunks_trains_like_the_whole_logits_eager(out, graph):
+    """recipe.model.head_chunk_tokens: qwen2's (untied) head, 16 x 128 tokens in chunks of 500, eager, captured whole
+    and compiled inside the graph, against the whole logits eager."""
+    args = [*SAME_RUNS, *model("qwen2")]
+    whole = launch([*args, "graph=eager"], out / "whole", timeout=600)
+    chunked = launch([*args, f"graph={graph}", "recipe.model.head_chunk_tokens=500"], out / graph, timeout=600)
+    for done in (whole, chunked):
+        assert done.returncode == 0, done.output[-4000:]
+    why = f"whole logits {train_losses(whole)}\nchunked, {graph} {train_losses(chunked)}"
+    assert [s for s, _ in train_losses(whole)] == [s for s, _ in train_losses(chunked)], why
+    for (step, lw), (_, lc) in zip(train_losses(whole), train_losses(chunked)):
+        assert math.isfinite(lw) and lc == pytest.approx(lw, rel=CHUNKED_TOLERANCE[graph]), f"step {step}\n{why}"
+    w, c = whole.results(), chunked.results()
+    assert c["final/eval_loss"] == pytest.approx(w["final/eval_loss"], rel=CHUNKED_TOLERANCE[graph]), why
+    assert c["final/eval_accuracy"] == pytest.approx(w["final/eval_accuracy"], abs=0.01), why
