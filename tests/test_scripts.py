@@ -450,7 +450,8 @@ def test_a_config_that_does_not_compose_is_one_line_with_train_pys_exit_code(tmp
 def test_every_script_reports_a_bad_choice_as_train_py_does(tmp_path, name):
     own = {"bench_input.py": ["--folder", str(tmp_path / "png")],
            "project_scaling.py": ["--sweep", str(tmp_path / "none.json"), "--recipe", "mnist", "--global-batch", "64"],
-           "sweep.py": ["--output", str(tmp_path / "sw"), "--"]}.get(name, [])
+           "sweep.py": ["--output", str(tmp_path / "sw"), "--"],
+           "bench_images.py": ["--root", str(tmp_path / "photos")]}.get(name, [])
     proc = script(name, *own, "graph.capture_error_mode=sometimes", timeout=60)
     assert proc.returncode == 2, proc.stderr[-3000:]  # train.py's code for it (trainer/run/errors.py EXIT_CONFIG)
     assert proc.stderr == (f"{name}: Error merging override graph.capture_error_mode=sometimes; "
