@@ -132,6 +132,27 @@ def test_a_rank_stuck_in_c_holding_the_gil_is_ended_and_the_restarted_job_ends_l
     assert not stuck.left and not unbroken.left
 
 
+def test_a_peer_lost_before_an_evaluation_ends_the_job_within_the_deadline_not_the_evaluations_allowance(tmp_path):
+    """Rank 1 stops itself after step 8, the end of the first epoch; rank 0 evaluates (its batches mark progress as
+    steps do) and waits in the evaluation's all-reduce: it ends with 8 within the stall timeout, not the 15 minutes
+    a whole evaluation was once allowed; rank 1's guard ends rank 1; nothing is left."""
+    from helpers.fault_injection import STOP_AT_STEP_ENV
+    from helpers.launches import launch
+
+    args = [*[a for a in ARGS if a not in ("train.eval=false", "recipe.data.train_size=4096")],
+            "recipe.data.train_size=512", "train.eval=true", "train.precision=fp32"]  # 8 steps an epoch on 2 ranks
+    began = time.monotonic()
+    done = launch(args, tmp_path / "outputs", nproc=2, warm=False, timeout=150, merge_output=True,
+                  faults={STOP_AT_STEP_ENV: "8:1"})
+    took, out = time.monotonic() - began, done.output
+    assert "stopping this rank after step 8" in out, out[-4000:]
+    assert done.returncode != 0, out[-4000:]
+    assert re.search(r"rank 0: no progress for \d+ s in an evaluation at step 8", out), out[-4000:]
+    assert "exitcode: 8" in out or "exitcode  : 8" in out, out[-4000:]
+    assert took < 90, f"{took:.0f} s to end with train.stall_timeout_s={STALL_S}"
+    assert not done.left, done.left
+
+
 def test_a_frozen_node_ends_the_job_and_leaves_nothing_once_it_wakes(tmp_path):
     """Node 1's agent and rank both stopped (a frozen machine): rank 0 ends with 8 within the deadline, node 1's
     guard (not stopped: a process of its own) ends its rank; when the node wakes, its agent finds its rank gone

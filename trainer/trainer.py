@@ -50,7 +50,7 @@ from trainer.step.seq_len import seq_len_schedule
 from trainer.step.steps import (EvalStep, StepSettings, TrainStep, autocast_factory, build_step_model,
                                 positional_model_inputs)
 from trainer.run.stop import StopAgreement
-from trainer.run.watchdog import StallWatchdog
+from trainer.run.watchdog import EVALUATION, StallWatchdog
 
 log = logging.getLogger("train")
 
@@ -323,8 +323,8 @@ class Trainer:
                 if self.evaluations.due(at):
                     close_bar(bar)
                     bar = None
-                    if self.watchdog is not None:
-                        self.watchdog.expect("an evaluation", self.allowance_s, step)
+                    if self.watchdog is not None:  # its batches mark progress (evaluate): no allowance for it whole
+                        self.watchdog.expect(EVALUATION, None, step)
                     self._evaluate_and_log(step, epoch + 1)
                     self.stop.soon(step)  # nor an evaluation's
                 if at.last:
@@ -373,14 +373,23 @@ class Trainer:
         return clock_due > 0
 
     def evaluate(self) -> Dict[str, float]:
-        executor, loader = self.executor, self.eval_loader
+        executor, loader, watchdog = self.executor, self.eval_loader, self.watchdog
         if self.rt.distributed:
             take_rank0_buffers(executor.eval_model)
         executor.eval_model.eval()
         loader.start_epoch(0)
         self.eval_step.metrics.zero_()
         for _ in range(loader.steps):
+            phase = executor.phase(StepRole.eval)
+            first = phase == "capture" or ("eval", phase) not in self._steps_seen  # a compile, a capture: longer
+            self._steps_seen.add(("eval", phase))
+            if watchdog is not None and first:
+                watchdog.expect(f"an evaluation's first {phase} batch", self.allowance_s)
             executor.run(StepRole.eval, loader.stage, self.eval_step)
+            if watchdog is not None and not first:  # watched batch by batch, as training steps are
+                watchdog.step(watchdog.at_step, steady=False, what=EVALUATION)
+        if watchdog is not None:  # the batches are launched: the all-reduce below has the step's deadline
+            watchdog.expect(EVALUATION)
         executor.eval_model.train()
         loss_sum, correct, count = self._global(self.eval_step.metrics)
         # count: loss terms, in the recipe's unit (samples, or tokens for language models)

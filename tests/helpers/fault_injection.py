@@ -18,6 +18,10 @@
   ``sleep`` through ``ctypes.PyDLL``, which keeps Python's lock for the whole call: a rank stuck in a C call
   that holds the GIL, which no thread of its own can end (its stall guard does: tests/test_stall.py).
 
+- STOP_AT_STEP, "STEP:RANK": right after that step, on a job's first attempt only, that rank stops itself with
+  SIGSTOP, before an evaluation or a save that follows the step: a peer lost where the others are not in a
+  training step (tests/test_stall.py).
+
 - GPU_HANG_AT_STEP, "STEP:RANK": right after that step, on a job's first attempt only, that rank queues a
   kernel that spins for about ten minutes on its stream: a GPU that stops answering, with the rank's Python free
   (its step watchdog sees no step event complete: tests/test_stall_gpu.py).
@@ -45,8 +49,9 @@ STOP_CHECK_S_ENV = "GRAPHED_DDP_TEST_STOP_CHECK_S"
 REPORT_GATHERS_ENV = "GRAPHED_DDP_TEST_REPORT_GATHERS"
 HOLD_GIL_AT_STEP_ENV = "GRAPHED_DDP_TEST_HOLD_GIL_AT_STEP"
 GPU_HANG_AT_STEP_ENV = "GRAPHED_DDP_TEST_GPU_HANG_AT_STEP"
+STOP_AT_STEP_ENV = "GRAPHED_DDP_TEST_STOP_AT_STEP"
 FAULT_ENVS = (KILL_AT_STEP_ENV, QUOTA_AT_STEP_ENV, STOP_CHECK_S_ENV, REPORT_GATHERS_ENV, HOLD_GIL_AT_STEP_ENV,
-              GPU_HANG_AT_STEP_ENV)
+              GPU_HANG_AT_STEP_ENV, STOP_AT_STEP_ENV)
 GATHER_REPORT = "gathered a sharded tensor whole"
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -71,6 +76,19 @@ def hold_gil_at(spec: str):
 
             print(f"[rank {rank}] {HOLD_GIL_AT_STEP_ENV}={spec}: holding the GIL in C from step {step}", flush=True)
             ctypes.PyDLL("libc.so.6").sleep(3600)
+
+    return hook
+
+
+def stop_at(spec: str):
+    at, _, victim = spec.partition(":")
+
+    def hook(step: int, rank: int) -> None:
+        if step == int(at) and rank == int(victim or 1):
+            import signal
+
+            print(f"[rank {rank}] {STOP_AT_STEP_ENV}={spec}: stopping this rank after step {step}", flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
 
     return hook
 
@@ -154,6 +172,8 @@ if __name__ == "__main__":
         hooks.after_step.append(kill_at(kills[attempt]))
     if os.environ.get(HOLD_GIL_AT_STEP_ENV) and attempt == 0:
         hooks.after_step.append(hold_gil_at(os.environ[HOLD_GIL_AT_STEP_ENV]))
+    if os.environ.get(STOP_AT_STEP_ENV) and attempt == 0:
+        hooks.after_step.append(stop_at(os.environ[STOP_AT_STEP_ENV]))
     if os.environ.get(GPU_HANG_AT_STEP_ENV) and attempt == 0:
         hooks.after_step.append(gpu_hang_at(os.environ[GPU_HANG_AT_STEP_ENV]))
     if os.environ.get(QUOTA_AT_STEP_ENV):

@@ -38,7 +38,8 @@ def guard(pid: int, rank: str, timeout_s: float, stdin_fd: int = 0) -> int:
         if waited < timeout_s:
             continue
         print(f"rank {rank} (pid {pid}) has run no Python for {waited:.0f} s (stopped, or stuck in a call that "
-              f"holds the GIL): ending it so that its launcher ends the job (train.stall_timeout_s={timeout_s:g})",
+              f"holds the GIL): ending it so that its launcher ends the job (the guard waits {timeout_s:g} s, twice "
+              "train.stall_timeout_s)",
               file=sys.stderr, flush=True)
         try:
             os.kill(pid, signal.SIGKILL)

@@ -8,8 +8,10 @@ would wait inside the step's collectives for good.
 ``StallWatchdog`` watches progress from a thread of its own:
 - the loop marks each step it launches (``step``): a float store, and on CUDA, at most twice a second, an event
   recorded after the step, which the thread queries: the device's progress, not the host's, without a sync;
+  evaluation marks its batches the same way (``step(..., what=EVALUATION)``), so a peer lost in an evaluation is
+  found as fast as one lost in training;
 - longer phases announce themselves with an allowance (``expect``): the first steps of each graph (compile,
-  warm-up, capture), evaluation, a checkpoint's save;
+  warm-up, capture), an evaluation's first batches, a checkpoint's save;
 - no progress within the deadline (``train.stall_timeout_s``, at least 20 median steps; an allowance where one was
   given), and it prints which rank, step and phase waited how long, with every thread's stack, aborts the process
   group where the backend can (NCCL's kernels then stop), and exits with ``EXIT_STALLED``, so that torchrun's
@@ -40,6 +42,7 @@ STEPS_OF_DEADLINE = 20  # the deadline is at least this many median steps
 TICK_S = 1.0  # how often the thread looks (and feeds the guard)
 GUARD_FACTOR = 2.0  # the guard's deadline over the watchdog's
 TRAINING = "a training step"  # what the watchdog waits on between the phases expect() announces
+EVALUATION = "an evaluation"
 EVENT_EVERY_S = 0.5  # at most this often a CUDA event after a step: nothing per step worth measuring
 
 
@@ -73,27 +76,33 @@ class StallWatchdog:
         self._deadline = max(self.timeout_s, allowance_s or 0.0)
         self._last = time.monotonic()
 
-    def step(self, step: int, steady: bool) -> None:
+    @property
+    def at_step(self) -> int:
+        """The training step the watchdog's messages name: the last one marked or announced."""
+        return self._step
+
+    def step(self, step: int, steady: bool, what: str = TRAINING) -> None:
         """Step ``step`` is launched (a CPU's: done); ``steady``: a step like the ones before it (not a warm-up,
-        capture or compile), whose time counts toward the median."""
+        capture or compile), whose time counts toward the median. ``what``: a training step, or an evaluation's
+        batch (``EVALUATION``, with the training step it follows; never steady)."""
         now = time.monotonic()
         if self.device.type != "cuda":  # the step ran on this thread: it is done
-            self._progress(step, now, steady)
+            self._progress(step, now, steady, what)
             return
-        if self._what != TRAINING:  # the phase announced by expect() ended on the host now: steps are watched again
-            self._what, self._deadline, self._last = TRAINING, self.deadline(), now
+        if self._what != what:  # the phase announced by expect() ended on the host now: steps are watched again
+            self._what, self._deadline, self._last = what, self.deadline(), now
         if now - self._last_event_at >= EVENT_EVERY_S:
             event = torch.cuda.Event()
             event.record()
-            self._pending.append((step, event, steady))
+            self._pending.append((step, event, steady, what))
             self._last_event_at = now
 
-    def _progress(self, step: int, now: float, steady: bool) -> None:
+    def _progress(self, step: int, now: float, steady: bool, what: str) -> None:
         """Step ``step`` is done at ``now``: progress; its time per step since the last one done counts when steady."""
         if steady and self._done_step is not None and step > self._done_step:
             self._intervals.append((now - self._done_at) / (step - self._done_step))
         self._done_step, self._done_at, self._step, self._last = step, now, step, now
-        self._what, self._deadline = TRAINING, self.deadline()
+        self._what, self._deadline = what, self.deadline()
 
     def deadline(self) -> float:
         """The timeout, or more where the median step is long."""
@@ -136,9 +145,9 @@ class StallWatchdog:
     def _collect(self) -> None:
         """The steps the device finished since the last look (their events queried: no sync)."""
         while self._pending and self._pending[0][1].query():
-            step, _, steady = self._pending.popleft()
-            if self._what == TRAINING:  # an evaluation or a save announced since keeps its allowance
-                self._progress(step, time.monotonic(), steady)
+            step, _, steady, what = self._pending.popleft()
+            if self._what == what:  # a phase announced since (a save, a first batch) keeps its allowance
+                self._progress(step, time.monotonic(), steady, what)
             else:
                 self._last = time.monotonic()
 
