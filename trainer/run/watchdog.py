@@ -6,8 +6,9 @@ stops inside a step (a GPU off the bus, a process the kernel stopped, a deadlock
 would wait inside the step's collectives for good.
 
 ``StallWatchdog`` watches progress from a thread of its own:
-- the loop marks each step it launches (``step``): a float store, and on CUDA, at most twice a second, an event
-  recorded after the step, which the thread queries: the device's progress, not the host's, without a sync;
+- the loop marks each step it launches (``step``): a float store, and on CUDA an event recorded after the step at
+  most twice a second (and at least every ``EVENT_EVERY_STEPS`` steps, however far the host runs ahead), which
+  the thread queries: the device's progress, not the host's, without a sync;
   evaluation marks its batches the same way (``step(..., what=EVALUATION)``), so a peer lost in an evaluation is
   found as fast as one lost in training;
 - longer phases announce themselves with an allowance (``expect``): the first steps of each graph (compile,
@@ -43,7 +44,11 @@ TICK_S = 1.0  # how often the thread looks (and feeds the guard)
 GUARD_FACTOR = 2.0  # the guard's deadline over the watchdog's
 TRAINING = "a training step"  # what the watchdog waits on between the phases expect() announces
 EVALUATION = "an evaluation"
-EVENT_EVERY_S = 0.5  # at most this often a CUDA event after a step: nothing per step worth measuring
+EVENT_EVERY_S = 0.5  # a CUDA event after a step at most this often by the host's clock: nothing per step worth measuring
+# ... and at least every this many steps: a host that runs ahead of the device (steps fed from device memory queue
+# with no sync until a metric read) would otherwise leave the device a long run of steps without an event, whose
+# time could pass the deadline (at least STEPS_OF_DEADLINE median steps) on a healthy rank
+EVENT_EVERY_STEPS = STEPS_OF_DEADLINE // 2
 
 
 class StallWatchdog:
@@ -60,6 +65,7 @@ class StallWatchdog:
         self._done_step: Optional[int] = None  # the last step known done, and when: the median step's times
         self._done_at = self._last
         self._last_event_at = 0.0
+        self._since_event = 0  # steps (or evaluation batches) launched since the last event
         self._intervals: Deque[float] = deque(maxlen=50)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="stall-watchdog", daemon=True)
@@ -91,11 +97,12 @@ class StallWatchdog:
             return
         if self._what != what:  # the phase announced by expect() ended on the host now: steps are watched again
             self._what, self._deadline, self._last = what, self.deadline(), now
-        if now - self._last_event_at >= EVENT_EVERY_S:
+        self._since_event += 1
+        if now - self._last_event_at >= EVENT_EVERY_S or self._since_event >= EVENT_EVERY_STEPS:
             event = torch.cuda.Event()
             event.record()
             self._pending.append((step, event, steady, what))
-            self._last_event_at = now
+            self._last_event_at, self._since_event = now, 0
 
     def _progress(self, step: int, now: float, steady: bool, what: str) -> None:
         """Step ``step`` is done at ``now``: progress; its time per step since the last one done counts when steady."""
