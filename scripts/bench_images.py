@@ -14,10 +14,19 @@ over its timed steps (results.json ``perf/wall_samples_per_s``: every input wait
 records the start-up to the first step and the peak host memory of the whole run, loader workers included
 (scripts/lib/train_runs.py). Evaluation and checkpoints are off. Writes --output (JSON) and a Markdown table beside
 it, with the commit, versions and GPU.
+
+``--references DIR``: also torchvision's own ``references/classification/train.py`` from DIR (a checkout of the
+torchvision repository's references/classification matching the installed torchvision; no wheel carries it),
+unmodified, as its README runs it (``--amp``, ``--workers`` as this repo's), on the same folder (it reads
+``train/`` and ``val/``: ``make_image_folder.py --val``), model and batch, timed by scripts/time_steps.py over
+the same number of optimizer steps as this repo's timed window, after as many untimed: its own img/s meter starts
+after each batch arrives and so leaves loading out, the wall window does not. The ratio column of its row is this
+repo's folder-fed run over it.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -30,7 +39,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from scripts.lib.comparison import provenance, provenance_line  # noqa: E402
-from scripts.lib.launch import check_overrides, cuda_device_count, gpu_name, train_launcher  # noqa: E402
+from scripts.lib.launch import (  # noqa: E402
+    check_overrides, cuda_device_count, gpu_name, run_captured, train_launcher,
+)
 from scripts.lib.refuse import refuse  # noqa: E402
 from scripts.lib.train_runs import train_results  # noqa: E402
 from trainer.metrics.results import markdown_table, write_json  # noqa: E402
@@ -40,6 +51,7 @@ SCRIPT = "bench_images.py"
 DEFAULTS = ["recipe=torchvision_classifier", "train.eval=false", "checkpoint.save=false", "logger=none",
             "train.progress=false", "train.epochs=1000"]
 SOURCES = ("folder", "synthetic")
+REFERENCE_UNTIMED = 20  # the references' optimizer steps before their window (cudnn.benchmark's first trials)
 # Set by this script for every run: refused as overrides.
 SETS = ("recipe", "recipe.model.name", "recipe.model.image_size", "recipe.data.source", "recipe.data.root",
         "recipe.data.batch_size", "recipe.data.num_workers", "graph", "train.max_steps", "run_dir")
@@ -59,6 +71,26 @@ def run_once(args: argparse.Namespace, model: str, graph: str, source: str, work
             "rank_peak_host_mib": r["perf/peak_host_mib"], "run_peak_host_mib": r["host/tree_peak_mib"]}
 
 
+def run_references(args: argparse.Namespace, model: str, work: Path, timed: int) -> Dict[str, Any]:
+    """torchvision's references/classification/train.py on the same folder, model and batch: images/s over ``timed``
+    optimizer steps after REFERENCE_UNTIMED (scripts/time_steps.py)."""
+    output = work / f"references_{model}.json"
+    command = [sys.executable, str(ROOT / "scripts" / "time_steps.py"), "--skip", str(REFERENCE_UNTIMED),
+               "--steps", str(timed), "--batch", str(args.batch), "--output", str(output),
+               str(args.references / "train.py"), "--data-path", str(args.root), "--model", model,
+               "--batch-size", str(args.batch), "--amp", "--workers", str(args.workers), "--epochs", "1000",
+               "--output-dir", str(work / f"references_{model}")]
+    stdout, stderr, code = run_captured(command, args.timeout, name=f"references {model}")
+    if code != 0 or not output.is_file():
+        tail = "\n".join((stderr or stdout).strip().splitlines()[-5:])
+        raise SystemExit(f"{SCRIPT}: torchvision's references/classification/train.py ({model}) "
+                         f"{'ran past ' + format(args.timeout, 'g') + ' s' if code is None else 'exited ' + str(code)}"
+                         f":\n{tail}")
+    window = json.loads(output.read_text())
+    return {"model": model, "graph": "references (--amp)", "source": "folder", "images_per_s": window["samples_per_s"],
+            "step_ms_median": 1e3 * window["wall_s"] / window["steps"], "steps_timed": window["steps"]}
+
+
 def main(argv: Sequence[str] = None) -> int:
     parser = argparse.ArgumentParser(prog=SCRIPT, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -74,11 +106,16 @@ def main(argv: Sequence[str] = None) -> int:
                         help=f"the loader's worker processes (every core but one: {max(1, cores - 1)})")
     parser.add_argument("--timeout", type=float, default=400.0, help="seconds one run may take (400)")
     parser.add_argument("--output", type=Path, default=ROOT / "scripts" / "results" / "images.json")
+    parser.add_argument("--references", type=Path, default=None,
+                        help="a folder holding torchvision's references/classification/train.py: run it too")
     args, _ = script_config(parser, argv, defaults=DEFAULTS)  # composed once: a bad override is said before any run
     check_overrides(args.overrides, SETS, SCRIPT)
     if not (args.root / "train").is_dir():
         refuse(f"{SCRIPT}: --root {args.root} has no train/ folder: give an image folder (train/<class>/*.jpg and "
                "test/<class>/; scripts/make_image_folder.py writes one)")
+    if args.references is not None and not ((args.references / "train.py").is_file() and (args.root / "val").is_dir()):
+        refuse(f"{SCRIPT}: --references needs {args.references}/train.py (torchvision's references/classification) "
+               f"and {args.root}/val/, the folder it evaluates on (make_image_folder.py --val writes one)")
     if args.steps < 30 or args.repeats < 1:
         parser.error("--steps must be at least 30 (the first are warm-up and capture) and --repeats at least 1")
     args.root = args.root.resolve()
@@ -91,22 +128,34 @@ def main(argv: Sequence[str] = None) -> int:
                         rows.append(run_once(args, model, graph, source, Path(work), len(rows)))
                         print(f"{SCRIPT}: {model} {graph} {source}: {rows[-1]['images_per_s']:,.0f} images/s",
                               flush=True)
-    for folder, synthetic in zip(rows[::2], rows[1::2]):
+            if args.references is not None:
+                ours = [r for r in rows if r["model"] == model and r["source"] == "folder"]
+                rows.append(run_references(args, model, Path(work), int(statistics.median(
+                    r["steps_timed"] for r in ours))))
+                best = max(r["images_per_s"] for r in ours)
+                rows[-1]["ours_over_references"] = best / rows[-1]["images_per_s"]
+                print(f"{SCRIPT}: {model} torchvision references: {rows[-1]['images_per_s']:,.0f} images/s; this "
+                      f"repo's best folder-fed run {rows[-1]['ours_over_references']:.2f}x", flush=True)
+    ours = [r for r in rows if not r["graph"].startswith("references")]
+    for folder, synthetic in zip(ours[::2], ours[1::2]):
         folder["folder_over_synthetic"] = folder["images_per_s"] / synthetic["images_per_s"]
     measured = provenance(gpu_name() if cuda_device_count() else "CPU")
     table = markdown_table(
-        ["model", "graph", "source", "images/s (wall)", "median step ms", "folder / synthetic", "start-up s",
-         "first step s", "host MiB (rank)", "host MiB (run, workers too)"],
+        ["model", "graph", "source", "images/s (wall)", "median step ms", "folder / synthetic", "this repo / it",
+         "start-up s", "first step s", "host MiB (rank)", "host MiB (run, workers too)"],
         [[r["model"], r["graph"], r["source"], f"{r['images_per_s']:,.0f}", round(r["step_ms_median"], 2),
-          f"{r['folder_over_synthetic']:.3f}" if "folder_over_synthetic" in r else "", round(r["startup_s"], 1),
-          round(r["first_step_s"], 1), round(r["rank_peak_host_mib"]), round(r["run_peak_host_mib"])]
+          f"{r['folder_over_synthetic']:.3f}" if "folder_over_synthetic" in r else "",
+          f"{r['ours_over_references']:.2f}x" if "ours_over_references" in r else "",
+          *([round(r["startup_s"], 1), round(r["first_step_s"], 1), round(r["rank_peak_host_mib"]),
+             round(r["run_peak_host_mib"])] if "startup_s" in r else ["", "", "", ""])]
          for r in rows])
-    medians = {f"{m} {g}": statistics.median(r["folder_over_synthetic"] for r in rows
+    medians = {f"{m} {g}": statistics.median(r["folder_over_synthetic"] for r in ours
                                              if (r["model"], r["graph"]) == (m, g) and "folder_over_synthetic" in r)
                for m in args.models for g in args.graphs}
     command = " ".join(["python", f"scripts/{SCRIPT}", f"--root {args.root}", "--models", *args.models, "--graphs",
                         *args.graphs, f"--image-size {args.image_size}", f"--batch {args.batch}",
                         f"--steps {args.steps}", f"--repeats {args.repeats}", f"--workers {args.workers}",
+                        *([f"--references {args.references}"] if args.references else []),
                         *args.train_options, *args.overrides])
     text = (f"{table}\n\nFolder over synthetic, median of the pairs: "
             + ", ".join(f"{k} {v:.3f}" for k, v in medians.items())

@@ -27,3 +27,12 @@ def test_a_root_without_train_is_named(tmp_path, capsys):
         main(["--root", str(tmp_path)])
     assert exited.value.code == 2
     assert f"--root {tmp_path} has no train/ folder" in capsys.readouterr().err
+
+
+@pytest.mark.fast
+def test_references_without_their_train_py_or_a_val_folder_are_named(tmp_path, capsys):
+    (tmp_path / "train").mkdir()
+    with pytest.raises(SystemExit) as exited:
+        main(["--root", str(tmp_path), "--references", str(tmp_path / "vision")])
+    assert exited.value.code == 2
+    assert f"--references needs {tmp_path / 'vision'}/train.py" in capsys.readouterr().err
