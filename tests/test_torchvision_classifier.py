@@ -67,3 +67,19 @@ def test_a_bad_model_or_source_is_refused_naming_the_setting(train_here, overrid
     done = train_here([*SMALL, *overrides])
     assert done.returncode == 2, done.stderr[-2000:]
     assert message in done.stderr
+
+
+def test_two_gloo_ranks_train_a_resnet_sharded_with_fsdp2_as_with_ddp(tmp_path):
+    """train.parallel=fsdp2 shards the model's residual blocks (Recipe.blocks); in fp32 its steps equal DDP's."""
+    from helpers.launches import launch_together
+
+    args = [*SMALL, "recipe.model.image_size=32", "train.max_steps=4", "train.log_every=2", "train.precision=fp32",
+            "train.progress=false"]
+    runs = launch_together({p: [*args, f"train.parallel={p}"] for p in ("ddp", "fsdp2")}, tmp_path, nproc=2,
+                           timeout=240)
+    for done in runs.values():
+        assert done.returncode == 0, done.stderr[-3000:]
+    ddp, fsdp2 = (runs[p].results() for p in ("ddp", "fsdp2"))
+    assert ddp["world_size"] == fsdp2["world_size"] == 2
+    for key in ("final/loss", "final/eval_loss"):
+        assert fsdp2[key] == pytest.approx(ddp[key], rel=1e-5), key
