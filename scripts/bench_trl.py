@@ -93,6 +93,7 @@ class Plan:
     liger: str  # TRL's use_liger_kernel: auto (where liger_kernel imports), on, off
     seed: int
     head_chunk: Optional[int] = None  # this repo's recipe.model.head_chunk_tokens (None: the whole logits)
+    trl_pad_to: Optional[int] = None  # TRL's pad_to_multiple_of: its padding-free steps padded to one length
 
     @property
     def conversations(self) -> int:
@@ -123,7 +124,8 @@ class Plan:
     def runs(self) -> Path:
         return self.work / "runs" / (f"{self.size}_{self.context}_ours{self.our_batch}_trl{self.trl_batch}_{self.attention}"
                                      + (f"_trl{self.trl_attention}" if self.trl_attention != self.attention else "")
-                                     + (f"_chunk{self.head_chunk}" if self.head_chunk else ""))
+                                     + (f"_chunk{self.head_chunk}" if self.head_chunk else "")
+                                     + (f"_trlpad{self.trl_pad_to}" if self.trl_pad_to else ""))
 
 
 # ---- the commands -----------------------------------------------------------------------
@@ -138,7 +140,8 @@ def trl_command(plan: Plan, output: Path) -> List[str]:
             str(plan.tokenizer), "--data", str(plan.chats), "--context", str(plan.context), "--batch",
             str(plan.trl_batch), "--steps", str(plan.steps), "--warmup-steps", str(plan.warmup_steps),
             "--attention", plan.trl_attention, "--liger", plan.liger, "--seed", str(plan.seed), "--output", str(output),
-            *([] if plan.compile_trl else ["--no-compile"])]
+            *([] if plan.compile_trl else ["--no-compile"]),
+            *(["--pad-to-multiple-of", str(plan.trl_pad_to)] if plan.trl_pad_to else [])]
 
 
 def ours_overrides(plan: Plan) -> List[str]:
@@ -147,7 +150,8 @@ def ours_overrides(plan: Plan) -> List[str]:
             f"recipe.model.context={plan.context}", "recipe.data.source=tokens",
             f"recipe.data.root={hydra_value(str(plan.tokens))}", f"recipe.data.batch_size={plan.our_batch}",
             "recipe.data.attention=document", f"recipe.data.attention_kernel={plan.attention}",
-            f"recipe.model.head_chunk_tokens={hydra_value(plan.head_chunk)}", f"recipe.optim.lr={MATCHED['lr']!r}", f"recipe.optim.betas={hydra_value(list(MATCHED['betas']))}",
+            f"recipe.model.head_chunk_tokens={hydra_value(plan.head_chunk)}", f"recipe.optim.lr={MATCHED['lr']!r}",
+            f"recipe.optim.betas={hydra_value(list(MATCHED['betas']))}",
             f"recipe.optim.weight_decay={MATCHED['weight_decay']!r}", f"+recipe.optim.eps={MATCHED['eps']!r}",
             "recipe.schedule._target_=trainer.step.schedules.Constant",
             f"recipe.schedule.warmup_steps={MATCHED['warmup_lr_steps']}", "~recipe.schedule.min_lr_ratio",
@@ -351,7 +355,7 @@ def loss_plot(rows: List[Dict[str, Any]], path: Path) -> Optional[str]:
 def plans(args: argparse.Namespace) -> List[Plan]:
     return [Plan(size, args.work.resolve(), args.context, args.our_batch, args.trl_batch, args.steps,
                  args.warmup_steps, args.attention, args.trl_attention or args.attention, args.graph,
-                 not args.no_compile, args.liger, args.seed, args.head_chunk)
+                 not args.no_compile, args.liger, args.seed, args.head_chunk, args.trl_pad_to)
             for size in dict.fromkeys(args.sizes)]
 
 
@@ -392,6 +396,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--head-chunk", type=positive_int, default=None,
                         help="this repo's recipe.model.head_chunk_tokens: its LM head and loss this many tokens at a "
                              "time (default: the whole step's logits)")
+    parser.add_argument("--trl-pad-to", type=positive_int, default=None,
+                        help="TRL's pad_to_multiple_of: each padding-free step padded to a multiple of this many "
+                             "tokens (its rows x the context: one length every step, so flex and torch_compile "
+                             "compile once; the padding is not counted as real tokens)")
     parser.add_argument("--trl-attention", choices=KERNELS, default=None,
                         help="TRL's kernel, where it differs from --attention: its padding-free batches change "
                              "length every step, and flex, compiled for one shape, recompiles at each (varlen "
