@@ -70,6 +70,25 @@ def nodes_output(tmp_path) -> str:
                      for n in (0, 1))
 
 
+def launch_with_fault(args, tmp_path, faults, nproc: int, timeout: float):
+    """One torchrun of ``nproc`` ranks with a fault of tests/helpers/fault_injection.py, run to its end, plain
+    interpreters: (the finished launch, the seconds it took)."""
+    from helpers.launches import launch
+
+    began = time.monotonic()
+    done = launch(args, tmp_path / "outputs", nproc=nproc, warm=False, timeout=timeout, merge_output=True,
+                  faults=faults)
+    return done, time.monotonic() - began
+
+
+def assert_ended_by_the_watchdog(done, what: str, step: str = r"\d+") -> None:
+    """Rank 0's watchdog named ``what`` and the step (a regex), and torchrun reported its exit code 8."""
+    out = done.output
+    assert done.returncode != 0, out[-4000:]
+    assert re.search(rf"rank 0: no progress for \d+ s in {what} at step {step}", out), out[-4000:]
+    assert "exitcode: 8" in out or "exitcode  : 8" in out, out[-4000:]  # torchrun's report
+
+
 def test_a_rank_stopped_mid_run_ends_the_job_within_the_deadline_with_exit_8(tmp_path):
     agents = two_nodes(tmp_path, "stall")
     try:
@@ -137,18 +156,12 @@ def test_a_peer_lost_before_an_evaluation_ends_the_job_within_the_deadline_not_t
     steps do) and waits in the evaluation's all-reduce: it ends with 8 within the stall timeout, not the 15 minutes
     a whole evaluation was once allowed; rank 1's guard ends rank 1; nothing is left."""
     from helpers.fault_injection import STOP_AT_STEP_ENV
-    from helpers.launches import launch
 
     args = [*[a for a in ARGS if a not in ("train.eval=false", "recipe.data.train_size=4096")],
             "recipe.data.train_size=512", "train.eval=true", "train.precision=fp32"]  # 8 steps an epoch on 2 ranks
-    began = time.monotonic()
-    done = launch(args, tmp_path / "outputs", nproc=2, warm=False, timeout=150, merge_output=True,
-                  faults={STOP_AT_STEP_ENV: "8:1"})
-    took, out = time.monotonic() - began, done.output
-    assert "stopping this rank after step 8" in out, out[-4000:]
-    assert done.returncode != 0, out[-4000:]
-    assert re.search(r"rank 0: no progress for \d+ s in an evaluation at step 8", out), out[-4000:]
-    assert "exitcode: 8" in out or "exitcode  : 8" in out, out[-4000:]
+    done, took = launch_with_fault(args, tmp_path, {STOP_AT_STEP_ENV: "8:1"}, nproc=2, timeout=150)
+    assert "stopping this rank after step 8" in done.output, done.output[-4000:]
+    assert_ended_by_the_watchdog(done, "an evaluation", "8")
     assert took < 90, f"{took:.0f} s to end with train.stall_timeout_s={STALL_S}"
     assert not done.left, done.left
 

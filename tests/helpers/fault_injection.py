@@ -56,54 +56,43 @@ GATHER_REPORT = "gathered a sharded tensor whole"
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def kill_at(spec: str):
+def at_step(env: str, spec: str, says: str, act):
+    """The after-step hook of a fault given as ``env``="STEP:RANK" (rank 1 by default): right after that step, that
+    rank prints ``[rank R] ENV=SPEC: <says> STEP`` and calls ``act()``."""
     at, _, victim = spec.partition(":")
 
     def hook(step: int, rank: int) -> None:
         if step == int(at) and rank == int(victim or 1):
-            print(f"[rank {rank}] {KILL_AT_STEP_ENV}={spec}: killing this rank at step {step}", flush=True)
-            os._exit(13)
+            print(f"[rank {rank}] {env}={spec}: {says} {step}", flush=True)
+            act()
 
     return hook
+
+
+def kill_at(spec: str):
+    return at_step(KILL_AT_STEP_ENV, spec, "killing this rank at step", lambda: os._exit(13))
 
 
 def hold_gil_at(spec: str):
-    at, _, victim = spec.partition(":")
+    import ctypes
 
-    def hook(step: int, rank: int) -> None:
-        if step == int(at) and rank == int(victim or 1):
-            import ctypes
-
-            print(f"[rank {rank}] {HOLD_GIL_AT_STEP_ENV}={spec}: holding the GIL in C from step {step}", flush=True)
-            ctypes.PyDLL("libc.so.6").sleep(3600)
-
-    return hook
+    return at_step(HOLD_GIL_AT_STEP_ENV, spec, "holding the GIL in C from step",
+                   lambda: ctypes.PyDLL("libc.so.6").sleep(3600))
 
 
 def stop_at(spec: str):
-    at, _, victim = spec.partition(":")
+    import signal
 
-    def hook(step: int, rank: int) -> None:
-        if step == int(at) and rank == int(victim or 1):
-            import signal
-
-            print(f"[rank {rank}] {STOP_AT_STEP_ENV}={spec}: stopping this rank after step {step}", flush=True)
-            os.kill(os.getpid(), signal.SIGSTOP)
-
-    return hook
+    return at_step(STOP_AT_STEP_ENV, spec, "stopping this rank after step", lambda: os.kill(os.getpid(), signal.SIGSTOP))
 
 
 def gpu_hang_at(spec: str):
-    at, _, victim = spec.partition(":")
+    def spin() -> None:
+        import torch
 
-    def hook(step: int, rank: int) -> None:
-        if step == int(at) and rank == int(victim or 1):
-            import torch
+        torch.cuda._sleep(2 ** 40)  # about 10 minutes of clock cycles on this rank's stream
 
-            print(f"[rank {rank}] {GPU_HANG_AT_STEP_ENV}={spec}: the GPU spins from step {step}", flush=True)
-            torch.cuda._sleep(2 ** 40)  # about 10 minutes of clock cycles on this rank's stream
-
-    return hook
+    return at_step(GPU_HANG_AT_STEP_ENV, spec, "the GPU spins from step", spin)
 
 
 def quota_at(spec: str):
