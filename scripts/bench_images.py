@@ -39,11 +39,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from scripts.lib.comparison import provenance, provenance_line  # noqa: E402
-from scripts.lib.launch import (  # noqa: E402
-    check_overrides, cuda_device_count, gpu_name, run_captured, train_launcher,
-)
+from scripts.lib.launch import check_overrides, cuda_device_count, gpu_name, train_launcher  # noqa: E402
 from scripts.lib.refuse import refuse  # noqa: E402
-from scripts.lib.train_runs import train_results  # noqa: E402
+from scripts.lib.train_runs import run_until_written, train_results  # noqa: E402
 from trainer.metrics.results import markdown_table, write_json  # noqa: E402
 from trainer.run.cli import script_config  # noqa: E402
 
@@ -80,12 +78,8 @@ def run_references(args: argparse.Namespace, model: str, work: Path, timed: int)
                str(args.references / "train.py"), "--data-path", str(args.root), "--model", model,
                "--batch-size", str(args.batch), "--amp", "--workers", str(args.workers), "--epochs", "1000",
                "--output-dir", str(work / f"references_{model}")]
-    stdout, stderr, code = run_captured(command, args.timeout, name=f"references {model}")
-    if code != 0 or not output.is_file():
-        tail = "\n".join((stderr or stdout).strip().splitlines()[-5:])
-        raise SystemExit(f"{SCRIPT}: torchvision's references/classification/train.py ({model}) "
-                         f"{'ran past ' + format(args.timeout, 'g') + ' s' if code is None else 'exited ' + str(code)}"
-                         f":\n{tail}")
+    run_until_written(SCRIPT, f"torchvision's references/classification/train.py ({model})", command, output,
+                      args.timeout)
     window = json.loads(output.read_text())
     return {"model": model, "graph": "references (--amp)", "source": "folder", "images_per_s": window["samples_per_s"],
             "step_ms_median": 1e3 * window["wall_s"] / window["steps"], "steps_timed": window["steps"]}

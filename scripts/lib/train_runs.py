@@ -13,7 +13,7 @@ import json
 import os
 import threading
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import psutil
 
@@ -51,16 +51,22 @@ class TreeMemory:
             self.peak_mib = max(self.peak_mib, total / 2**20)
 
 
+def run_until_written(script: str, name: str, command: List[str], written: Path, timeout: float,
+                      env: Optional[Dict[str, str]] = None) -> None:
+    """Runs ``command``, which must exit 0 having written ``written``; otherwise the benchmark ends (SystemExit)
+    naming ``name``, how it ended and its last lines."""
+    stdout, stderr, code = run_captured(command, timeout, env=env, name=name)
+    if code != 0 or not written.is_file():
+        tail = "\n".join((stderr or stdout).strip().splitlines()[-5:])
+        how = f"ran past {timeout:g} s" if code is None else f"exited {code}"
+        raise SystemExit(f"{script}: {name} {how}:\n{tail}")
+
+
 def train_results(script: str, name: str, command: List[str], run_dir: Path, timeout: float) -> Dict[str, Any]:
     """Runs ``command`` (a train.py launch writing into ``run_dir``) and returns its results.json with
     ``host/tree_peak_mib`` added; a failure or a timeout ends the benchmark (SystemExit) naming ``name``."""
     env, mark = process_tree.marked(dict(os.environ))
-    with TreeMemory(mark) as memory:
-        stdout, stderr, code = run_captured(command, timeout, env={process_tree.MARK: env[process_tree.MARK]},
-                                            name=name)
     results = run_dir / "results.json"
-    if code != 0 or not results.is_file():
-        tail = "\n".join((stderr or stdout).strip().splitlines()[-5:])
-        how = f"ran past {timeout:g} s" if code is None else f"exited {code}"
-        raise SystemExit(f"{script}: {name} {how}:\n{tail}")
+    with TreeMemory(mark) as memory:
+        run_until_written(script, name, command, results, timeout, env={process_tree.MARK: env[process_tree.MARK]})
     return {**json.loads(results.read_text()), "host/tree_peak_mib": memory.peak_mib}
