@@ -360,3 +360,22 @@ def test_a_tiny_llama_fine_tunes_on_conversations_with_loss_on_the_replies_only(
     assert results["final/eval_tokens"] == loss_mask.sum() - first_tokens
     assert results["data/loss_tokens"] < results["data/real_tokens"] / 2  # the prompts carry none
     assert np.isfinite(results["final/eval_loss"])
+
+
+def test_a_window_whose_labels_are_all_prompt_logs_no_loss_and_trains_on(tmp_path):
+    """Long prompts with short completions, cut into rows of 64: most rows hold prompt tokens only. A log window
+    of such rows has no loss term to average over; it logs no loss (not a division by zero) and the run goes on."""
+    from test_documents import prepare, write_jsonl
+
+    pairs = [{"prompt": f"Q{i}: " + "what is it? " * 7, "completion": f" {i}"} for i in range(40)]
+    prepare(write_jsonl(tmp_path / "pairs.jsonl", pairs), "--input", "pairs", "--output", tmp_path / "tokens",
+            "--val-fraction", "0.2")
+    done = launch([*TINY, f"recipe.data.root={tmp_path / 'tokens'}", "recipe.data.batch_size=1",
+                   "train.log_every=1", "train.max_steps=12"], tmp_path / "runs")
+    assert done.returncode == 0, done.output[-3000:]
+    windows = [m for m in done.metrics() if "train/lr" in m]
+    assert len(windows) == 12
+    silent = [m["step"] for m in windows if "train/loss" not in m]
+    counted = [m["train/loss"] for m in windows if "train/loss" in m]
+    assert silent and counted, windows  # both kinds of window, in one run
+    assert all(np.isfinite(counted)) and np.isfinite(done.results()["final/eval_loss"])

@@ -347,6 +347,13 @@ class Trainer:
             dist.all_reduce(vec)
         return vec.tolist()
 
+    def _averages(self, split: str, loss_sum: float, correct: float, count: float) -> Dict[str, float]:
+        """The loss (and accuracy) over the window's loss terms. A window of conversations can hold none (every
+        label a prompt's): it has no average, so it logs none rather than a division by zero."""
+        if count == 0:
+            return {}
+        return {f"{split}/loss": loss_sum / count, **({f"{split}/accuracy": correct / count} if self.accuracy else {})}
+
     def _read_train_metrics(self, at: StepPoint, bar) -> bool:
         """Reads, checks and logs the window's training metrics; returns whether rank 0's clock
         says a checkpoint is due (its vote travels in the same all-reduce)."""
@@ -358,7 +365,7 @@ class Trainer:
             raise NonFiniteLossError(
                 f"the training loss became non-finite (NaN/Inf) by step {at.step}: lower recipe.optim.lr, "
                 "set train.grad_clip, or check the data")
-        metrics = {"train/loss": loss_sum / count, **({"train/accuracy": correct / count} if self.accuracy else {}),
+        metrics = {**self._averages("train", loss_sum, correct, count),
                    "train/lr": float(self.optimizer.param_groups[0]["lr"]), "epoch": at.step / self.steps_per_epoch}
         if step_fn.grad_norm is not None:
             metrics["train/grad_norm"] = float(step_fn.grad_norm)  # the window's last step, before clipping
@@ -393,8 +400,7 @@ class Trainer:
         executor.eval_model.train()
         loss_sum, correct, count = self._global(self.eval_step.metrics)
         # count: loss terms, in the recipe's unit (samples, or tokens for language models)
-        return {"eval/loss": loss_sum / count, **({"eval/accuracy": correct / count} if self.accuracy else {}),
-                f"eval/{self.recipe.unit}": count}
+        return {**self._averages("eval", loss_sum, correct, count), f"eval/{self.recipe.unit}": count}
 
     def _evaluate_and_log(self, step: int, epoch: int) -> None:
         began = time.perf_counter()

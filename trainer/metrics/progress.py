@@ -17,7 +17,8 @@ def show_on_bar(bar, at: StepPoint, metrics: Dict[str, float], unit: str, steps_
     if bar is None:
         return
     accuracy = {"acc": f"{metrics['train/accuracy']:.3f}"} if "train/accuracy" in metrics else {}
-    bar.set_postfix(loss=f"{metrics['train/loss']:.4f}", **accuracy,
+    loss = {"loss": f"{metrics['train/loss']:.4f}"} if "train/loss" in metrics else {}
+    bar.set_postfix(**loss, **accuracy,
                     **{f"{unit}/s": f"{metrics.get(f'perf/{unit}_per_s', 0):.0f}"})
     bar.n = (at.step - 1) % steps_per_epoch + 1
     bar.refresh()
