@@ -95,15 +95,28 @@ def chunked_head_terms(hidden: torch.Tensor, weight: torch.Tensor, target: torch
     return torch.cat(losses).view_as(target), torch.cat(correct).view_as(target)
 
 
+def whole_weight(head: torch.nn.Module) -> torch.Tensor:
+    """The head's weight as the loss must read it: whole. FSDP2 swaps a module's parameters for their gathered
+    tensors around its unit's forward and back to shards (DTensors) after it; a shard here means the weight was
+    resharded before the loss ran, which would train on a slice of the vocabulary."""
+    weight = head.weight
+    if type(weight).__name__ == "DTensor":
+        raise RuntimeError("the chunked head's loss found the head's weight sharded (a DTensor): FSDP2 resharded it "
+                           "after the model's forward; keep the unit that holds the head gathered until backward "
+                           "(train.fsdp.root=gathered, or fully_shard(..., reshard_after_forward=False) on it)")
+    return weight
+
+
 def chunked_head_criterion(head: torch.nn.Linear, chunk: int, smoothing: float = 0.0):
     """``Recipe.criterion`` (with its ``with_top1`` and ``top1``) over the model's hidden states, ``head`` (the
     model's ``lm_head``, bias-free) applied ``chunk`` tokens at a time; ``Recipe.correct`` is its ``top1``."""
 
     def with_top1(hidden: torch.Tensor, target: torch.Tensor,
                   reduction: str = "mean") -> Tuple[torch.Tensor, torch.Tensor]:
+        weight = whole_weight(head)
         if reduction == "none":
-            return chunked_head_terms(hidden, head.weight, target, chunk, smoothing)
-        total, correct = _ChunkedHeadLoss.apply(hidden.reshape(-1, hidden.shape[-1]), head.weight,
+            return chunked_head_terms(hidden, weight, target, chunk, smoothing)
+        total, correct = _ChunkedHeadLoss.apply(hidden.reshape(-1, hidden.shape[-1]), weight,
                                                 target.reshape(-1), chunk, smoothing)
         if reduction == "mean":
             total = total / (target != IGNORE_INDEX).sum()
@@ -116,7 +129,7 @@ def chunked_head_criterion(head: torch.nn.Linear, chunk: int, smoothing: float =
         """Each token's top-1 against its label, a chunk at a time, no gradients: a pass of the head of its own,
         which the compiled step (graph.compile_model) saves by counting it in the loss's pass (``with_top1``)."""
         with torch.no_grad():
-            return chunked_head_terms(hidden, head.weight, target, chunk)[1]
+            return chunked_head_terms(hidden, whole_weight(head), target, chunk)[1]
 
     return fused_with_top1(criterion, with_top1, top1)
 

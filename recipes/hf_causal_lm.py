@@ -46,7 +46,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from conf.schema import ExportDtype, Parallel
+from conf.schema import ExportDtype, FSDPRoot, Parallel
 from recipes.gpt import (attention_mode, check_attention_kernel, is_packed, language_data, next_token_criterion,
                          preprocess)
 from recipes.chunked_head import chunked_head_criterion, pass_hidden_states_through
@@ -494,11 +494,17 @@ def packed_documents_forward(model: torch.nn.Module, attention: str, transformer
 def chunked_head(model: torch.nn.Module, chunk: int, cfg):
     """The criterion of ``recipe.model.head_chunk_tokens``: the model's ``lm_head`` passes its hidden states through
     and the loss applies the head a chunk at a time (recipes/chunked_head.py); refused where the head's weight is
-    not a plain local tensor when the loss reads it, or the model does more after its head."""
+    not a plain local tensor when the loss reads it (under FSDP2, a root resharded after forward: kept gathered,
+    the root's weights stay whole from its forward to its backward, where FSDP2 reduce-scatters the head's
+    gradient with the rest of the root's), or the model does more after its head."""
     key = f"recipe.model.head_chunk_tokens={chunk}"
+    fsdp = cfg.train.fsdp
     refuse = [why for why, applies in (
-        ("train.parallel=fsdp2 (the head's weight is sharded outside its own forward)",
-         Parallel(cfg.train.parallel) is Parallel.fsdp2),
+        # The loss reads the head's weight after the model's forward: FSDP2 must still hold it gathered then.
+        ("train.parallel=fsdp2 with its root resharded after forward (the head's weight is sharded again before "
+         "the loss reads it; set train.fsdp.root=gathered)",
+         Parallel(cfg.train.parallel) is Parallel.fsdp2 and fsdp.reshard_after_forward
+         and FSDPRoot(fsdp.root) is FSDPRoot.resharded),
         (f"{model.config.model_type}'s softcapped logits", getattr(model.config, "final_logit_softcapping", None)),
     ) if applies]
     head = model.get_output_embeddings()

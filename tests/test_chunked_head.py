@@ -106,7 +106,8 @@ def test_hf_causal_lm_trains_alike_with_the_head_in_chunks(train_here, tmp_path,
 @pytest.mark.parametrize("overrides, message", [
     (["recipe.model.head_chunk_tokens=0"], "recipe.model.head_chunk_tokens=0 must be a positive integer"),
     (["recipe.model.head_chunk_tokens=64", "train.parallel=fsdp2"],
-     "recipe.model.head_chunk_tokens=64 cannot be used with train.parallel=fsdp2"),
+     "recipe.model.head_chunk_tokens=64 cannot be used with train.parallel=fsdp2 with its root resharded after "
+     "forward (the head's weight is sharded again before the loss reads it; set train.fsdp.root=gathered)"),
 ])
 def test_a_head_chunk_setting_that_cannot_work_is_refused_naming_it(train_here, overrides, message):
     from helpers.availability import needs_extra
@@ -133,3 +134,46 @@ def test_two_gloo_ranks_train_alike_with_the_untied_head_in_chunks(tmp_path):
     assert whole["world_size"] == chunked["world_size"] == 2
     for key in ("final/loss", "final/eval_loss", "final/grad_norm"):
         assert chunked[key] == pytest.approx(whole[key], rel=1e-4), key
+
+
+@transformers_needed
+@pytest.mark.parametrize("model", [[], TIED_GPT2], ids=["llama_untied", "gpt2_tied"])
+def test_two_gloo_ranks_under_fsdp2_train_alike_with_the_head_in_chunks(tmp_path, model):
+    """FSDP2 shards the head with the root unit; kept gathered after forward (train.fsdp.root=gathered), the loss
+    reads the whole weight and FSDP2 reduce-scatters the gradient the loss hands it, as the whole logits' is."""
+    from helpers.availability import needs_extra
+    from helpers.launches import launch_together
+
+    needs_extra("transformers")
+    args = [a for a in TINY if a != "recipe=hf_causal_lm"]
+    sharded = ["train.parallel=fsdp2", "train.fsdp.root=gathered"]
+    runs = launch_together({c: ["recipe=hf_causal_lm", *args, *model, *sharded, f"recipe.model.head_chunk_tokens={c}"]
+                            for c in ("null", "50")}, tmp_path, nproc=2, timeout=240)
+    for done in runs.values():
+        assert done.returncode == 0, done.stderr[-3000:]
+    whole, chunked = (runs[c].results() for c in ("null", "50"))
+    assert whole["world_size"] == chunked["world_size"] == 2
+    for key in ("final/loss", "final/eval_loss", "final/accuracy", "final/grad_norm"):
+        assert chunked[key] == pytest.approx(whole[key], rel=1e-4), key
+
+
+@pytest.mark.fast
+def test_a_sharded_head_weight_is_refused_not_read_as_a_slice_of_the_vocabulary():
+    """Where a user's own FSDP2 layout reshards the head before the loss, the criterion says so (never a loss over
+    a shard's rows)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor, Shard
+
+    from recipes.chunked_head import chunked_head_criterion
+
+    head = torch.nn.Linear(8, 32, bias=False)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        head.weight = torch.nn.Parameter(distribute_tensor(head.weight.detach(), mesh, [Shard(0)]))
+        criterion = chunked_head_criterion(head, chunk=4)
+        with pytest.raises(RuntimeError, match=r"found the head's weight sharded .*\(train.fsdp.root=gathered"):
+            criterion(torch.randn(2, 3, 8), torch.zeros(2, 3, dtype=torch.long), reduction="sum")
+    finally:
+        dist.destroy_process_group()

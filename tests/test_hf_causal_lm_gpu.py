@@ -155,11 +155,13 @@ def test_a_captured_forward_builds_no_attention_mask():
 CHUNKED_TOLERANCE = {"eager": 2e-3, "full": 2e-3, "full_compiled": 2e-2}
 
 
-@pytest.mark.parametrize("graph", sorted(CHUNKED_TOLERANCE))
-def test_the_head_in_chunks_trains_like_the_whole_logits_eager(out, graph):
+@pytest.mark.parametrize("graph,parallel", [*((g, "ddp") for g in sorted(CHUNKED_TOLERANCE)), ("full", "fsdp2")])
+def test_the_head_in_chunks_trains_like_the_whole_logits_eager(out, graph, parallel):
     """recipe.model.head_chunk_tokens: qwen2's (untied) head, 16 x 128 tokens in chunks of 500, eager, captured whole
-    and compiled inside the graph, against the whole logits eager."""
-    args = [*SAME_RUNS, *model("qwen2")]
+    and compiled inside the graph, against the whole logits eager; under FSDP2 (one rank, the root kept gathered
+    for the loss) too."""
+    sharded = ["train.parallel=fsdp2", "train.fsdp.root=gathered"] if parallel == "fsdp2" else []
+    args = [*SAME_RUNS, *model("qwen2"), *sharded]
     whole = launch([*args, "graph=eager"], out / "whole", timeout=600)
     chunked = launch([*args, f"graph={graph}", "recipe.model.head_chunk_tokens=500"], out / graph, timeout=600)
     for done in (whole, chunked):
