@@ -16,6 +16,7 @@ hidden states as autograd's: ``softmax - target`` in the logits' dtype, through 
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Optional, Tuple
 
 import torch
@@ -35,13 +36,35 @@ def _chunk_terms(logits: torch.Tensor, target: torch.Tensor, smoothing: float):
     return torch.where(kept, loss, 0.0), lse, kept, label_scores_highest(logits, target, best)
 
 
+def _chunk_pass(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, smoothing: float, grads: bool):
+    """One chunk: (its summed loss, correctness per token, and where ``grads``, d loss / d h and d loss / d w in
+    fp32). d loss / d logits is softmax minus the (smoothed) target, on kept rows only, in the logits' dtype."""
+    logits = (h @ w.T).float()
+    loss, lse, kept, right = _chunk_terms(logits, t, smoothing)
+    if not grads:
+        return loss.sum(), right, None, None
+    g = (logits - lse.unsqueeze(-1)).exp()
+    if smoothing:
+        g = g - smoothing / logits.shape[-1]
+    g.scatter_add_(-1, torch.where(kept, t, 0).unsqueeze(-1), torch.full_like(lse, -(1 - smoothing)).unsqueeze(-1))
+    g = torch.where(kept.unsqueeze(-1), g, 0.0).to(h.dtype)
+    return loss.sum(), right, g @ w, (g.T @ h).float()
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_chunk_pass():
+    # dynamic=False: every chunk but a last, shorter one has one shape, so one kernel set serves them all
+    return torch.compile(_chunk_pass, dynamic=False)
+
+
 class _ChunkedHeadLoss(torch.autograd.Function):
     """(summed loss over the kept labels, correctness per token) of ``hidden [N, H] @ weight.T [H, V]``; the
-    gradients of ``hidden`` and ``weight`` computed in forward, chunk by chunk, and scaled in backward."""
+    gradients of ``hidden`` and ``weight`` computed in forward, chunk by chunk (``chunk_pass`` each), and scaled
+    in backward."""
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, chunk: int,
-                smoothing: float) -> Tuple[torch.Tensor, torch.Tensor]:
+                smoothing: float, chunk_pass=_chunk_pass) -> Tuple[torch.Tensor, torch.Tensor]:
         w = weight.to(hidden.dtype)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         correct = torch.empty(target.shape, dtype=torch.bool, device=hidden.device)
@@ -49,20 +72,13 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if grads else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if grads else None
         for start in range(0, hidden.shape[0], chunk):
-            h, t = hidden[start:start + chunk], target[start:start + chunk]
-            logits = (h @ w.T).float()
-            loss, lse, kept, right = _chunk_terms(logits, t, smoothing)
-            total = total + loss.sum()
-            correct[start:start + chunk] = right
-            if grads:  # d loss / d logits: softmax minus the (smoothed) target, on kept rows only
-                g = (logits - lse.unsqueeze(-1)).exp()
-                if smoothing:
-                    g = g - smoothing / logits.shape[-1]
-                g.scatter_add_(-1, torch.where(kept, t, 0).unsqueeze(-1),
-                               torch.full_like(lse, -(1 - smoothing)).unsqueeze(-1))
-                g = torch.where(kept.unsqueeze(-1), g, 0.0).to(hidden.dtype)
-                grad_hidden[start:start + chunk] = g @ w
-                grad_weight += (g.T @ h).float()
+            rows = slice(start, start + chunk)
+            loss, right, d_hidden, d_weight = chunk_pass(hidden[rows], w, target[rows], smoothing, grads)
+            total += loss
+            correct[rows] = right
+            if grads:
+                grad_hidden[rows] = d_hidden
+                grad_weight += d_weight
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.mark_non_differentiable(correct)
         ctx.weight_dtype = weight.dtype
@@ -74,7 +90,17 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         scale = grad_total.to(torch.float32)
         return ((grad_hidden * scale.to(grad_hidden.dtype)) if ctx.needs_input_grad[0] else None,
                 (grad_weight * scale).to(ctx.weight_dtype) if ctx.needs_input_grad[1] else None,
-                None, None, None)
+                None, None, None, None)
+
+
+def _chunk_losses(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, smoothing: float):
+    loss, _, _, right = _chunk_terms((h @ w.T).float(), t, smoothing)
+    return loss, right
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_chunk_losses():
+    return torch.compile(_chunk_losses, dynamic=False)
 
 
 def chunked_head_terms(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, chunk: int,
@@ -82,17 +108,42 @@ def chunked_head_terms(hidden: torch.Tensor, weight: torch.Tensor, target: torch
     """Per-token losses (0 where the label is IGNORE_INDEX) and correctness of ``hidden [..., H]`` against
     ``target [...]``: ``reduction="none"``. Evaluation's run without gradients, a chunk's logits at a time; where
     gradients are asked for (a last partial batch's masked sum) autograd keeps every chunk's logits, as unchunked."""
+    if torch.compiler.is_compiling():
+        return _terms_in_compiled_code(hidden, weight, target, chunk, smoothing)
+    return _terms(hidden, weight, target, chunk, smoothing, _chunk_losses)
+
+
+@torch.compiler.disable
+def _terms_in_compiled_code(hidden, weight, target, chunk: int, smoothing: float):
+    return _terms(hidden, weight, target, chunk, smoothing, _compiled_chunk_losses())  # as _chunks_in_compiled_code
+
+
+def _terms(hidden, weight, target, chunk: int, smoothing: float, chunk_losses):
     flat_h, flat_t = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1)
     w = weight.to(hidden.dtype)
     losses, correct = [], []
     tracked = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     with contextlib.nullcontext() if tracked else torch.no_grad():
         for start in range(0, flat_h.shape[0], chunk):
-            loss, _, _, right = _chunk_terms((flat_h[start:start + chunk] @ w.T).float(),
-                                             flat_t[start:start + chunk], smoothing)
+            loss, right = chunk_losses(flat_h[start:start + chunk], w, flat_t[start:start + chunk], smoothing)
             losses.append(loss)
             correct.append(right)
     return torch.cat(losses).view_as(target), torch.cat(correct).view_as(target)
+
+
+def _chunked_loss(hidden, weight, target, chunk: int, smoothing: float):
+    if torch.compiler.is_compiling():
+        return _chunks_in_compiled_code(hidden, weight, target, chunk, smoothing)
+    return _ChunkedHeadLoss.apply(hidden, weight, target, chunk, smoothing)
+
+
+@torch.compiler.disable
+def _chunks_in_compiled_code(hidden, weight, target, chunk: int, smoothing: float):
+    """Inside a compiled step the chunk loop stays out of the traced graph and each chunk's pass is compiled on
+    its own: traced whole, Inductor unrolls the loop and fuses across the chunks' logits (several GB each at a
+    large vocabulary), and on an H200 one such fused kernel read out of bounds (Qwen2's 151,936 ids, 4 chunks of
+    4096). One chunk's kernels also compile once for all chunks. The whole-step graph captures them as any."""
+    return _ChunkedHeadLoss.apply(hidden, weight, target, chunk, smoothing, _compiled_chunk_pass())
 
 
 def whole_weight(head: torch.nn.Module) -> torch.Tensor:
@@ -116,8 +167,8 @@ def chunked_head_criterion(head: torch.nn.Linear, chunk: int, smoothing: float =
         weight = whole_weight(head)
         if reduction == "none":
             return chunked_head_terms(hidden, weight, target, chunk, smoothing)
-        total, correct = _ChunkedHeadLoss.apply(hidden.reshape(-1, hidden.shape[-1]), weight,
-                                                target.reshape(-1), chunk, smoothing)
+        total, correct = _chunked_loss(hidden.reshape(-1, hidden.shape[-1]), weight, target.reshape(-1), chunk,
+                                       smoothing)
         if reduction == "mean":
             total = total / (target != IGNORE_INDEX).sum()
         return total, correct.view_as(target)

@@ -45,6 +45,30 @@ def test_loss_gradients_and_top1_equal_the_whole_logits_from_fp64_inputs(chunk, 
     assert torch.equal(correct, top1_correct(logits.detach().float(), target))
 
 
+def test_inside_torch_compile_each_chunk_compiles_alone_and_gives_the_eager_results():
+    """In a compiled step (graph=full_compiled) the chunk loop runs outside the traced graph and one chunk's pass is
+    compiled for all chunks (a last, shorter chunk its own): Inductor never sees the chunks side by side."""
+    from recipes import chunked_head
+
+    head, x, target = case()
+    x, head = x.detach().float().requires_grad_(), head.float()
+    criterion = chunked_head_criterion(head, 5, 0.1)
+    chunked_head._compiled_chunk_pass.cache_clear()
+    chunked_head._compiled_chunk_losses.cache_clear()
+    results = {}
+    for name, fn in (("eager", criterion.with_top1), ("compiled", torch.compile(criterion.with_top1, dynamic=False))):
+        x.grad = head.weight.grad = None
+        loss, correct = fn(x, target, reduction="sum")
+        loss.backward()
+        losses = (torch.compile(criterion, dynamic=False) if name == "compiled" else criterion)(x.detach(), target)
+        results[name] = (loss.detach(), correct, x.grad.clone(), head.weight.grad.clone(), losses)
+    for got, want in zip(results["compiled"], results["eager"]):
+        assert got.dtype == want.dtype and torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+    # the compiled step took the per-chunk compiled passes (made on first use), the eager one did not
+    assert chunked_head._compiled_chunk_pass.cache_info().currsize == 1
+    assert chunked_head._compiled_chunk_losses.cache_info().currsize == 1
+
+
 @pytest.mark.fast
 def test_bf16_hidden_states_give_the_whole_logits_gradients_to_bf16_rounding():
     """Under autocast the head runs in bf16: the hidden states' gradient is the same matmul, the weight's sums the
