@@ -124,6 +124,49 @@ def test_drop_last_drops_the_tail():
     assert loader.shapes.tail is None and loader.steps == 15
 
 
+class EpochPoints(Points):
+    """Points whose items change with the epoch (as random crops drawn per epoch do): x + 1000 * epoch."""
+
+    epoch = 0
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __getitem__(self, i):
+        x, y = super().__getitem__(i)
+        return x + 1000 * self.epoch, y
+
+
+@pytest.mark.fast
+def test_the_workers_read_on_into_the_next_epoch_and_its_batches_are_that_epochs():
+    """At an epoch's end the training loader's workers are already reading the next epoch's first batches (no
+    restart, no empty pipeline at each boundary), each drawn with its own epoch; a jump elsewhere restarts them."""
+    data = EpochPoints(200)
+    host = HostLoader(data, 16, runtime(0, 1), train=True, seed=4, num_workers=2)
+
+    def expected(epoch):
+        fresh = HostLoader(data, 16, runtime(0, 1), train=True, seed=4)  # no workers: read in this process
+        fresh.start_epoch(epoch)
+        return batches(fresh)
+
+    host.start_epoch(0)
+    first = batches(host)
+    workers = host._it
+    for epoch in (1, 2):
+        host.start_epoch(epoch)
+        got = batches(host)
+        assert host._it is workers  # the same iterator: it read on across the boundary
+        want = expected(epoch)
+        assert len(got) == len(want) == 200 // 16 + 1
+        assert all(torch.equal(a["x"], b["x"]) and a.keys() == b.keys() for a, b in zip(got, want))
+        assert (got[0]["x"] - 1000 * epoch).abs().max() < 10  # drawn with its own epoch, not the loop's
+    assert all(torch.equal(a["x"], b["x"]) for a, b in zip(first, expected(0)))
+    host.start_epoch(5)  # not where the workers are: they start over there
+    assert host._it is None
+    assert all(torch.equal(a["x"], b["x"]) for a, b in zip(batches(host), expected(5)))
+    host.close()
+
+
 @pytest.mark.fast
 def test_resuming_mid_epoch_continues_at_the_exact_batch_without_reading_the_skipped_ones():
     log = []

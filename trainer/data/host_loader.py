@@ -9,7 +9,7 @@ calling CUDA while a graph is captured, so the default ``capture_error_mode=glob
 from __future__ import annotations
 
 import time
-from typing import List
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -24,22 +24,25 @@ from trainer.run.runtime import Runtime
 
 
 class _EpochBatches:
-    """The batch sampler: this rank's epoch as rows of dataset indices, from a start row; each row
-    goes with its epoch to a dataset that draws its items per epoch (``draws_per_epoch``)."""
+    """The batch sampler: this rank's rows of dataset indices from (``epoch``, ``start``) on; each row goes with
+    its epoch to a dataset that draws its items per epoch (``draws_per_epoch``). ``continuous`` (training): at an
+    epoch's end it goes on into the next epoch's rows, so the workers read ahead across the boundary instead of
+    starting empty there (a whole batch's decoding, seconds for large photos, once per epoch)."""
 
-    def __init__(self, with_epoch: bool):
-        self.rows: List[torch.Tensor] = []
-        self.start = 0
+    def __init__(self, rows_of: Callable[[int], List[torch.Tensor]], with_epoch: bool, continuous: bool):
+        self.rows_of, self.with_epoch, self.continuous = rows_of, with_epoch, continuous
         self.epoch = 0
-        self.with_epoch = with_epoch
+        self.start = 0
 
     def __iter__(self):
-        for r in range(self.start, len(self.rows)):
-            rows = self.rows[r].tolist()
-            yield EpochRows(self.epoch, rows) if self.with_epoch else rows
-
-    def __len__(self) -> int:
-        return len(self.rows) - self.start
+        epoch, start = self.epoch, self.start
+        while True:
+            rows = self.rows_of(epoch)
+            for r in range(start, len(rows)):
+                yield EpochRows(epoch, rows[r].tolist()) if self.with_epoch else rows[r].tolist()
+            if not self.continuous:
+                return
+            epoch, start = epoch + 1, 0
 
 
 class HostLoader:
@@ -66,8 +69,10 @@ class HostLoader:
                        for _ in range(2 if pin else 0)]
         self.copied = [torch.cuda.Event() if pin else None for _ in self.pinned]
         self._slot = 0
-        self.sampler = _EpochBatches(with_epoch=draws_per_epoch(dataset))
-        self.masks: List[torch.Tensor] = []  # per row of the sampler: its real samples
+        self._rows_cache: Dict[int, Tuple[List[torch.Tensor], List[Optional[torch.Tensor]]]] = {}
+        self.sampler = _EpochBatches(lambda epoch: self._epoch_rows(epoch)[0], with_epoch=draws_per_epoch(dataset),
+                                     continuous=train)
+        self.masks: List[Optional[torch.Tensor]] = []  # per row of the epoch: its real samples (None: all)
         self.loader = torch.utils.data.DataLoader(
             BatchReader(dataset), batch_sampler=self.sampler, collate_fn=keep_batch, **worker_options(num_workers, dataset),
             persistent_workers=num_workers > 0, prefetch_factor=prefetch_factor if num_workers > 0 else None,
@@ -75,24 +80,33 @@ class HostLoader:
             generator=torch.Generator().manual_seed(seed))  # its worker seeds must not draw from the global RNG
         self._micro = 0
         self._it = None
+        self._epoch = 0
+        self._next = None  # (epoch, row) of the batch the iterator delivers next
         self.waited_s = 0.0  # time stage() spent waiting for a batch from the workers
         self.start_epoch(0)
 
+    def _epoch_rows(self, epoch: int) -> Tuple[List[torch.Tensor], List[Optional[torch.Tensor]]]:
+        """The epoch's rows of this rank's dataset indices and each row's mask of real samples (None: all real);
+        the sampler asks for the next epoch's while the loop still reads this one's."""
+        if epoch not in self._rows_cache:
+            if self.train:
+                full, tail, tail_mask = train_epoch_index(len(self.dataset), self.shapes, self.rt, seed=self.seed,
+                                                          epoch=epoch)
+                rows = list(full.view(-1, self.rows_per_load))
+                masks = [None] * len(rows)  # full rows: every sample is real
+                if self.shapes.tail is not None:
+                    rows.append(tail)
+                    masks.append(tail_mask)
+            else:
+                index, mask = epoch_index(len(self.dataset), self.length, self.rt, train=False, seed=self.seed,
+                                          epoch=epoch)
+                rows, masks = list(index.view(-1, self.rows_per_load)), list(mask.view(-1, self.rows_per_load))
+            self._rows_cache = {e: v for e, v in self._rows_cache.items() if e >= epoch - 1}  # the loop's and next
+            self._rows_cache[epoch] = (rows, masks)
+        return self._rows_cache[epoch]
+
     def start_epoch(self, epoch: int) -> None:
-        self.sampler.epoch = epoch
-        if self.train:
-            full, tail, tail_mask = train_epoch_index(len(self.dataset), self.shapes, self.rt, seed=self.seed,
-                                                      epoch=epoch)
-            rows = list(full.view(-1, self.rows_per_load))
-            self.masks = [None] * len(rows)  # full rows: every sample is real
-            if self.shapes.tail is not None:
-                rows.append(tail)
-                self.masks.append(tail_mask)
-        else:
-            index, mask = epoch_index(len(self.dataset), self.length, self.rt, train=False, seed=self.seed,
-                                      epoch=epoch)
-            rows, self.masks = list(index.view(-1, self.rows_per_load)), list(mask.view(-1, self.rows_per_load))
-        self.sampler.rows = rows
+        self._epoch = epoch
         self._begin(0)
 
     def skip(self, steps: int) -> None:
@@ -100,9 +114,12 @@ class HostLoader:
         self._begin(steps if self.train else 0)
 
     def _begin(self, row: int) -> None:
-        self.sampler.start = row
+        self.masks = self._epoch_rows(self._epoch)[1]
         self._row = row
         self._micro = 0
+        if self._it is not None and self._next == (self._epoch, row):
+            return  # the next epoch's start, which the workers are already reading: no restart
+        self.sampler.epoch, self.sampler.start = self._epoch, row
         self._it = None  # made at the first stage(): start_epoch then skip starts the workers once
 
     def stage(self) -> None:
@@ -116,6 +133,7 @@ class HostLoader:
         if mask is not None:
             batch[PADDING_MASK] = mask
         self._row += 1
+        self._next = (self._epoch, self._row) if self._row < len(self.masks) else (self._epoch + 1, 0)
         rows = len(batch["x"])  # a tail row is shorter: it fills the buffers' first rows
         if not self.pinned:  # CPU training: the batch is already where the step reads it
             for k, v in batch.items():
