@@ -216,7 +216,7 @@ def epoch_batches(train, epoch: int, workers: int, skip: int = 0):
         for _ in range(loader.steps - skip):
             loader.stage()
             out.append({k: v.clone() for k, v in loader.next_batch().items()})
-        return [row.tolist() for row in loader.sampler.rows[skip:]], out
+        return [row.tolist() for row in loader.epoch_rows(epoch)[0][skip:]], out
     finally:
         loader.close()
 

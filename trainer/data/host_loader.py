@@ -70,7 +70,7 @@ class HostLoader:
         self.copied = [torch.cuda.Event() if pin else None for _ in self.pinned]
         self._slot = 0
         self._rows_cache: Dict[int, Tuple[List[torch.Tensor], List[Optional[torch.Tensor]]]] = {}
-        self.sampler = _EpochBatches(lambda epoch: self._epoch_rows(epoch)[0], with_epoch=draws_per_epoch(dataset),
+        self.sampler = _EpochBatches(lambda epoch: self.epoch_rows(epoch)[0], with_epoch=draws_per_epoch(dataset),
                                      continuous=train)
         self.masks: List[Optional[torch.Tensor]] = []  # per row of the epoch: its real samples (None: all)
         self.loader = torch.utils.data.DataLoader(
@@ -85,7 +85,7 @@ class HostLoader:
         self.waited_s = 0.0  # time stage() spent waiting for a batch from the workers
         self.start_epoch(0)
 
-    def _epoch_rows(self, epoch: int) -> Tuple[List[torch.Tensor], List[Optional[torch.Tensor]]]:
+    def epoch_rows(self, epoch: int) -> Tuple[List[torch.Tensor], List[Optional[torch.Tensor]]]:
         """The epoch's rows of this rank's dataset indices and each row's mask of real samples (None: all real);
         the sampler asks for the next epoch's while the loop still reads this one's."""
         if epoch not in self._rows_cache:
@@ -114,7 +114,7 @@ class HostLoader:
         self._begin(steps if self.train else 0)
 
     def _begin(self, row: int) -> None:
-        self.masks = self._epoch_rows(self._epoch)[1]
+        self.masks = self.epoch_rows(self._epoch)[1]
         self._row = row
         self._micro = 0
         if self._it is not None and self._next == (self._epoch, row):
