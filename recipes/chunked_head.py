@@ -16,11 +16,11 @@ hidden states as autograd's: ``softmax - target`` in the logits' dtype, through 
 from __future__ import annotations
 
 import contextlib
-import functools
-from typing import Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
+from graphing.sharded import is_dtensor
 from trainer.recipe import IGNORE_INDEX, fused_with_top1, label_scores_highest
 
 
@@ -51,12 +51,6 @@ def _chunk_pass(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, smoothing: fl
     return loss.sum(), right, g @ w, (g.T @ h).float()
 
 
-@functools.lru_cache(maxsize=None)
-def _compiled_chunk_pass():
-    # dynamic=False: every chunk but a last, shorter one has one shape, so one kernel set serves them all
-    return torch.compile(_chunk_pass, dynamic=False)
-
-
 class _ChunkedHeadLoss(torch.autograd.Function):
     """(summed loss over the kept labels, correctness per token) of ``hidden [N, H] @ weight.T [H, V]``; the
     gradients of ``hidden`` and ``weight`` computed in forward, chunk by chunk (``chunk_pass`` each), and scaled
@@ -64,7 +58,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, chunk: int,
-                smoothing: float, chunk_pass=_chunk_pass) -> Tuple[torch.Tensor, torch.Tensor]:
+                smoothing: float, chunk_pass: Callable) -> Tuple[torch.Tensor, torch.Tensor]:
         w = weight.to(hidden.dtype)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         correct = torch.empty(target.shape, dtype=torch.bool, device=hidden.device)
@@ -98,24 +92,14 @@ def _chunk_losses(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, smoothing: 
     return loss, right
 
 
-@functools.lru_cache(maxsize=None)
-def _compiled_chunk_losses():
-    return torch.compile(_chunk_losses, dynamic=False)
-
-
 def chunked_head_terms(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, chunk: int,
                        smoothing: float = 0.0) -> Tuple[torch.Tensor, torch.Tensor]:
     """Per-token losses (0 where the label is IGNORE_INDEX) and correctness of ``hidden [..., H]`` against
     ``target [...]``: ``reduction="none"``. Evaluation's run without gradients, a chunk's logits at a time; where
     gradients are asked for (a last partial batch's masked sum) autograd keeps every chunk's logits, as unchunked."""
     if torch.compiler.is_compiling():
-        return _terms_in_compiled_code(hidden, weight, target, chunk, smoothing)
+        return _outside_the_compiled_graph(_terms, _chunk_losses, hidden, weight, target, chunk, smoothing)
     return _terms(hidden, weight, target, chunk, smoothing, _chunk_losses)
-
-
-@torch.compiler.disable
-def _terms_in_compiled_code(hidden, weight, target, chunk: int, smoothing: float):
-    return _terms(hidden, weight, target, chunk, smoothing, _compiled_chunk_losses())  # as _chunks_in_compiled_code
 
 
 def _terms(hidden, weight, target, chunk: int, smoothing: float, chunk_losses):
@@ -133,17 +117,24 @@ def _terms(hidden, weight, target, chunk: int, smoothing: float, chunk_losses):
 
 def _chunked_loss(hidden, weight, target, chunk: int, smoothing: float):
     if torch.compiler.is_compiling():
-        return _chunks_in_compiled_code(hidden, weight, target, chunk, smoothing)
-    return _ChunkedHeadLoss.apply(hidden, weight, target, chunk, smoothing)
+        return _outside_the_compiled_graph(_ChunkedHeadLoss.apply, _chunk_pass, hidden, weight, target, chunk,
+                                           smoothing)
+    return _ChunkedHeadLoss.apply(hidden, weight, target, chunk, smoothing, _chunk_pass)
+
+
+COMPILED: Dict[Callable, Callable] = {}  # each chunk function, compiled once: its first call inside a compiled step
 
 
 @torch.compiler.disable
-def _chunks_in_compiled_code(hidden, weight, target, chunk: int, smoothing: float):
-    """Inside a compiled step the chunk loop stays out of the traced graph and each chunk's pass is compiled on
-    its own: traced whole, Inductor unrolls the loop and fuses across the chunks' logits (several GB each at a
-    large vocabulary), and on an H200 one such fused kernel read out of bounds (Qwen2's 151,936 ids, 4 chunks of
-    4096). One chunk's kernels also compile once for all chunks. The whole-step graph captures them as any."""
-    return _ChunkedHeadLoss.apply(hidden, weight, target, chunk, smoothing, _compiled_chunk_pass())
+def _outside_the_compiled_graph(loop: Callable, chunk_fn: Callable, *args):
+    """``loop(*args, chunk_fn)`` inside a compiled step: the chunk loop stays out of the traced graph and
+    ``chunk_fn`` is compiled on its own. Traced whole, Inductor unrolls the loop and fuses across the chunks' logits
+    (several GB each at a large vocabulary), and on an H200 one such fused kernel read out of bounds (Qwen2's
+    151,936 ids, 4 chunks of 4096). dynamic=False: every chunk but a last, shorter one has one shape, so one
+    kernel set serves them all. The whole-step graph captures them as any."""
+    if chunk_fn not in COMPILED:
+        COMPILED[chunk_fn] = torch.compile(chunk_fn, dynamic=False)
+    return loop(*args, COMPILED[chunk_fn])
 
 
 def whole_weight(head: torch.nn.Module) -> torch.Tensor:
@@ -151,7 +142,7 @@ def whole_weight(head: torch.nn.Module) -> torch.Tensor:
     tensors around its unit's forward and back to shards (DTensors) after it; a shard here means the weight was
     resharded before the loss ran, which would train on a slice of the vocabulary."""
     weight = head.weight
-    if type(weight).__name__ == "DTensor":
+    if is_dtensor(weight):
         raise RuntimeError("the chunked head's loss found the head's weight sharded (a DTensor): FSDP2 resharded it "
                            "after the model's forward; keep the unit that holds the head gathered until backward "
                            "(train.fsdp.root=gathered, or fully_shard(..., reshard_after_forward=False) on it)")
