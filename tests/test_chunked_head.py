@@ -53,8 +53,7 @@ def test_inside_torch_compile_each_chunk_compiles_alone_and_gives_the_eager_resu
     head, x, target = case()
     x, head = x.detach().float().requires_grad_(), head.float()
     criterion = chunked_head_criterion(head, 5, 0.1)
-    chunked_head._compiled_chunk_pass.cache_clear()
-    chunked_head._compiled_chunk_losses.cache_clear()
+    chunked_head.COMPILED.clear()
     results = {}
     for name, fn in (("eager", criterion.with_top1), ("compiled", torch.compile(criterion.with_top1, dynamic=False))):
         x.grad = head.weight.grad = None
@@ -65,8 +64,7 @@ def test_inside_torch_compile_each_chunk_compiles_alone_and_gives_the_eager_resu
     for got, want in zip(results["compiled"], results["eager"]):
         assert got.dtype == want.dtype and torch.allclose(got, want, rtol=1e-5, atol=1e-6)
     # the compiled step took the per-chunk compiled passes (made on first use), the eager one did not
-    assert chunked_head._compiled_chunk_pass.cache_info().currsize == 1
-    assert chunked_head._compiled_chunk_losses.cache_info().currsize == 1
+    assert set(chunked_head.COMPILED) == {chunked_head._chunk_pass, chunked_head._chunk_losses}
 
 
 @pytest.mark.fast
@@ -141,37 +139,23 @@ def test_a_head_chunk_setting_that_cannot_work_is_refused_naming_it(train_here, 
     assert done.returncode == 2 and message in done.stderr, done.stderr[-2000:]
 
 
+FSDP2_GATHERED_ROOT = ["train.parallel=fsdp2", "train.fsdp.root=gathered"]
+
+
 @transformers_needed
-def test_two_gloo_ranks_train_alike_with_the_untied_head_in_chunks(tmp_path):
-    """Under DDP the head's weight (untied here) is used outside the wrapped forward, by the loss: its gradient still
-    reaches the all-reduce, and both ranks train as with the whole logits."""
+@pytest.mark.parametrize("parallel,model", [([], []), (FSDP2_GATHERED_ROOT, []), (FSDP2_GATHERED_ROOT, TIED_GPT2)],
+                         ids=["ddp_llama_untied", "fsdp2_llama_untied", "fsdp2_gpt2_tied"])
+def test_two_gloo_ranks_train_alike_with_the_head_in_chunks(tmp_path, parallel, model):
+    """The loss reads the head's weight outside the wrapped forward. Under DDP its gradient still reaches the
+    all-reduce; under FSDP2 the root unit holds the head, kept gathered after forward (train.fsdp.root=gathered), so
+    the loss reads the whole weight and FSDP2 reduce-scatters the gradient the loss hands it. Both ranks train as
+    with the whole logits."""
     from helpers.availability import needs_extra
     from helpers.launches import launch_together
 
     needs_extra("transformers")
     args = [a for a in TINY if a != "recipe=hf_causal_lm"]
-    runs = launch_together({c: ["recipe=hf_causal_lm", *args, f"recipe.model.head_chunk_tokens={c}"]
-                            for c in ("null", "50")}, tmp_path, nproc=2, timeout=240)
-    for done in runs.values():
-        assert done.returncode == 0, done.stderr[-3000:]
-    whole, chunked = (runs[c].results() for c in ("null", "50"))
-    assert whole["world_size"] == chunked["world_size"] == 2
-    for key in ("final/loss", "final/eval_loss", "final/grad_norm"):
-        assert chunked[key] == pytest.approx(whole[key], rel=1e-4), key
-
-
-@transformers_needed
-@pytest.mark.parametrize("model", [[], TIED_GPT2], ids=["llama_untied", "gpt2_tied"])
-def test_two_gloo_ranks_under_fsdp2_train_alike_with_the_head_in_chunks(tmp_path, model):
-    """FSDP2 shards the head with the root unit; kept gathered after forward (train.fsdp.root=gathered), the loss
-    reads the whole weight and FSDP2 reduce-scatters the gradient the loss hands it, as the whole logits' is."""
-    from helpers.availability import needs_extra
-    from helpers.launches import launch_together
-
-    needs_extra("transformers")
-    args = [a for a in TINY if a != "recipe=hf_causal_lm"]
-    sharded = ["train.parallel=fsdp2", "train.fsdp.root=gathered"]
-    runs = launch_together({c: ["recipe=hf_causal_lm", *args, *model, *sharded, f"recipe.model.head_chunk_tokens={c}"]
+    runs = launch_together({c: ["recipe=hf_causal_lm", *args, *model, *parallel, f"recipe.model.head_chunk_tokens={c}"]
                             for c in ("null", "50")}, tmp_path, nproc=2, timeout=240)
     for done in runs.values():
         assert done.returncode == 0, done.stderr[-3000:]
