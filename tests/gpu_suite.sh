@@ -8,7 +8,9 @@
 #
 # Env: OUT (where the summary and logs go; default outputs/gpu_suite), DEADLINE (seconds after which no file
 # starts; default 900; a file still running DEADLINE + 120 s after the start is stopped, rc=124), PYTEST_ARGS
-# (more pytest arguments). Exit 1 when a file failed, was stopped or was not reached.
+# (more pytest arguments), WORKERS_PER_GPU (files run at once on each GPU; default 1: a one-GPU machine gets through
+# more files with 2, as each spends much of its time starting processes and compiling on the CPU).
+# Exit 1 when a file failed, was stopped or was not reached.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)" 2>/dev/null)
@@ -38,11 +40,13 @@ run_queue() {  # $1: the GPUs this worker's pytest sees ("2,3")
   done
 }
 
-PYTEST_ARGS=${PYTEST_ARGS:-}
-echo "gpu_suite.sh: ${#files[@]} files over $gpus GPU(s)"
-for ((g = 0; g < gpus; g++)); do
-  if [ "$gpus" -ge 2 ]; then partner=$(( (g ^ 1) < gpus ? (g ^ 1) : (g + 1) % gpus )); run_queue "$g,$partner" &
-  else run_queue 0 & fi
+PYTEST_ARGS=${PYTEST_ARGS:-}; per_gpu=${WORKERS_PER_GPU:-1}
+echo "gpu_suite.sh: ${#files[@]} files over $gpus GPU(s), $per_gpu at a time on each"
+for ((w = 0; w < per_gpu; w++)); do
+  for ((g = 0; g < gpus; g++)); do
+    if [ "$gpus" -ge 2 ]; then partner=$(( (g ^ 1) < gpus ? (g ^ 1) : (g + 1) % gpus )); run_queue "$g,$partner" &
+    else run_queue 0 & fi
+  done
 done
 wait
 { cat "$logs"/*.sum; echo "---- failures"; grep -hE "^(FAILED|ERROR)" "$logs"/*.txt; grep -h "NOT RUN" "$logs"/*.sum

@@ -25,8 +25,15 @@ RUN = ["recipe=torchvision_classifier", "recipe.model.name=resnet18", "recipe.mo
        "recipe.data.num_workers=4", "recipe.schedule.warmup_steps=5", "recipe.optim.lr=0.05", "train.max_steps=30",
        "train.epochs=100", "train.log_every=3", "train.progress=false", "logger=none", "deterministic=true",
        "checkpoint.save=false"]
-# As tests/test_recipes_gpu.py's: the same kernels on the same pixels, reduction order aside (bf16, BatchNorm).
-TOLERANCE = {"full": 2e-3, "full_compiled": 2e-2}
+# Each graph against the same computation never captured: graph=full against eager, graph=full_compiled against its
+# own compiled model and loss run eagerly (warm-up never ends before max_steps, so nothing is captured). Plain eager
+# is no reference for the compiled step: Inductor's fused bf16 reductions round differently, and at lr 0.05 on 192
+# images that alone moves the losses apart (H200: full_compiled 1.114 against eager 1.246 at step 6, 2026-12-02,
+# while full_compiled and its uncaptured self agree within TOLERANCE, 2026-12-03).
+# Tolerance as tests/test_recipes_gpu.py's: the same kernels on the same pixels, reduction order aside.
+REFERENCE = {"full": (["graph=eager"], "eager"),
+             "full_compiled": (["graph=full_compiled", "graph.warmup_iters=1000"], "full")}
+TOLERANCE = 2e-3
 
 
 @pytest.fixture(scope="module")
@@ -42,19 +49,22 @@ def losses(done):
     return [(m["step"], m["train/loss"]) for m in done.metrics() if "train/loss" in m]
 
 
-@pytest.mark.parametrize("graph", sorted(TOLERANCE))
+@pytest.mark.parametrize("graph", sorted(REFERENCE))
 def test_a_folder_of_mixed_sizes_trains_graphed_as_eager(photos, out, graph):
     args = [*RUN, f"recipe.data.root={photos}"]
-    eager = launch([*args, "graph=eager"], out / "eager", timeout=600)
+    reference_args, reference_mode = REFERENCE[graph]
+    eager = launch([*args, *reference_args], out / "eager", timeout=600)
     graphed = launch([*args, f"graph={graph}"], out / graph, timeout=600)
     for done in (eager, graphed):
         assert done.returncode == 0, done.stderr[-4000:]
     assert "random-resized crops" in graphed.stdout + graphed.stderr
     e, g = eager.results(), graphed.results()
-    assert (e["mode"], g["mode"], g["timed_phase"]) == ("eager", "full", "graph")  # full_compiled: mode full
-    why = f"eager {losses(eager)}\n{graph} {losses(graphed)}"
+    assert (e["mode"], g["mode"], g["timed_phase"]) == (reference_mode, "full", "graph")  # full_compiled: mode full
+    assert e["timed_phase"] != "graph" and e.get("graph/train_capture_s", 0) == 0, e  # the reference never captured
+    why = f"reference {losses(eager)}\n{graph} {losses(graphed)}"
     assert [s for s, _ in losses(eager)] == [s for s, _ in losses(graphed)], why
     for (step, le), (_, lg) in zip(losses(eager), losses(graphed)):
-        assert math.isfinite(le) and lg == pytest.approx(le, rel=TOLERANCE[graph]), f"step {step}\n{why}"
+        assert math.isfinite(le) and lg == pytest.approx(le, rel=TOLERANCE), f"step {step}\n{why}"
+    assert min(loss for _, loss in losses(graphed)[1:]) < losses(graphed)[0][1], f"no training progress: {why}"
     assert g["final/eval_samples"] == e["final/eval_samples"] == 32
-    assert g["final/eval_loss"] == pytest.approx(e["final/eval_loss"], rel=TOLERANCE[graph]), why
+    assert g["final/eval_loss"] == pytest.approx(e["final/eval_loss"], rel=TOLERANCE), why
