@@ -112,10 +112,15 @@ def _compiled_block_mask_builder():
     return torch.compile(build, dynamic=False, fullgraph=True)
 
 
+@torch.compiler.disable
 def flex_block_mask(document_ids: torch.Tensor):
     """FlexAttention's block mask of document-causal attention over ``document_ids`` [B, T], built on the
-    device by a compiled function (no host sync: it can sit inside a captured step)."""
-    return _compiled_block_mask_builder()(document_ids)  # inside a compiled step: traced with it
+    device by its own compiled function (no host sync: it can sit inside a captured step). Inside a compiled
+    model (graph.compile_model) too: traced with the model, Inductor fused the mask's sort and sums into the
+    attention kernel of evaluation's forward, and on an H200 that kernel faulted (CUDA's "operation not
+    supported on global/shared address space", gpt_tiny on documents, torch 2.11). Built here, the mask
+    reaches the compiled model as an input, as FlexAttention's own examples pass it."""
+    return _compiled_block_mask_builder()(document_ids)
 
 
 def autocast_inputs(*tensors: torch.Tensor):

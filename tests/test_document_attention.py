@@ -82,6 +82,38 @@ def test_flex_attention_equals_the_dense_reference():
     torch.testing.assert_close(flex[real], dense[real], rtol=1e-5, atol=1e-5)
 
 
+def test_inside_a_compiled_model_the_block_mask_is_built_outside_its_graph(monkeypatch):
+    """graph.compile_model traces the model with its DocumentMask.build: the flex block mask must still be built by
+    its own compiled function, not traced into the model's graph (on an H200, Inductor fused the traced mask into
+    evaluation's attention kernel and the kernel faulted). The result is the dense reference's. Without gradients,
+    as in evaluation: FlexAttention has no backward on the CPU."""
+    import recipes.document_attention as document_attention
+
+    builder = document_attention._compiled_block_mask_builder()
+    tracing = []
+
+    def recording_builder(document_ids):
+        tracing.append(torch.compiler.is_compiling())
+        return builder(document_ids)
+
+    monkeypatch.setattr(document_attention, "_compiled_block_mask_builder", lambda: recording_builder)
+    ids, cu = packed_rows([[40, 30, 58], [128]], 128)
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 128, 4, 16, generator=g)
+    k, v = (torch.randn(2, 128, 2, 16, generator=g) for _ in range(2))
+
+    def model(q, k, v, ids, cu):
+        return DocumentMask.build(ids, cu, "flex").attend(q * 2, k, v).sum(-1)
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(model, dynamic=False)(q, k, v, ids, cu)
+    assert tracing and not any(tracing), tracing  # called, and each time outside Dynamo's trace
+    dense = DocumentMask.build(ids, cu, "dense").attend(q * 2, k, v).sum(-1)
+    real = ids >= 0
+    torch.testing.assert_close(out[real], dense[real], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.fast
 def test_wide_inputs_are_cast_to_the_autocast_dtype_as_sdpa_takes_them():
     from recipes.document_attention import autocast_inputs
