@@ -168,6 +168,33 @@ def test_the_workers_read_on_into_the_next_epoch_and_its_batches_are_that_epochs
 
 
 @pytest.mark.fast
+def test_a_host_loader_dropped_without_close_ends_its_workers_at_once():
+    """A loader nobody closes (a user's own loop, a test) is freed when its last reference goes, not by the garbage
+    collector later: its sampler refers to no loader, so no cycle holds it. In such a cycle the collector's order of
+    teardown left DataLoader's shutdown waiting 5 s on each worker (10 s for this loader)."""
+    import gc
+    import weakref
+
+    host = HostLoader(Points(200), 16, runtime(0, 1), train=True, seed=4, num_workers=2)
+    host.start_epoch(0)
+    batches(host)
+    pids = [w.pid for w in host.loader._iterator._workers]
+    freed = weakref.ref(host)
+    gc.disable()  # only reference counting may free it
+    try:
+        began = time.monotonic()
+        del host
+        assert freed() is None, "a reference cycle keeps the loader (and its workers) until the next collection"
+        assert time.monotonic() - began < 3
+    finally:
+        gc.enable()
+    deadline = time.monotonic() + 5
+    while any(is_live(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(is_live(pid) for pid in pids), pids
+
+
+@pytest.mark.fast
 def test_resuming_mid_epoch_continues_at_the_exact_batch_without_reading_the_skipped_ones():
     log = []
     data = Points(640, read_log=log)

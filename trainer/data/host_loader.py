@@ -9,7 +9,7 @@ calling CUDA while a graph is captured, so the default ``capture_error_mode=glob
 from __future__ import annotations
 
 import time
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -23,21 +23,54 @@ from trainer.recipe import PADDING_MASK, Batch, SplitLike
 from trainer.run.runtime import Runtime
 
 
+Rows = Tuple[List[torch.Tensor], List[Optional[torch.Tensor]]]  # an epoch's rows of indices, each row's mask
+
+
+class _EpochRows:
+    """This rank's rows of dataset indices for an epoch, and each row's mask of real samples (None: all real),
+    for the loader and its sampler alike; the sampler asks for the next epoch's while the loop still reads this
+    one's, so the last two are kept. An object of its own so that the sampler (which the DataLoader holds) never
+    refers back to the HostLoader: in such a cycle an unclosed loader is freed only by the garbage collector,
+    whose order of teardown left DataLoader's shutdown waiting 5 s on each worker."""
+
+    def __init__(self, size: int, shapes, length: Optional[int], rows_per_load: int, rt: Runtime, *, train: bool,
+                 seed: int):
+        self.size, self.shapes, self.length, self.rows_per_load = size, shapes, length, rows_per_load
+        self.rt, self.train, self.seed = rt, train, seed
+        self._cache: Dict[int, Rows] = {}
+
+    def __call__(self, epoch: int) -> Rows:
+        if epoch not in self._cache:
+            if self.train:
+                full, tail, tail_mask = train_epoch_index(self.size, self.shapes, self.rt, seed=self.seed, epoch=epoch)
+                rows = list(full.view(-1, self.rows_per_load))
+                masks = [None] * len(rows)  # full rows: every sample is real
+                if self.shapes.tail is not None:
+                    rows.append(tail)
+                    masks.append(tail_mask)
+            else:
+                index, mask = epoch_index(self.size, self.length, self.rt, train=False, seed=self.seed, epoch=epoch)
+                rows, masks = list(index.view(-1, self.rows_per_load)), list(mask.view(-1, self.rows_per_load))
+            self._cache = {e: v for e, v in self._cache.items() if e >= epoch - 1}  # the loop's and the next
+            self._cache[epoch] = (rows, masks)
+        return self._cache[epoch]
+
+
 class _EpochBatches:
     """The batch sampler: this rank's rows of dataset indices from (``epoch``, ``start``) on; each row goes with
     its epoch to a dataset that draws its items per epoch (``draws_per_epoch``). ``continuous`` (training): at an
     epoch's end it goes on into the next epoch's rows, so the workers read ahead across the boundary instead of
     starting empty there (a whole batch's decoding, seconds for large photos, once per epoch)."""
 
-    def __init__(self, rows_of: Callable[[int], List[torch.Tensor]], with_epoch: bool, continuous: bool):
-        self.rows_of, self.with_epoch, self.continuous = rows_of, with_epoch, continuous
+    def __init__(self, epoch_rows: _EpochRows, with_epoch: bool, continuous: bool):
+        self.epoch_rows, self.with_epoch, self.continuous = epoch_rows, with_epoch, continuous
         self.epoch = 0
         self.start = 0
 
     def __iter__(self):
         epoch, start = self.epoch, self.start
         while True:
-            rows = self.rows_of(epoch)
+            rows = self.epoch_rows(epoch)[0]
             for r in range(start, len(rows)):
                 yield EpochRows(epoch, rows[r].tolist()) if self.with_epoch else rows[r].tolist()
             if not self.continuous:
@@ -69,9 +102,9 @@ class HostLoader:
                        for _ in range(2 if pin else 0)]
         self.copied = [torch.cuda.Event() if pin else None for _ in self.pinned]
         self._slot = 0
-        self._rows_cache: Dict[int, Tuple[List[torch.Tensor], List[Optional[torch.Tensor]]]] = {}
-        self.sampler = _EpochBatches(lambda epoch: self.epoch_rows(epoch)[0], with_epoch=draws_per_epoch(dataset),
-                                     continuous=train)
+        self.epoch_rows = _EpochRows(len(dataset), self.shapes, None if train else self.length, self.rows_per_load,
+                                     rt, train=train, seed=seed)
+        self.sampler = _EpochBatches(self.epoch_rows, with_epoch=draws_per_epoch(dataset), continuous=train)
         self.masks: List[Optional[torch.Tensor]] = []  # per row of the epoch: its real samples (None: all)
         self.loader = torch.utils.data.DataLoader(
             BatchReader(dataset), batch_sampler=self.sampler, collate_fn=keep_batch, **worker_options(num_workers, dataset),
@@ -84,26 +117,6 @@ class HostLoader:
         self._next = None  # (epoch, row) of the batch the iterator delivers next
         self.waited_s = 0.0  # time stage() spent waiting for a batch from the workers
         self.start_epoch(0)
-
-    def epoch_rows(self, epoch: int) -> Tuple[List[torch.Tensor], List[Optional[torch.Tensor]]]:
-        """The epoch's rows of this rank's dataset indices and each row's mask of real samples (None: all real);
-        the sampler asks for the next epoch's while the loop still reads this one's."""
-        if epoch not in self._rows_cache:
-            if self.train:
-                full, tail, tail_mask = train_epoch_index(len(self.dataset), self.shapes, self.rt, seed=self.seed,
-                                                          epoch=epoch)
-                rows = list(full.view(-1, self.rows_per_load))
-                masks = [None] * len(rows)  # full rows: every sample is real
-                if self.shapes.tail is not None:
-                    rows.append(tail)
-                    masks.append(tail_mask)
-            else:
-                index, mask = epoch_index(len(self.dataset), self.length, self.rt, train=False, seed=self.seed,
-                                          epoch=epoch)
-                rows, masks = list(index.view(-1, self.rows_per_load)), list(mask.view(-1, self.rows_per_load))
-            self._rows_cache = {e: v for e, v in self._rows_cache.items() if e >= epoch - 1}  # the loop's and next
-            self._rows_cache[epoch] = (rows, masks)
-        return self._rows_cache[epoch]
 
     def start_epoch(self, epoch: int) -> None:
         self._epoch = epoch
