@@ -147,7 +147,8 @@ def train_losses(done):
 
 @pytest.mark.parametrize("model,kernel,graph", [
     ("gpt", "flex", "full"), ("gpt", "varlen", "full"), ("gpt", "flex", "full_compiled"),
-    ("gpt", "varlen", "full_compiled"), ("llama", "flex", "full"), ("llama", "varlen", "full_compiled"),
+    ("gpt", "varlen", "full_compiled"), ("llama", "flex", "full"), ("llama", "flex", "full_compiled"),
+    ("llama", "varlen", "full_compiled"),
 ])
 def test_training_on_documents_graphed_trains_like_eager(tmp_path, model, kernel, graph):
     if model == "llama":
