@@ -526,6 +526,40 @@ class StuckAt(torch.utils.data.Dataset):
         return torch.tensor([float(i)]), 0
 
 
+class FailsAt(torch.utils.data.Dataset):
+    """Items (x, 0); reading item ``bad`` raises."""
+
+    def __init__(self, n: int, bad: int):
+        self.n, self.bad = n, bad
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if i == self.bad:
+            raise ValueError(f"item {i} cannot be read")
+        return torch.tensor([float(i)]), 0
+
+
+@pytest.mark.fast
+def test_a_failed_whole_read_has_ended_its_workers_when_the_error_reaches_the_caller():
+    """The error's traceback holds the reading DataLoader iterator, in a cycle only the garbage collector frees (5 s
+    a worker, in DataLoader's shutdown from there): so read_every_item ends its workers itself before the error
+    leaves it."""
+    from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
+
+    from trainer.data import read_every_item
+
+    with pytest.raises(ValueError, match="item 40 cannot be read") as failed:
+        read_every_item(FailsAt(64, bad=40), num_workers=2, batch=8)
+    held, tb = [], failed.value.__traceback__
+    while tb is not None:
+        held += [v for v in tb.tb_frame.f_locals.values() if isinstance(v, _MultiProcessingDataLoaderIter)]
+        tb = tb.tb_next
+    assert held, "no reading iterator in the traceback: the test no longer sees what it checks"
+    assert all(not worker.is_alive() for it in held for worker in it._workers)
+
+
 @pytest.fixture
 def worker_timeout_of_2_s():
     from trainer.data.workers import WorkerSettings, use_worker_settings

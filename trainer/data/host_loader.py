@@ -18,7 +18,7 @@ from trainer.data.epochs import (
     StepShape, epoch_index, micro_slice, eval_epoch_size, train_epoch_shapes, train_epoch_index,
 )
 from trainer.data.items import BatchReader, EpochRows, draws_per_epoch, keep_batch, sample_item
-from trainer.data.workers import batches, worker_options
+from trainer.data.workers import batches, end_workers, worker_options
 from trainer.recipe import PADDING_MASK, Batch, SplitLike
 from trainer.run.runtime import Runtime
 
@@ -162,9 +162,7 @@ class HostLoader:
 
     def close(self) -> None:
         """Ends the worker processes now (persistent workers would otherwise live until exit)."""
-        iterator = getattr(self.loader, "_iterator", None)  # persistent workers: the loader keeps one iterator
-        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
-            iterator._shutdown_workers()
+        end_workers(getattr(self.loader, "_iterator", None))  # persistent workers: the loader keeps one iterator
         self.loader._iterator = self._it = None
 
     def next_batch(self) -> Batch:

@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Uni
 
 import torch
 
-from trainer.data.workers import batches, worker_options
+from trainer.data.workers import batches, end_workers, worker_options
 from trainer.run.errors import ConfigError
 from trainer.recipe import PADDING_MASK, Batch, Split, SplitLike
 
@@ -167,7 +167,11 @@ def read_every_item(dataset: SplitLike, num_workers: int, batch: int = 512) -> S
         BatchReader(dataset), collate_fn=keep_batch, **worker_options(num_workers if len(dataset) > batch else 0, dataset),
         generator=torch.Generator(),  # leaves the global RNG (dropout) alone
         batch_sampler=[list(range(i, min(i + batch, len(dataset)))) for i in range(0, len(dataset), batch)])
-    read = list(batches(loader, what=f"{type(dataset).__name__} ({len(dataset)} items, read once)"))
+    iterator = iter(loader)
+    try:
+        read = list(batches(loader, iterator, what=f"{type(dataset).__name__} ({len(dataset)} items, read once)"))
+    finally:
+        end_workers(iterator)
     fields = {name: torch.cat([b[name] for b in read]) for name in read[0]}
     return Split(fields.pop("x"), fields.pop("y"), fields)
 
