@@ -97,9 +97,7 @@ def chunked_head_terms(hidden: torch.Tensor, weight: torch.Tensor, target: torch
     """Per-token losses (0 where the label is IGNORE_INDEX) and correctness of ``hidden [..., H]`` against
     ``target [...]``: ``reduction="none"``. Evaluation's run without gradients, a chunk's logits at a time; where
     gradients are asked for (a last partial batch's masked sum) autograd keeps every chunk's logits, as unchunked."""
-    if torch.compiler.is_compiling():
-        return _outside_the_compiled_graph(_terms, _chunk_losses, hidden, weight, target, chunk, smoothing)
-    return _terms(hidden, weight, target, chunk, smoothing, _chunk_losses)
+    return _chunk_loop(_terms, _chunk_losses, hidden, weight, target, chunk, smoothing)
 
 
 def _terms(hidden, weight, target, chunk: int, smoothing: float, chunk_losses):
@@ -115,11 +113,11 @@ def _terms(hidden, weight, target, chunk: int, smoothing: float, chunk_losses):
     return torch.cat(losses).view_as(target), torch.cat(correct).view_as(target)
 
 
-def _chunked_loss(hidden, weight, target, chunk: int, smoothing: float):
+def _chunk_loop(loop: Callable, chunk_fn: Callable, *args):
+    """``loop(*args, chunk_fn)``; inside a compiled step, out of the traced graph with ``chunk_fn`` compiled alone."""
     if torch.compiler.is_compiling():
-        return _outside_the_compiled_graph(_ChunkedHeadLoss.apply, _chunk_pass, hidden, weight, target, chunk,
-                                           smoothing)
-    return _ChunkedHeadLoss.apply(hidden, weight, target, chunk, smoothing, _chunk_pass)
+        return _outside_the_compiled_graph(loop, chunk_fn, *args)
+    return loop(*args, chunk_fn)
 
 
 COMPILED: Dict[Callable, Callable] = {}  # each chunk function, compiled once: its first call inside a compiled step
@@ -158,8 +156,8 @@ def chunked_head_criterion(head: torch.nn.Linear, chunk: int, smoothing: float =
         weight = whole_weight(head)
         if reduction == "none":
             return chunked_head_terms(hidden, weight, target, chunk, smoothing)
-        total, correct = _chunked_loss(hidden.reshape(-1, hidden.shape[-1]), weight, target.reshape(-1), chunk,
-                                       smoothing)
+        total, correct = _chunk_loop(_ChunkedHeadLoss.apply, _chunk_pass, hidden.reshape(-1, hidden.shape[-1]),
+                                     weight, target.reshape(-1), chunk, smoothing)
         if reduction == "mean":
             total = total / (target != IGNORE_INDEX).sum()
         return total, correct.view_as(target)
