@@ -79,7 +79,7 @@ class DocumentMask:
         if self.kernel == "dense":
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, scale=scale, enable_gqa=gqa)
         else:
-            out = compiled_flex_attention()(q, k, v, block_mask=self.mask, scale=scale, enable_gqa=gqa)
+            out = flex_attention_kernel()(q, k, v, block_mask=self.mask, scale=scale, enable_gqa=gqa)
         return out.transpose(1, 2)
 
 
@@ -88,6 +88,17 @@ def dense_document_mask(document_ids: torch.Tensor) -> torch.Tensor:
     t = document_ids.shape[1]
     same = document_ids[:, :, None] == document_ids[:, None, :]
     return same & torch.ones(t, t, dtype=torch.bool, device=document_ids.device).tril()
+
+
+def flex_attention_kernel():
+    """The flex_attention to call here: inside a model being compiled, the plain function (Dynamo traces it
+    into the model's graph and Inductor fuses it there; calling the lru_cache'd compiled one from inside a
+    trace only earns a warning per run); outside, the one compiled for this process."""
+    if torch.compiler.is_compiling():
+        from torch.nn.attention.flex_attention import flex_attention
+
+        return flex_attention
+    return compiled_flex_attention()
 
 
 @functools.lru_cache(maxsize=None)

@@ -8,6 +8,7 @@ against SDPA on each document alone; the CUDA kernels against the same on the GP
 from __future__ import annotations
 
 import json
+import warnings
 
 import numpy as np
 import pytest
@@ -106,9 +107,12 @@ def test_inside_a_compiled_model_the_block_mask_is_built_outside_its_graph(monke
         return DocumentMask.build(ids, cu, "flex").attend(q * 2, k, v).sum(-1)
 
     torch._dynamo.reset()
-    with torch.no_grad():
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
         out = torch.compile(model, dynamic=False)(q, k, v, ids, cu)
     assert tracing and not any(tracing), tracing  # called, and each time outside Dynamo's trace
+    # the attention is traced as plain flex_attention, not through the process's lru_cache'd compiled one
+    assert not [w for w in caught if "lru_cache" in str(w.message)], [str(w.message) for w in caught]
     dense = DocumentMask.build(ids, cu, "dense").attend(q * 2, k, v).sum(-1)
     real = ids >= 0
     torch.testing.assert_close(out[real], dense[real], rtol=1e-5, atol=1e-5)
