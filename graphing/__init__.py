@@ -54,7 +54,7 @@ from graphing.options import (DDP_MIN_WARMUP, CaptureErrorMode, CompileMode, Gra
 # imported under TYPE_CHECKING, so that tools and go-to-definition see where they live.
 if TYPE_CHECKING:
     from graphing.accumulation import micro_batches, no_sync_except_last
-    from graphing.capture import CaptureError
+    from graphing.capture import CaptureError, outside_capture
     from graphing.doctor import diagnose
     from graphing.doctor.report import DoctorReport
     from graphing.executor import ExecutionReport, Executor, StepRole
@@ -83,6 +83,7 @@ _LAZY = {
     "micro_batches": "graphing.accumulation",
     "no_sync_except_last": "graphing.accumulation",
     "optimizer_capture_problem": "graphing.optimizers",
+    "outside_capture": "graphing.capture",
     "weights_digest": "graphing.digest",
 }
 

@@ -1,8 +1,10 @@
 """Capturing a callable into a CUDA graph, and saying in plain words why it failed."""
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
-from typing import Callable, Optional, Tuple, TypeVar
+from typing import Callable, Iterator, Optional, Tuple, TypeVar
 
 import torch
 
@@ -13,6 +15,37 @@ T = TypeVar("T")
 
 class CaptureError(SettingMessage, RuntimeError):
     """A capture failed on at least one rank; the message says why and what to change."""
+
+
+# Held by the thread that captures, for as long as the capture lasts. Under capture_error_mode="global" (the
+# default, and torch 2.11's make_graphed_callables' only mode) a CUDA call another thread makes meanwhile, even an
+# event query, invalidates the capture: a thread that watches the device takes this lock first (outside_capture).
+_CAPTURING = threading.Lock()
+
+
+@contextlib.contextmanager
+def capturing() -> Iterator[None]:
+    """Around a capture this library makes: other threads' ``outside_capture`` blocks wait or skip meanwhile."""
+    with _CAPTURING:
+        yield
+
+
+@contextlib.contextmanager
+def outside_capture() -> Iterator[bool]:
+    """For a thread other than the one that trains, around its CUDA calls (an event query, a memory reading):
+    yields True when no capture is under way, and then holds any capture off until the block ends; False while
+    one is under way: skip the calls this time (they would break the capture) and try again later. Never waits.
+
+        with graphing.outside_capture() as free:
+            if free:
+                done = event.query()
+    """
+    free = _CAPTURING.acquire(blocking=False)
+    try:
+        yield free
+    finally:
+        if free:
+            _CAPTURING.release()
 
 
 def run_on_stream(fn: Callable[[], T], stream: torch.cuda.Stream) -> T:
@@ -76,7 +109,7 @@ def capture(fn: Callable[[], None], stream: torch.cuda.Stream, pool, capture_err
     graph = torch.cuda.CUDAGraph()
     start = time.perf_counter()
     try:
-        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode):
+        with capturing(), torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode):
             fn()
     except Exception as err:  # a failed capture is reported and agreed on, not fatal here
         leave_capture(stream)
@@ -102,7 +135,7 @@ def reset_rng_capture_state(stream: torch.cuda.Stream) -> None:
     outside graph capture". One small successful capture opens and closes it again.
     """
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
+    with capturing(), torch.cuda.graph(graph, stream=stream):
         torch.empty(1, device="cuda").fill_(0)
     del graph
 

@@ -14,7 +14,7 @@ from typing import Tuple
 
 import torch
 
-from graphing.capture import explain_capture_failure, reset_rng_capture_state, run_on_stream
+from graphing.capture import capturing, explain_capture_failure, reset_rng_capture_state, run_on_stream
 from graphing.compat import make_graphed_callables_takes_capture_error_mode
 from graphing.executor import Executor, Shape, StepRole, is_main_rank
 
@@ -46,7 +46,7 @@ class PartialGraphExecutor(Executor):
         side = torch.cuda.Stream(device=self.device)
 
         def make_graphed():
-            with (autocast or contextlib.nullcontext)():
+            with capturing(), (autocast or contextlib.nullcontext)():
                 return torch.cuda.make_graphed_callables(model, args, num_warmup_iters=self.warmup_iters, **kwargs)
 
         graphed, failure = None, None

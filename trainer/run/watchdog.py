@@ -35,6 +35,7 @@ from typing import Deque, Optional
 
 import torch
 
+from graphing.capture import outside_capture
 from trainer.run.errors import EXIT_STALLED
 
 log = logging.getLogger(__name__)
@@ -150,13 +151,16 @@ class StallWatchdog:
                 self._stalled(waited)
 
     def _collect(self) -> None:
-        """The steps the device finished since the last look (their events queried: no sync)."""
-        while self._pending and self._pending[0][1].query():
-            step, _, steady, what = self._pending.popleft()
-            if self._what == what:  # a phase announced since (a save, a first batch) keeps its allowance
-                self._progress(step, time.monotonic(), steady, what)
-            else:
-                self._last = time.monotonic()
+        """The steps the device finished since the last look (their events queried: no sync). Not while the loop
+        captures a graph: under capture_error_mode="global" the query would break the capture (the capture's phase
+        has its allowance; the events are read at the next look)."""
+        with outside_capture() as free:
+            while free and self._pending and self._pending[0][1].query():
+                step, _, steady, what = self._pending.popleft()
+                if self._what == what:  # a phase announced since (a save, a first batch) keeps its allowance
+                    self._progress(step, time.monotonic(), steady, what)
+                else:
+                    self._last = time.monotonic()
 
     def _feed_guard(self) -> None:
         if self._guard is None:
