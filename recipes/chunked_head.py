@@ -178,4 +178,15 @@ def pass_hidden_states_through(head: torch.nn.Module) -> None:
     """The model's ``lm_head`` returns its input: the model's ``logits`` are then its final hidden states, for the
     chunked criterion. The module keeps its weight (state dict, checkpoints, export and a tied embedding as they
     were); only its call changes."""
-    head.forward = lambda hidden: hidden
+    head.forward = hidden_states_as_the_head_reads_them
+
+
+def hidden_states_as_the_head_reads_them(hidden: torch.Tensor) -> torch.Tensor:
+    """``hidden`` in the dtype the head's matmul reads it in: autocast's where autocast is on (the step's forward),
+    as a Linear under autocast casts its input. The loss runs outside autocast (trainer/step/steps.py), so without
+    this the chunks' matmuls ran in fp32: measured on an H200 (Qwen2 0.5B, 4 x 4096 tokens, bf16), 302 of a
+    371 ms step in fp32 GEMMs."""
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device):
+        return hidden.to(torch.get_autocast_dtype(device))
+    return hidden
