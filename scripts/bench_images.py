@@ -66,7 +66,8 @@ def run_once(args: argparse.Namespace, model: str, graph: str, source: str, work
     return {"model": model, "graph": graph, "source": source, "images_per_s": r["perf/wall_samples_per_s"],
             "step_ms_median": r["perf/step_ms_median"], "steps_timed": r["perf/wall_steps"],
             "startup_s": r["time/startup_s"], "first_step_s": r["time/first_step_s"],
-            "rank_peak_host_mib": r["perf/peak_host_mib"], "run_peak_host_mib": r["host/tree_peak_mib"]}
+            "rank_peak_host_mib": r["perf/peak_host_mib"], "run_peak_host_mib": r["host/tree_peak_mib"],
+            "input_wait_share": r["time/input_wait_s"] / r["train_loop_s"], "peak_cores_busy": r["host/tree_peak_cores"]}
 
 
 def run_references(args: argparse.Namespace, model: str, work: Path, timed: int) -> Dict[str, Any]:
@@ -136,12 +137,14 @@ def main(argv: Sequence[str] = None) -> int:
     measured = provenance(gpu_name() if cuda_device_count() else "CPU")
     table = markdown_table(
         ["model", "graph", "source", "images/s (wall)", "median step ms", "folder / synthetic", "this repo / it",
-         "start-up s", "first step s", "host MiB (rank)", "host MiB (run, workers too)"],
+         "start-up s", "first step s", "host MiB (rank)", "host MiB (run, workers too)", "loop waiting for input",
+         "cores busy (busiest second)"],
         [[r["model"], r["graph"], r["source"], f"{r['images_per_s']:,.0f}", round(r["step_ms_median"], 2),
           f"{r['folder_over_synthetic']:.3f}" if "folder_over_synthetic" in r else "",
           f"{r['ours_over_references']:.2f}x" if "ours_over_references" in r else "",
           *([round(r["startup_s"], 1), round(r["first_step_s"], 1), round(r["rank_peak_host_mib"]),
-             round(r["run_peak_host_mib"])] if "startup_s" in r else ["", "", "", ""])]
+             round(r["run_peak_host_mib"]), f"{r['input_wait_share']:.1%}", f"{r['peak_cores_busy']:.1f}"]
+            if "startup_s" in r else [""] * 6)]
          for r in rows])
     medians = {f"{m} {g}": statistics.median(r["folder_over_synthetic"] for r in ours
                                              if (r["model"], r["graph"]) == (m, g) and "folder_over_synthetic" in r)

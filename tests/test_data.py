@@ -366,6 +366,35 @@ def build(cfg, runtime):
 '''
 
 
+class SlowPoints(Points):
+    """Points that take ``delay_s`` each to read: an input slower than the step."""
+
+    def __init__(self, n: int, delay_s: float):
+        super().__init__(n)
+        self.delay_s = delay_s
+
+    def __getitem__(self, i):
+        time.sleep(self.delay_s)
+        return super().__getitem__(i)
+
+
+@pytest.mark.fast
+def test_the_loops_wait_for_its_input_is_counted_and_the_device_loader_never_waits():
+    """HostLoader.waited_s (results.json's time/input_wait_s over the training loop): the seconds stage() waited
+    for a batch; with the reads in this process (no workers) that is every read."""
+    host = HostLoader(SlowPoints(64, 0.01), 4, runtime(0, 1), train=True, seed=0, num_workers=0)
+    host.start_epoch(0)
+    for _ in range(3):
+        host.stage()
+    assert 3 * 4 * 0.01 <= host.waited_s < 5, host.waited_s
+    host.close()
+    device = DeviceLoader(Split(torch.randn(64, 3), torch.zeros(64, dtype=torch.long)), 4, runtime(0, 1),
+                          train=True, seed=0)
+    device.start_epoch(0)
+    device.stage()
+    assert device.waited_s == 0.0
+
+
 def test_a_dataset_recipe_trains_under_two_gloo_ranks_alike_on_both_loaders(tmp_path, out):
     package = tmp_path / "site" / "user_data"
     package.mkdir(parents=True)
@@ -382,6 +411,7 @@ def test_a_dataset_recipe_trains_under_two_gloo_ranks_alike_on_both_loaders(tmp_
     assert host["param_digests"] == device["param_digests"] and len(set(host["param_digests"])) == 1
     assert host["final/eval_samples"] == 333  # padded batches, masked: each sample once
     assert host["final/eval_accuracy"] > 0.9
+    assert 0 <= host["time/input_wait_s"] < host["train_loop_s"] and device["time/input_wait_s"] == 0
 
 
 def test_a_host_loader_with_workers_exits_when_training_ends(debug_run_with_host_workers_and_a_broken_wandb):

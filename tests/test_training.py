@@ -48,6 +48,7 @@ def test_the_run_says_its_fixed_costs(ddp_run):
     assert 0 < results["time/startup_s"] < results["time/total_s"]
     assert 0 < results["time/first_step_s"] < results["train_loop_s"]
     assert 0 <= results["time/after_last_step_s"] < 10
+    assert results["time/input_wait_s"] == 0  # synthetic data on the device loader: no workers to wait for
     assert "time/until_first_graph_step_s" not in results  # no graph on the CPU
     # rank 0's peak host memory: the interpreter, torch and the run (a model loaded on the host would show here)
     assert 100 < results["perf/peak_host_mib"] < 8192

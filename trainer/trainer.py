@@ -275,6 +275,7 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         began = time.perf_counter()
+        waited_before = self.train_loader.waited_s
         self.stop.start(step)
         if train_cfg.eval_only:  # the restored (or init_from) weights, evaluated once
             self._evaluate_and_log(step, epoch=step // self.steps_per_epoch)
@@ -283,6 +284,8 @@ class Trainer:
         _synchronize(self.device)
         self.last_step_done = time.perf_counter()  # time/after_last_step_s counts from here (trainer/session.py write_results)
         wall = self.last_step_done - began
+        # the training loop's waits for its host loader's workers (part of train_loop_s): the input's share of the run
+        self.clock["input_wait_s"] = self.train_loader.waited_s - waited_before
         self.clock["total_s"] = time.time() - process_started_at()  # to the end of training, as results are written
         summary = self._summary(step, wall)
         log.info("summary: %s", summary)

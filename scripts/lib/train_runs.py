@@ -5,13 +5,16 @@ run here: the command runs through launch.run_captured (its own session, every p
 Ctrl-C), and a run that fails or runs past its time ends the benchmark with the run's last lines. While it runs,
 a thread adds up the proportional set size (PSS: a page shared by n processes counts 1/n in each) of every process
 the run started, its loader workers included, once a second: their peak is the run's host memory, what
-results.json's perf/peak_host_mib (the rank's own process) leaves out.
+results.json's perf/peak_host_mib (the rank's own process) leaves out. The same thread reads the CPU time those
+processes used in each second, the cores they kept busy: its busiest second says whether the run's decoding had
+the machine's cores to itself or ran short of them.
 """
 from __future__ import annotations
 
 import json
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -24,10 +27,12 @@ SAMPLE_S = 1.0
 
 
 class TreeMemory:
-    """The peak, over samples taken every ``SAMPLE_S``, of the summed PSS of the processes marked ``mark``."""
+    """The peak, over samples taken every ``SAMPLE_S``, of the summed PSS of the processes marked ``mark``; and the
+    most cores they kept busy in one sample's interval (``peak_cores``: CPU seconds over wall seconds)."""
 
     def __init__(self, mark: str):
-        self.mark, self.peak_mib = mark, 0.0
+        self.mark, self.peak_mib, self.peak_cores = mark, 0.0, 0.0
+        self._cpu_s: Dict[int, float] = {}  # each process's CPU seconds at the last sample
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="tree-memory", daemon=True)
 
@@ -40,15 +45,22 @@ class TreeMemory:
         self._thread.join()
 
     def _watch(self) -> None:
+        last = time.monotonic()
         while not self._done.wait(SAMPLE_S):
-            total = 0
+            total, busy_s, cpu_s = 0, 0.0, {}
             for pid in process_tree.marked_pids(self.mark):
                 try:
-                    info = psutil.Process(pid).memory_full_info()
+                    process = psutil.Process(pid)
+                    info, times = process.memory_full_info(), process.cpu_times()
                 except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
                     continue
                 total += getattr(info, "pss", info.rss)  # PSS where the system reports it (Linux)
+                cpu_s[pid] = times.user + times.system
+                busy_s += cpu_s[pid] - self._cpu_s.get(pid, cpu_s[pid])  # a process new since the last look: from now
+            now = time.monotonic()
             self.peak_mib = max(self.peak_mib, total / 2**20)
+            self.peak_cores = max(self.peak_cores, busy_s / (now - last))
+            self._cpu_s, last = cpu_s, now
 
 
 def run_until_written(script: str, name: str, command: List[str], written: Path, timeout: float,
@@ -64,9 +76,11 @@ def run_until_written(script: str, name: str, command: List[str], written: Path,
 
 def train_results(script: str, name: str, command: List[str], run_dir: Path, timeout: float) -> Dict[str, Any]:
     """Runs ``command`` (a train.py launch writing into ``run_dir``) and returns its results.json with
-    ``host/tree_peak_mib`` added; a failure or a timeout ends the benchmark (SystemExit) naming ``name``."""
+    ``host/tree_peak_mib`` and ``host/tree_peak_cores`` added; a failure or a timeout ends the benchmark
+    (SystemExit) naming ``name``."""
     env, mark = process_tree.marked(dict(os.environ))
     results = run_dir / "results.json"
     with TreeMemory(mark) as memory:
         run_until_written(script, name, command, results, timeout, env={process_tree.MARK: env[process_tree.MARK]})
-    return {**json.loads(results.read_text()), "host/tree_peak_mib": memory.peak_mib}
+    return {**json.loads(results.read_text()), "host/tree_peak_mib": memory.peak_mib,
+            "host/tree_peak_cores": memory.peak_cores}

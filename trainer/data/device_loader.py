@@ -22,6 +22,7 @@ class DeviceLoader:
                  batches_per_step: int = 1, drop_last: bool = False):
         self.train, self.seed, self.rt, self.batch_size = train, seed, rt, batch_size
         self.batches_per_step = batches_per_step
+        self.waited_s = 0.0  # as the host loader's: nothing to wait for here, the batches are gathered on the device
         self.fields = {name: values.to(rt.device) for name, values in split.fields().items()}
         self.n = len(split)
         if train:

@@ -1,0 +1,38 @@
+"""scripts/lib/train_runs.py's TreeMemory: the host memory and the busy cores of every process a benchmark's run
+started, read from plain interpreters marked as a launch marks them."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from scripts.lib import process_tree
+from scripts.lib.train_runs import TreeMemory
+
+pytestmark = pytest.mark.fast
+
+BUSY = "import time\nend = time.process_time() + 2.5\nwhile time.process_time() < end: pass\n"
+
+
+def test_a_busy_marked_process_shows_as_a_busy_core_and_its_memory_counts():
+    env, mark = process_tree.marked(dict(os.environ))
+    with TreeMemory(mark) as tree:
+        busy = subprocess.Popen([sys.executable, "-c", BUSY], env=env)
+        try:
+            busy.wait(timeout=60)
+        finally:
+            busy.kill()
+    assert busy.returncode == 0
+    # One process spinning for 2.5 s of CPU: its busiest sampled second kept about one core busy (a loaded
+    # 2-core machine may give it less than all of one; never near two)
+    assert 0.5 < tree.peak_cores < 1.5, tree.peak_cores
+    assert 2 < tree.peak_mib < 500, tree.peak_mib  # an interpreter's proportional share
+
+
+def test_no_marked_process_is_no_busy_core():
+    _, mark = process_tree.marked(dict(os.environ))
+    with TreeMemory(mark) as tree:
+        subprocess.run([sys.executable, "-c", BUSY.replace("2.5", "1.5")], timeout=60, check=True)  # unmarked
+    assert tree.peak_cores == 0 and tree.peak_mib == 0
