@@ -43,12 +43,28 @@ def _chunk_pass(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, smoothing: fl
     loss, lse, kept, right = _chunk_terms(logits, t, smoothing)
     if not grads:
         return loss.sum(), right, None, None
+    g = _softmax_minus_target(logits, lse, t, kept, smoothing).to(h.dtype)
+    return loss.sum(), right, g @ w, (g.T @ h).float()
+
+
+def _softmax_minus_target(logits: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, kept: torch.Tensor,
+                          smoothing: float) -> torch.Tensor:
+    """d loss / d logits in fp32: softmax minus the (smoothed) one-hot target on kept rows, 0 on the others.
+
+    Eager, the label's -1 is a scatter into the softmax, in place (no second logits-sized temporary). Compiled,
+    it is a comparison with each column's index inside one pointwise expression: Inductor then writes the result
+    in one pass, where the scatter made it materialize the fp32 softmax first and read it again (measured with
+    Inductor on the CPU: this part 2x faster, bit-identical)."""
     g = (logits - lse.unsqueeze(-1)).exp()
     if smoothing:
         g = g - smoothing / logits.shape[-1]
-    g.scatter_add_(-1, torch.where(kept, t, 0).unsqueeze(-1), torch.full_like(lse, -(1 - smoothing)).unsqueeze(-1))
-    g = torch.where(kept.unsqueeze(-1), g, 0.0).to(h.dtype)
-    return loss.sum(), right, g @ w, (g.T @ h).float()
+    if torch.compiler.is_compiling():
+        is_label = torch.arange(logits.shape[-1], device=logits.device) == target.unsqueeze(-1)
+        g = torch.where(is_label, g - (1 - smoothing), g)
+    else:
+        g.scatter_add_(-1, torch.where(kept, target, 0).unsqueeze(-1),
+                       torch.full_like(lse, -(1 - smoothing)).unsqueeze(-1))
+    return torch.where(kept.unsqueeze(-1), g, 0.0)
 
 
 class _ChunkedHeadLoss(torch.autograd.Function):

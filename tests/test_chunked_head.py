@@ -67,6 +67,31 @@ def test_inside_torch_compile_each_chunk_compiles_alone_and_gives_the_eager_resu
     assert set(chunked_head.COMPILED) == {chunked_head._chunk_pass, chunked_head._chunk_losses}
 
 
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_compiled_the_logits_gradient_is_one_pass_without_a_scatter_and_equals_the_eager_one(smoothing):
+    """The label's -1 in d loss / d logits: eager a scatter in place, compiled a comparison with the column index,
+    which Inductor fuses into the one pass that writes the gradient (the scatter made it write the fp32 softmax
+    and read it back). Both give the same numbers."""
+    from torch._inductor.utils import run_and_get_code
+
+    from recipes.chunked_head import _softmax_minus_target
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(64, 500, generator=g)
+    target = torch.randint(0, 500, (64,), generator=g)
+    target[::5] = IGNORE_INDEX
+    kept, lse = target != IGNORE_INDEX, logits.logsumexp(-1)
+    eager = _softmax_minus_target(logits, lse, target, kept, smoothing)
+    torch._dynamo.reset()
+    compiled, code = run_and_get_code(torch.compile(_softmax_minus_target, dynamic=False), logits, lse, target, kept,
+                                      smoothing)
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-7)
+    assert not any("scatter" in c or "atomic_add" in c for c in code), code
+    softmax = torch.softmax(logits, -1) - smoothing / 500
+    softmax[torch.arange(64), target.clamp(min=0)] -= 1 - smoothing
+    torch.testing.assert_close(eager, torch.where(kept[:, None], softmax, 0.0), rtol=0, atol=1e-6)
+
+
 @pytest.mark.fast
 def test_bf16_hidden_states_give_the_whole_logits_gradients_to_bf16_rounding():
     """Under autocast the head runs in bf16: the hidden states' gradient is the same matmul, the weight's sums the
