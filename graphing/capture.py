@@ -25,7 +25,7 @@ _CAPTURING = threading.Lock()
 
 @contextlib.contextmanager
 def capturing() -> Iterator[None]:
-    """Around a capture this library makes: other threads' ``outside_capture`` blocks wait or skip meanwhile."""
+    """Around a capture this library makes: meanwhile other threads' ``outside_capture`` blocks are told to skip."""
     with _CAPTURING:
         yield
 

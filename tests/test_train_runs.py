@@ -1,4 +1,4 @@
-"""scripts/lib/train_runs.py's TreeMemory: the host memory and the busy cores of every process a benchmark's run
+"""scripts/lib/train_runs.py's TreeUsage: the host memory and the busy cores of every process a benchmark's run
 started, read from plain interpreters marked as a launch marks them."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from scripts.lib import process_tree
-from scripts.lib.train_runs import TreeMemory
+from scripts.lib.train_runs import TreeUsage
 
 pytestmark = pytest.mark.fast
 
@@ -18,7 +18,7 @@ BUSY = "import time\nend = time.process_time() + 2.5\nwhile time.process_time() 
 
 def test_a_busy_marked_process_shows_as_a_busy_core_and_its_memory_counts():
     env, mark = process_tree.marked(dict(os.environ))
-    with TreeMemory(mark) as tree:
+    with TreeUsage(mark) as tree:
         busy = subprocess.Popen([sys.executable, "-c", BUSY], env=env)
         try:
             busy.wait(timeout=60)
@@ -33,6 +33,6 @@ def test_a_busy_marked_process_shows_as_a_busy_core_and_its_memory_counts():
 
 def test_no_marked_process_is_no_busy_core():
     _, mark = process_tree.marked(dict(os.environ))
-    with TreeMemory(mark) as tree:
+    with TreeUsage(mark) as tree:
         subprocess.run([sys.executable, "-c", BUSY.replace("2.5", "1.5")], timeout=60, check=True)  # unmarked
     assert tree.peak_cores == 0 and tree.peak_mib == 0

@@ -26,7 +26,7 @@ from scripts.lib.launch import run_captured
 SAMPLE_S = 1.0
 
 
-class TreeMemory:
+class TreeUsage:
     """The peak, over samples taken every ``SAMPLE_S``, of the summed PSS of the processes marked ``mark``; and the
     most cores they kept busy in one sample's interval (``peak_cores``: CPU seconds over wall seconds)."""
 
@@ -34,9 +34,9 @@ class TreeMemory:
         self.mark, self.peak_mib, self.peak_cores = mark, 0.0, 0.0
         self._cpu_s: Dict[int, float] = {}  # each process's CPU seconds at the last sample
         self._done = threading.Event()
-        self._thread = threading.Thread(target=self._watch, name="tree-memory", daemon=True)
+        self._thread = threading.Thread(target=self._watch, name="tree-usage", daemon=True)
 
-    def __enter__(self) -> "TreeMemory":
+    def __enter__(self) -> "TreeUsage":
         self._thread.start()
         return self
 
@@ -80,7 +80,7 @@ def train_results(script: str, name: str, command: List[str], run_dir: Path, tim
     (SystemExit) naming ``name``."""
     env, mark = process_tree.marked(dict(os.environ))
     results = run_dir / "results.json"
-    with TreeMemory(mark) as memory:
+    with TreeUsage(mark) as memory:
         run_until_written(script, name, command, results, timeout, env={process_tree.MARK: env[process_tree.MARK]})
     return {**json.loads(results.read_text()), "host/tree_peak_mib": memory.peak_mib,
             "host/tree_peak_cores": memory.peak_cores}
