@@ -80,7 +80,7 @@ def train_results(script: str, name: str, command: List[str], run_dir: Path, tim
     (SystemExit) naming ``name``."""
     env, mark = process_tree.marked(dict(os.environ))
     results = run_dir / "results.json"
-    with TreeUsage(mark) as memory:
+    with TreeUsage(mark) as usage:
         run_until_written(script, name, command, results, timeout, env={process_tree.MARK: env[process_tree.MARK]})
-    return {**json.loads(results.read_text()), "host/tree_peak_mib": memory.peak_mib,
-            "host/tree_peak_cores": memory.peak_cores}
+    return {**json.loads(results.read_text()), "host/tree_peak_mib": usage.peak_mib,
+            "host/tree_peak_cores": usage.peak_cores}
