@@ -1,7 +1,8 @@
 """This repo against TRL's SFTTrainer on conversations, one GPU, side by side (issue 62 item 5).
 
     python scripts/bench_trl.py                                   # 0.5b and 1.5b, 60 steps of 4 x 4096 tokens
-    python scripts/bench_trl.py --sizes 0.5b --attention flex --trl-attention varlen --no-compile --liger on
+    python scripts/bench_trl.py --sizes 0.5b --attention flex --trl-attention varlen --no-compile --liger on \
+        --head-chunk none 4096                                    # this repo twice, TRL once: one table
     python scripts/bench_trl.py --dry-run --sizes tiny            # the commands both sides would run; no GPU
     python scripts/bench_trl.py --sizes tiny --context 256 --our-batch 2 --trl-batch 2 --steps 8 --warmup-steps 3 \\
         --graph eager --attention dense --no-compile              # both sides on a CPU, in a minute
@@ -44,7 +45,7 @@ import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -92,7 +93,8 @@ class Plan:
     compile_trl: bool
     liger: str  # TRL's use_liger_kernel: auto (where liger_kernel imports), on, off
     seed: int
-    head_chunk: Optional[int] = None  # this repo's recipe.model.head_chunk_tokens (None: the whole logits)
+    # this repo's runs, one per recipe.model.head_chunk_tokens (None: the whole logits), beside one TRL run
+    head_chunks: Tuple[Optional[int], ...] = (None,)
     trl_pad_to: Optional[int] = None  # TRL's pad_to_multiple_of: its padding-free steps padded to one length
 
     @property
@@ -124,7 +126,6 @@ class Plan:
     def runs(self) -> Path:
         return self.work / "runs" / (f"{self.size}_{self.context}_ours{self.our_batch}_trl{self.trl_batch}_{self.attention}"
                                      + (f"_trl{self.trl_attention}" if self.trl_attention != self.attention else "")
-                                     + (f"_chunk{self.head_chunk}" if self.head_chunk else "")
                                      + (f"_trlpad{self.trl_pad_to}" if self.trl_pad_to else ""))
 
 
@@ -144,13 +145,14 @@ def trl_command(plan: Plan, output: Path) -> List[str]:
             *(["--pad-to-multiple-of", str(plan.trl_pad_to)] if plan.trl_pad_to else [])]
 
 
-def ours_overrides(plan: Plan) -> List[str]:
-    """train.py's settings for this repo's side: the matched optimizer, schedule, steps and data (MATCHED)."""
+def ours_overrides(plan: Plan, head_chunk: Optional[int]) -> List[str]:
+    """train.py's settings for this repo's side: the matched optimizer, schedule, steps and data (MATCHED), with
+    its head in chunks of ``head_chunk`` tokens (None: the whole logits)."""
     return ["recipe=hf_causal_lm", "recipe.model.config=null", f"recipe.model.path={hydra_value(str(plan.model))}",
             f"recipe.model.context={plan.context}", "recipe.data.source=tokens",
             f"recipe.data.root={hydra_value(str(plan.tokens))}", f"recipe.data.batch_size={plan.our_batch}",
             "recipe.data.attention=document", f"recipe.data.attention_kernel={plan.attention}",
-            f"recipe.model.head_chunk_tokens={hydra_value(plan.head_chunk)}", f"recipe.optim.lr={MATCHED['lr']!r}",
+            f"recipe.model.head_chunk_tokens={hydra_value(head_chunk)}", f"recipe.optim.lr={MATCHED['lr']!r}",
             f"recipe.optim.betas={hydra_value(list(MATCHED['betas']))}",
             f"recipe.optim.weight_decay={MATCHED['weight_decay']!r}", f"+recipe.optim.eps={MATCHED['eps']!r}",
             "recipe.schedule._target_=trainer.step.schedules.Constant",
@@ -161,9 +163,13 @@ def ours_overrides(plan: Plan) -> List[str]:
             "checkpoint.save=false", "logger=none", f"seed={plan.seed}"]
 
 
-def ours_command(plan: Plan, args: argparse.Namespace, run_dir: Path) -> List[str]:
-    return [sys.executable, "train.py", *args.train_options, *ours_overrides(plan), *args.overrides,
-            f"run_dir={hydra_value(str(run_dir))}"]
+def ours_command(plan: Plan, args: argparse.Namespace, head_chunk: Optional[int]) -> List[str]:
+    return [sys.executable, "train.py", *args.train_options, *ours_overrides(plan, head_chunk), *args.overrides,
+            f"run_dir={hydra_value(str(ours_run_dir(plan, head_chunk)))}"]
+
+
+def ours_run_dir(plan: Plan, head_chunk: Optional[int]) -> Path:
+    return plan.runs / ("ours" if head_chunk is None else f"ours_chunk{head_chunk}")
 
 
 # ---- making the data, tokenizer and model ------------------------------------------------
@@ -204,13 +210,15 @@ def trl_row(plan: Plan, status: str, result: Dict[str, Any], command: Sequence[s
             "status": status, "command": shlex.join(command[1:])}
 
 
-def ours_row(plan: Plan, status: str, run_dir: Path, command: Sequence[str]) -> Dict[str, Any]:
+def ours_row(plan: Plan, status: str, head_chunk: Optional[int], command: Sequence[str]) -> Dict[str, Any]:
+    run_dir = ours_run_dir(plan, head_chunk)
     results_file = run_dir / "results.json"
     r = json.loads(results_file.read_text()) if status == "ok" and results_file.is_file() else {}
     if status == "ok":  # flags a fallback to eager, or only warm-up steps timed
         status = comparison_rows([{"mode": plan.graph, "status": status, "results": r}])[0]["status"]
     real = r.get("perf/wall_real_tokens_per_s")
-    return {"run": f"this repo {plan.graph}", "size": plan.size, "rows": plan.our_batch, "context": plan.context,
+    return {"run": f"this repo {plan.graph}" + (f", head in chunks of {head_chunk}" if head_chunk else ""),
+            "head_chunk": head_chunk, "size": plan.size, "rows": plan.our_batch, "context": plan.context,
             "attention": f"document_attention ({plan.attention})", "compile": plan.graph, "liger": False,
             "real_tokens_per_s": real,
             "real_tokens_per_step": real * r["perf/wall_s"] / r["perf/wall_steps"] if real and r.get("perf/wall_steps")
@@ -292,8 +300,7 @@ def report(plan: Plan, rows: List[Dict[str, Any]], measured: Dict[str, Optional[
              "once per forward from TRL's padding-free batch (scripts/lib/trl_worker.py).",
              "- LM head and loss: TRL, " + ("Liger's fused linear cross-entropy" if plan.liger == "on" else
                                             "the whole logits, or Liger's fused head where it imports (--liger auto)")
-             + "; this repo, " + (f"in chunks of {plan.head_chunk} tokens (recipe.model.head_chunk_tokens)"
-                                  if plan.head_chunk else "the whole step's logits") + ".",
+             + "; this repo, " + head_words(plan.head_chunks) + ".",
              "- Not matched: the packing (TRL: best-fit decreasing over the whole set, rows of at most the context; "
              "this repo: best-fit decreasing in a shuffle buffer, rows of exactly the context), the order of the "
              "conversations, weight decay on biases and norms (TRL leaves them out; this repo decays every "
@@ -304,6 +311,16 @@ def report(plan: Plan, rows: List[Dict[str, Any]], measured: Dict[str, Optional[
     lines += ["", f"{datetime.date.today().isoformat()}. " + provenance_line(measured)
               + (f" TRL side: {extra}." if extra else "")]
     return "\n".join(lines) + "\n"
+
+
+def head_words(head_chunks: Sequence[Optional[int]]) -> str:
+    """How this repo's rows compute their LM head and loss."""
+    if list(head_chunks) == [None]:
+        return "the whole step's logits"
+    if None not in head_chunks and len(head_chunks) == 1:
+        return f"in chunks of {head_chunks[0]} tokens (recipe.model.head_chunk_tokens)"
+    return ("as each row says: the whole step's logits, or in chunks of that many tokens "
+            "(recipe.model.head_chunk_tokens)")
 
 
 # ---- running -------------------------------------------------------------------------------
@@ -320,11 +337,12 @@ def run_size(plan: Plan, args: argparse.Namespace, measured: Dict[str, Optional[
     result = json.loads(trl_output.read_text()) if status == "ok" and trl_output.is_file() else {}
     rows = [trl_row(plan, status, result, command)]
 
-    run_dir = plan.runs / "ours"
-    command = ours_command(plan, args, run_dir)
-    _, status = run_or_mark(SCRIPT, f"[{plan.size}] this repo", command, args.timeout, {"PYTHONUNBUFFERED": "1"},
-                            log=plan.runs / "ours.log")
-    rows.append(ours_row(plan, status, run_dir, command))
+    for head_chunk in plan.head_chunks:
+        command = ours_command(plan, args, head_chunk)
+        name = ours_run_dir(plan, head_chunk).name
+        _, status = run_or_mark(SCRIPT, f"[{plan.size}] this repo ({name})", command, args.timeout,
+                                {"PYTHONUNBUFFERED": "1"}, log=plan.runs / f"{name}.log")
+        rows.append(ours_row(plan, status, head_chunk, command))
     rows = [{**row, "provenance": dict(measured)} for row in with_ratios(rows)]
 
     output = output_dir / f"trl_sft_{plan.size}.json"
@@ -355,8 +373,13 @@ def loss_plot(rows: List[Dict[str, Any]], path: Path) -> Optional[str]:
 def plans(args: argparse.Namespace) -> List[Plan]:
     return [Plan(size, args.work.resolve(), args.context, args.our_batch, args.trl_batch, args.steps,
                  args.warmup_steps, args.attention, args.trl_attention or args.attention, args.graph,
-                 not args.no_compile, args.liger, args.seed, args.head_chunk, args.trl_pad_to)
+                 not args.no_compile, args.liger, args.seed, tuple(dict.fromkeys(args.head_chunk)), args.trl_pad_to)
             for size in dict.fromkeys(args.sizes)]
+
+
+def head_chunk_value(text: str) -> Optional[int]:
+    """A --head-chunk value: a positive integer, or none (the whole logits)."""
+    return None if text.lower() in ("none", "null") else positive_int(text)
 
 
 def positive_int(text: str) -> int:
@@ -393,9 +416,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="TRL's per_device_train_batch_size: packed rows of at most --context tokens (4)")
     parser.add_argument("--attention", choices=KERNELS, default="varlen",
                         help="the document attention kernel of both sides (default varlen; dense: a CPU's)")
-    parser.add_argument("--head-chunk", type=positive_int, default=None,
+    parser.add_argument("--head-chunk", type=head_chunk_value, nargs="+", default=[None],
                         help="this repo's recipe.model.head_chunk_tokens: its LM head and loss this many tokens at a "
-                             "time (default: the whole step's logits)")
+                             "time, or none for the whole step's logits (the default); several values run this repo "
+                             "once each beside one TRL run, in one table: --head-chunk none 4096 2048")
     parser.add_argument("--trl-pad-to", type=positive_int, default=None,
                         help="TRL's pad_to_multiple_of: each padding-free step padded to a multiple of this many "
                              "tokens (its rows x the context: one length every step, so flex and torch_compile "
@@ -422,7 +446,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     def checked(args: argparse.Namespace) -> List[str]:  # a typo in this repo's part fails here, before any run
         check(parser, args)
-        return ours_overrides(plans(args)[0])
+        plan = plans(args)[0]
+        return ours_overrides(plan, next((c for c in plan.head_chunks if c is not None), None))
 
     args, _ = script_config(parser, argv, defaults=checked)
     run_plans = plans(args)
@@ -432,7 +457,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   f"{plan.tokenizer}; model {plan.model}")
             print(f"[{plan.size}] prepare: {shlex.join(prepare_command(plan))}")
             print(f"[{plan.size}] TRL: {shlex.join(trl_command(plan, plan.runs / 'trl.json'))}")
-            print(f"[{plan.size}] this repo: {shlex.join(ours_command(plan, args, plan.runs / 'ours'))}")
+            for chunk in plan.head_chunks:
+                print(f"[{plan.size}] this repo: {shlex.join(ours_command(plan, args, chunk))}")
         return 0
     import importlib.util
 

@@ -117,10 +117,25 @@ def test_the_dry_run_prints_both_sides_commands_and_makes_nothing(tmp_path, caps
     assert not (tmp_path / "work").exists()
 
 
+@pytest.mark.fast
+def test_several_head_chunks_run_this_repo_once_each_beside_one_trl_run(tmp_path, capsys):
+    assert bench.main(["--dry-run", "--sizes", "tiny", "--head-chunk", "none", "4096", "2048", "4096",
+                       "--work", str(tmp_path / "work")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert sum(line.startswith("[tiny] TRL: ") for line in lines) == 1
+    ours = [line for line in lines if line.startswith("[tiny] this repo: ")]
+    assert len(ours) == 3  # the repeated 4096 runs once
+    for line, chunk, run_dir in zip(ours, ("null", "4096", "2048"), ("ours", "ours_chunk4096", "ours_chunk2048")):
+        assert f"recipe.model.head_chunk_tokens={chunk}" in line and f"/{run_dir}" in line, line
+    assert bench.head_words([None]) == "the whole step's logits"
+    assert bench.head_words([2048]) == "in chunks of 2048 tokens (recipe.model.head_chunk_tokens)"
+
+
 BAD = [  # (arguments, words of the one line)
     (["--sizes", "7b"], "argument --sizes: invalid choice: '7b'"),
     (["--warmup-steps", "60"], "--warmup-steps 60: at least 2"),
     (["--our-batch", "0"], "argument --our-batch: '0' is not a positive integer"),
+    (["--head-chunk", "4096", "whole"], "argument --head-chunk: 'whole' is not a positive integer"),
     (["--attention", "sdpa"], "argument --attention: invalid choice: 'sdpa'"),
     (["--", "recipe.optim.lr=0.1"], "'recipe.optim.lr=0.1' is set by this script"),
     (["--", "train.epochz=3"], "Key 'epochz' not in 'TrainLoopConfig'"),
