@@ -6,12 +6,8 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 from scripts.lib import process_tree
 from scripts.lib.train_runs import TreeUsage
-
-pytestmark = pytest.mark.fast
 
 BUSY = "import time\nend = time.process_time() + 2.5\nwhile time.process_time() < end: pass\n"
 
