@@ -150,7 +150,9 @@ class DataConfig:
     # language models: sequence lengths to train on, shortest first, each for an equal share of
     # the steps (trainer/step/seq_len.py); empty: the whole window always
     seq_len_buckets: List[int] = field(default_factory=list)
-    num_workers: int = 0  # DataLoader worker processes (host loader; device loader: for reading the data once)
+    # DataLoader worker processes (host loader; device loader: for reading the data once); null: this rank's share
+    # of the cores less one (trainer/data/workers.py loader_workers)
+    num_workers: Optional[int] = 0
     worker_start: WorkerStart = WorkerStart.forkserver
     worker_timeout_s: float = 300.0  # a loader whose workers send no batch for this long stops the run, naming them
     # samples (language models: windows): synthetic data draws this many; real data, folders and files

@@ -35,6 +35,7 @@ import torch
 from recipes.image_crops import (UndecodableImage, center_crop, random_resized_crop, read_image,
                                  sample_generator)
 from trainer.data import read_every_item
+from trainer.data.workers import MAX_WORKERS, cores_per_rank
 from trainer.recipe import Datasets, Split
 from trainer.run.errors import ConfigError
 from trainer.run.runtime import print_once
@@ -133,9 +134,9 @@ class RandomCropImageFolder(ImageFolderDataset):
 
 
 def default_workers() -> int:
-    """This rank's share of the machine's cores (ranks of one node decode at the same time)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(32, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    """Processes that read a whole split once, before training: this rank's share of the cores (the ranks of one
+    node decode at the same time)."""
+    return min(MAX_WORKERS, cores_per_rank())
 
 
 def folder_datasets(root: str, *, recipe: str, shape: Tuple[int, int, int], num_classes: int, seed: int,

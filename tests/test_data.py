@@ -366,6 +366,25 @@ def build(cfg, runtime):
 '''
 
 
+@pytest.mark.fast
+def test_null_workers_are_this_ranks_share_of_the_cores_less_one(monkeypatch):
+    from conf.schema import compose
+    from trainer.data.workers import loader_workers
+    from trainer.plan import plan_run
+
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert loader_workers(None) == min(32, cores - 1)
+    assert loader_workers(3) == 3 and loader_workers(0) == 0  # a number as given
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cores))
+    assert loader_workers(None) == 0  # a core per rank: the rank reads itself
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    cfg = compose(["recipe=torchvision_classifier"])
+    assert cfg.recipe.data.num_workers is None  # the image recipe's default: the machine's cores
+    assert plan_run(cfg, torch.device("cpu"), 1).num_workers == min(32, cores - 1)
+    assert plan_run(compose(["recipe=mnist"]), torch.device("cpu"), 1).num_workers == 0  # the default elsewhere
+
+
 def shared_fields(batch):
     """A DataLoader collate_fn run in the worker: whether each field of BatchReader's batch is in shared memory."""
     return {name: values.is_shared() for name, values in batch.items()}

@@ -44,6 +44,7 @@ from graphing import GraphConfigError, GraphMode, GraphOptions
 from trainer.checkpoint import checkpoint_exists
 from trainer.checkpoint.export import check_export_target, export_directory
 from trainer.data import choose_loader, extra_input_names, item_problem
+from trainer.data.workers import loader_workers
 from trainer.run.errors import ConfigError
 from trainer.recipe import Recipe
 from trainer.step.activation_checkpointing import apply_or_refuse as apply_activation_checkpointing
@@ -70,6 +71,7 @@ class RunPlan:
     schedule: ScheduleSpec
     parallelism: Parallelism  # train.parallel: replicated by DDP or sharded by FSDP2, asked by every part it concerns
     loader: str  # as asked (auto | device | host) until for_recipe resolves it
+    num_workers: int  # recipe.data.num_workers resolved (null: this rank's share of the cores less one)
     memory_format: Any  # as asked ("auto", ...) until for_recipe resolves it to a torch.memory_format
 
     @property
@@ -86,6 +88,7 @@ class RunPlan:
         config = OmegaConf.to_container(self.cfg, resolve=True, enum_to_str=True)
         config["recipe"]["data"]["source_used"] = recipe.data.source
         config["recipe"]["data"]["loader_used"] = self.loader
+        config["recipe"]["data"]["num_workers_used"] = self.num_workers
         config["graph"]["mode_used"] = self.mode
         config["train"]["precision_used"] = self.precision
         config["train"]["memory_format_used"] = str(self.memory_format).replace("torch.", "")
@@ -109,7 +112,8 @@ def plan_run(cfg, device: torch.device, world_size: int) -> RunPlan:
     return RunPlan(cfg=cfg, device=device, world_size=world_size, graph=graph,
                    precision=precision, build_recipe=build_recipe, optimizer=optimizer,
                    schedule=schedule_spec(cfg.recipe.schedule), parallelism=parallelism,
-                   loader=cfg.recipe.data.loader.value, memory_format=cfg.train.memory_format.value)
+                   loader=cfg.recipe.data.loader.value, num_workers=loader_workers(cfg.recipe.data.num_workers),
+                   memory_format=cfg.train.memory_format.value)
 
 
 def _check_values(cfg) -> None:
@@ -126,7 +130,7 @@ def _check_values(cfg) -> None:
     for key, value in (("train.grad_clip", t.grad_clip), ("checkpoint.every_steps", c.every_steps),
                        ("checkpoint.every_epochs", c.every_epochs), ("checkpoint.every_minutes", c.every_minutes),
                        ("recipe.data.num_workers", d.num_workers)):
-        if value < 0:
+        if value is not None and value < 0:
             raise ConfigError(f"{key}={value} must be >= 0 (0 turns it off)")
     if not 0 < d.worker_timeout_s < math.inf:
         raise ConfigError(f"recipe.data.worker_timeout_s={d.worker_timeout_s} must be a positive number of seconds: "
@@ -168,8 +172,8 @@ def _check_values(cfg) -> None:
                    needs="checkpoint.export", fix="checkpoint.export=<a new directory>")
     _refuse_unread(cfg, "checkpoint", CheckpointConfig, ("every_steps", "every_epochs", "every_minutes"), read=c.save,
                    needs="checkpoint.save=true", fix="checkpoint.save=true")
-    _refuse_unread(cfg, "recipe.data", DataConfig, ("worker_start", "worker_timeout_s"), read=d.num_workers > 0,
-                   needs="recipe.data.num_workers above 0 (DataLoader workers)", fix="recipe.data.num_workers=2")
+    _refuse_unread(cfg, "recipe.data", DataConfig, ("worker_start", "worker_timeout_s"), read=d.num_workers != 0,
+                   needs="recipe.data.num_workers above 0, or null (DataLoader workers)", fix="recipe.data.num_workers=2")
 
 
 def _refuse_unread(cfg, path: str, defaults, keys, read: bool, needs: str, fix: str) -> None:

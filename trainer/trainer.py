@@ -66,7 +66,7 @@ class Trainer:
         cfg = plan.cfg
         train_cfg, data_cfg = cfg.train, cfg.recipe.data
         use_worker_settings(WorkerSettings(data_cfg.worker_start.value, data_cfg.worker_timeout_s),
-                            start_now_for=cfg.recipe._target_.rpartition(".")[0] if data_cfg.num_workers else None)
+                            start_now_for=cfg.recipe._target_.rpartition(".")[0] if plan.num_workers else None)
         recipe = plan.build_recipe(cfg, rt)
         plan = plan.for_recipe(recipe)
         device, parallelism = plan.device, plan.parallelism
@@ -74,10 +74,10 @@ class Trainer:
         model = parallelism.place_model(recipe, device, plan.precision, plan.memory_format)
         seed_rank_streams(cfg.seed, rt.rank)  # the model is built alike on every rank; the step's draws differ
         train_loader = make_loader(recipe.data.train, data_cfg.batch_size, rt, kind=plan.loader, train=True,
-                                   seed=cfg.seed, batches_per_step=train_cfg.grad_accum, num_workers=data_cfg.num_workers,
+                                   seed=cfg.seed, batches_per_step=train_cfg.grad_accum, num_workers=plan.num_workers,
                                    drop_last=data_cfg.drop_last)
         eval_loader = make_loader(recipe.data.test, data_cfg.eval_batch_size, rt, kind=plan.loader, train=False,
-                                  seed=cfg.seed, num_workers=data_cfg.num_workers)
+                                  seed=cfg.seed, num_workers=plan.num_workers)
         steps_per_epoch = train_loader.steps
         total_steps = train_cfg.epochs * steps_per_epoch
         if train_cfg.max_steps:

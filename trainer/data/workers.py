@@ -63,6 +63,22 @@ def use_worker_settings(settings: WorkerSettings, *, start_now_for: Optional[str
 
 
 LIVENESS_CHECK_S = 5.0  # how often a waiting rank asks whether its workers are alive (batches)
+MAX_WORKERS = 32  # a bound on the workers chosen for the user (each holds a copy of the reader's state)
+
+
+def cores_per_rank() -> int:
+    """This rank's share of the cores it may run on: the ranks of one node (LOCAL_WORLD_SIZE) read at once."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def loader_workers(num_workers: Optional[int]) -> int:
+    """``recipe.data.num_workers`` as the loaders take it: a number as given; null, this rank's share of the cores
+    less the one its training loop runs on (at most MAX_WORKERS; 0 on a single core). 15 on a 16-core machine with
+    one GPU: an image folder's decoding is what keeps such a step fed (docs/data.md, "Which decoder")."""
+    if num_workers is not None:
+        return num_workers
+    return min(MAX_WORKERS, cores_per_rank() - 1)
 
 
 class LoaderStuck(RuntimeError):
