@@ -1,7 +1,7 @@
 """This repo against TRL's SFTTrainer on conversations, one GPU, side by side (issue 62 item 5).
 
     python scripts/bench_trl.py                                   # 0.5b and 1.5b, 60 steps of 4 x 4096 tokens
-    python scripts/bench_trl.py --sizes 0.5b --attention flex --trl-attention varlen --no-compile --liger on \
+    python scripts/bench_trl.py --sizes 0.5b --attention flex --trl-attention varlen --no-compile --liger on \\
         --head-chunk none 4096                                    # this repo twice, TRL once: one table
     python scripts/bench_trl.py --dry-run --sizes tiny            # the commands both sides would run; no GPU
     python scripts/bench_trl.py --sizes tiny --context 256 --our-batch 2 --trl-batch 2 --steps 8 --warmup-steps 3 \\
@@ -315,10 +315,10 @@ def report(plan: Plan, rows: List[Dict[str, Any]], measured: Dict[str, Optional[
 
 def head_words(head_chunks: Sequence[Optional[int]]) -> str:
     """How this repo's rows compute their LM head and loss."""
-    if list(head_chunks) == [None]:
-        return "the whole step's logits"
-    if None not in head_chunks and len(head_chunks) == 1:
-        return f"in chunks of {head_chunks[0]} tokens (recipe.model.head_chunk_tokens)"
+    if len(head_chunks) == 1:
+        chunk = head_chunks[0]
+        return ("the whole step's logits" if chunk is None
+                else f"in chunks of {chunk} tokens (recipe.model.head_chunk_tokens)")
     return ("as each row says: the whole step's logits, or in chunks of that many tokens "
             "(recipe.model.head_chunk_tokens)")
 
