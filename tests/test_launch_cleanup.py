@@ -147,3 +147,19 @@ def test_a_script_stopped_while_its_run_hangs_ends_the_run_first(tmp_path, mark,
     assert script.returncode == code, stderr[-3000:]
     assert f"run_captured_cli: stopped {sys.executable} -m torch.distributed.run" in stderr
     assert f"({why}): ended 3 processes" in stderr, stderr[-3000:]
+
+
+def test_a_runs_row_says_its_timeout_without_the_last_line_it_happened_to_print(mark, monkeypatch, capsys):
+    """A run stopped at the timeout printed its last line for no reason of its own (bench_trl's row once read
+    "ran past 150 s: warnings.warn("): the row names the timeout, and an error only if the run printed one."""
+    monkeypatch.setattr(launch, "STOP_GRACE_S", 1.0)
+    warns_then_waits = [sys.executable, "-c", "import sys, time; print('  warnings.warn(', file=sys.stderr, "
+                        "flush=True); time.sleep(60)"]
+    _, status = launch.run_or_mark("bench", "[w] run", warns_then_waits, 2)
+    assert status == "ran past 2 s", status
+    errs_then_waits = [sys.executable, "-c", "import sys, time; print('RuntimeError: stuck', file=sys.stderr, "
+                       "flush=True); print('  warnings.warn(', file=sys.stderr, flush=True); time.sleep(60)"]
+    assert launch.run_or_mark("bench", "[e] run", errs_then_waits, 2)[1] == "ran past 2 s: RuntimeError: stuck"
+    exits = [sys.executable, "-c", "import sys; print('last words', file=sys.stderr); sys.exit(3)"]
+    assert launch.run_or_mark("bench", "[x] run", exits, 30)[1] == "failed (3): last words"
+    capsys.readouterr()

@@ -164,7 +164,8 @@ def run_or_mark(script: str, name: str, command: Sequence[str], timeout: float,
         return wall, "ok"
     print(f"{script}: '{name}' {why}; the table marks it and keeps the other runs:\n{stderr[-3000:]}",
           file=sys.stderr, flush=True)
-    return wall, f"{why}: {failure_line(stderr)}"
+    detail = failure_line(stderr, last_line=not why.startswith("ran past"))
+    return wall, f"{why}: {detail}" if detail else why
 
 
 def _bench_run(script: str, name: str, command: Sequence[str], timeout: float, env: Optional[Dict[str, str]],
@@ -190,15 +191,28 @@ def command(mode: str, nproc: int, train_args: Sequence[str], output_root: Path,
             f"logger.wandb.name={hydra_value(f'{run_name}-{mode}')}"]
 
 
-def failure_line(stderr: str) -> str:
+def failure_line(stderr: str, last_line: bool = True) -> str:
     """The line that says why a run failed: the first error its processes printed (the rank that failed first;
-    others then fail on the broken connection), not torchrun's own report; else its last line. A line longer
-    than a table cell keeps its first 300 characters."""
-    lines = [line.strip() for line in stderr.splitlines() if line.strip() and not set(line.strip()) <= set("=-")]
-    own = [line for line in lines if "ChildFailedError" not in line and "torch.distributed.elastic" not in line]
-    named = [line for line in own if "ran past" in line or re.search(r"\w*(Error|Exception)\b:|\berror:", line)]
-    line = (named[:1] or lines[-1:] or ["(no output)"])[0]
+    others then fail on the broken connection), not torchrun's own report; else its last line ("" when not
+    ``last_line``: a run stopped at a timeout printed its last line for no reason of its own, a warning as often
+    as not). A line longer than a table cell keeps its first 300 characters."""
+    line = named_error_line(stderr)
+    if line is None:
+        lines = _lines(stderr)
+        line = (lines[-1] if lines else "(no output)") if last_line else ""
     return line if len(line) <= 300 else line[:299] + "…"  # its start: the error's name, then what it says
+
+
+def named_error_line(stderr: str) -> Optional[str]:
+    """The first line of ``stderr`` that names an error (or says a worker ran past its time), torchrun's own
+    report left out; None if there is none."""
+    own = [line for line in _lines(stderr) if "ChildFailedError" not in line and "torch.distributed.elastic" not in line]
+    named = [line for line in own if "ran past" in line or re.search(r"\w*(Error|Exception)\b:|\berror:", line)]
+    return named[0] if named else None
+
+
+def _lines(stderr: str) -> List[str]:
+    return [line.strip() for line in stderr.splitlines() if line.strip() and not set(line.strip()) <= set("=-")]
 
 
 def run_dirs(root: Path) -> set:
