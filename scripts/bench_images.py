@@ -11,9 +11,11 @@ times: ``recipe.data.source=folder`` (random-resized crops decoded by the host l
 but one by default) and ``recipe.data.source=synthetic`` (images held on the GPU: the step with no input cost). The
 ratio column is each pair's folder run over its synthetic run, images per second from each run's own wall window
 over its timed steps (results.json ``perf/wall_samples_per_s``: every input wait inside it). Each row also
-records the start-up to the first step and the peak host memory of the whole run, loader workers included
-(scripts/lib/train_runs.py). Evaluation and checkpoints are off. Writes --output (JSON) and a Markdown table beside
-it, with the commit, versions and GPU.
+records the start-up to the first step, the peak host memory of the whole run, loader workers included, the
+share of the loop's window spent waiting for the workers (results.json ``time/input_wait_s``), and the cores the run
+kept busy in its steady second half, with the training process's own share in brackets: all of the machine's cores
+busy and a wait says the decoding ran short of cores (scripts/lib/train_runs.py). Evaluation and checkpoints are
+off. Writes --output (JSON) and a Markdown table beside it, with the commit, versions and GPU.
 
 ``--references DIR``: also torchvision's own ``references/classification/train.py`` from DIR (a checkout of the
 torchvision repository's references/classification matching the installed torchvision; no wheel carries it),
@@ -67,7 +69,9 @@ def run_once(args: argparse.Namespace, model: str, graph: str, source: str, work
             "step_ms_median": r["perf/step_ms_median"], "steps_timed": r["perf/wall_steps"],
             "startup_s": r["time/startup_s"], "first_step_s": r["time/first_step_s"],
             "rank_peak_host_mib": r["perf/peak_host_mib"], "run_peak_host_mib": r["host/tree_peak_mib"],
-            "input_wait_share": r["time/input_wait_s"] / r["train_loop_s"], "peak_cores_busy": r["host/tree_peak_cores"]}
+            "input_wait_share": r["time/input_wait_s"] / r["train_loop_s"],
+            "peak_cores_busy": r["host/tree_peak_cores"], "cores_busy": r["host/tree_cores"],
+            "rank_cores_busy": r["host/launched_cores"]}
 
 
 def run_references(args: argparse.Namespace, model: str, work: Path, timed: int) -> Dict[str, Any]:
@@ -138,12 +142,13 @@ def main(argv: Sequence[str] = None) -> int:
     table = markdown_table(
         ["model", "graph", "source", "images/s (wall)", "median step ms", "folder / synthetic", "this repo / it",
          "start-up s", "first step s", "host MiB (rank)", "host MiB (run, workers too)", "loop waiting for input",
-         "cores busy (busiest second)"],
+         "cores busy (the rank alone), steady"],
         [[r["model"], r["graph"], r["source"], f"{r['images_per_s']:,.0f}", round(r["step_ms_median"], 2),
           f"{r['folder_over_synthetic']:.3f}" if "folder_over_synthetic" in r else "",
           f"{r['ours_over_references']:.2f}x" if "ours_over_references" in r else "",
           *([round(r["startup_s"], 1), round(r["first_step_s"], 1), round(r["rank_peak_host_mib"]),
-             round(r["run_peak_host_mib"]), f"{r['input_wait_share']:.1%}", f"{r['peak_cores_busy']:.1f}"]
+             round(r["run_peak_host_mib"]), f"{r['input_wait_share']:.1%}",
+             f"{r['cores_busy']:.1f} ({r['rank_cores_busy']:.1f})"]
             if "startup_s" in r else [""] * 6)]
          for r in rows])
     medians = {f"{m} {g}": statistics.median(r["folder_over_synthetic"] for r in ours

@@ -32,3 +32,22 @@ def test_no_marked_process_is_no_busy_core():
     with TreeUsage(mark) as tree:
         subprocess.run([sys.executable, "-c", BUSY.replace("2.5", "1.5")], timeout=60, check=True)  # unmarked
     assert tree.peak_cores == 0 and tree.peak_mib == 0
+
+
+PARENT_WAITS_FOR_A_BUSY_CHILD = ("import subprocess, sys\n"
+                                 f"subprocess.run([sys.executable, '-c', {BUSY!r}], check=True)\n")
+
+
+def test_the_launched_process_own_cores_leave_its_childrens_out():
+    """A launched process that waits while its child spins (a rank waiting for its loader workers): the tree kept
+    about a core busy, the launched process itself about none; a launched process that spins: about one of its own.
+    (Lower bounds loose: the suite's other work may share this machine's two cores with the spinning one.)"""
+    env, mark = process_tree.marked(dict(os.environ))
+    with TreeUsage(mark) as waits:
+        subprocess.run([sys.executable, "-c", PARENT_WAITS_FOR_A_BUSY_CHILD], env=env, timeout=60, check=True)
+    tree, own = waits.steady_cores()
+    assert 0.3 < tree < 1.5 and own < 0.2, waits.samples
+    with TreeUsage(mark) as spins:
+        subprocess.run([sys.executable, "-c", BUSY], env=env, timeout=60, check=True)
+    tree, own = spins.steady_cores()
+    assert 0.3 < own < 1.5 and abs(tree - own) < 0.2, spins.samples

@@ -6,17 +6,19 @@ Ctrl-C), and a run that fails or runs past its time ends the benchmark with the 
 a thread adds up the proportional set size (PSS: a page shared by n processes counts 1/n in each) of every process
 the run started, its loader workers included, once a second: their peak is the run's host memory, what
 results.json's perf/peak_host_mib (the rank's own process) leaves out. The same thread reads the CPU time those
-processes used in each second, the cores they kept busy: its busiest second says whether the run's decoding had
-the machine's cores to itself or ran short of them.
+processes used in each second, the cores they kept busy, for the whole tree and for the launched process alone (a
+rank without its loader workers): the median second of the run's second half says whether the run's decoding had
+the machine's cores to itself or ran short of them, and how much of them the training process took.
 """
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import threading
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import psutil
 
@@ -28,10 +30,13 @@ SAMPLE_S = 1.0
 
 class TreeUsage:
     """The peak, over samples taken every ``SAMPLE_S``, of the summed PSS of the processes marked ``mark``; and the
-    most cores they kept busy in one sample's interval (``peak_cores``: CPU seconds over wall seconds)."""
+    cores they kept busy in each sample's interval (CPU seconds over wall seconds): ``peak_cores``, the busiest
+    interval's, and ``samples``, every interval's (the whole tree's cores, and the launched processes' own: those
+    whose parent is not marked, without their children, e.g. a rank without its loader workers)."""
 
     def __init__(self, mark: str):
         self.mark, self.peak_mib, self.peak_cores = mark, 0.0, 0.0
+        self.samples: List[Tuple[float, float]] = []  # (tree cores, launched processes' own cores) per interval
         self._cpu_s: Dict[int, float] = {}  # each process's CPU seconds at the last sample
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="tree-usage", daemon=True)
@@ -44,22 +49,35 @@ class TreeUsage:
         self._done.set()
         self._thread.join()
 
+    def steady_cores(self) -> Tuple[float, float]:
+        """The median interval of the run's second half (past start-up, where a benchmark's timed steps are):
+        (the tree's cores, the launched processes' own); zeros before any sample."""
+        late = self.samples[len(self.samples) // 2:]
+        if not late:
+            return 0.0, 0.0
+        return statistics.median(t for t, _ in late), statistics.median(o for _, o in late)
+
     def _watch(self) -> None:
         last = time.monotonic()
         while not self._done.wait(SAMPLE_S):
-            total, busy_s, cpu_s = 0, 0.0, {}
-            for pid in process_tree.marked_pids(self.mark):
+            total, busy_s, own_s, cpu_s = 0, 0.0, 0.0, {}
+            pids = set(process_tree.marked_pids(self.mark))
+            for pid in pids:
                 try:
                     process = psutil.Process(pid)
-                    info, times = process.memory_full_info(), process.cpu_times()
+                    info, times, parent = process.memory_full_info(), process.cpu_times(), process.ppid()
                 except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
                     continue
                 total += getattr(info, "pss", info.rss)  # PSS where the system reports it (Linux)
                 cpu_s[pid] = times.user + times.system
-                busy_s += cpu_s[pid] - self._cpu_s.get(pid, cpu_s[pid])  # a process new since the last look: from now
+                busy = cpu_s[pid] - self._cpu_s.get(pid, cpu_s[pid])  # a process new since the last look: from now
+                busy_s += busy
+                own_s += busy if parent not in pids else 0.0
             now = time.monotonic()
             self.peak_mib = max(self.peak_mib, total / 2**20)
-            self.peak_cores = max(self.peak_cores, busy_s / (now - last))
+            if pids:
+                self.samples.append((busy_s / (now - last), own_s / (now - last)))
+                self.peak_cores = max(self.peak_cores, self.samples[-1][0])
             self._cpu_s, last = cpu_s, now
 
 
@@ -76,11 +94,15 @@ def run_until_written(script: str, name: str, command: List[str], written: Path,
 
 def train_results(script: str, name: str, command: List[str], run_dir: Path, timeout: float) -> Dict[str, Any]:
     """Runs ``command`` (a train.py launch writing into ``run_dir``) and returns its results.json with
-    ``host/tree_peak_mib`` and ``host/tree_peak_cores`` added; a failure or a timeout ends the benchmark
+    ``host/tree_peak_mib``, ``host/tree_peak_cores`` and the second half's median cores, ``host/tree_cores`` (every
+    process of the run) and ``host/launched_cores`` (the launched process alone: a rank without its workers), added;
+    a failure or a timeout ends the benchmark
     (SystemExit) naming ``name``."""
     env, mark = process_tree.marked(dict(os.environ))
     results = run_dir / "results.json"
     with TreeUsage(mark) as usage:
         run_until_written(script, name, command, results, timeout, env={process_tree.MARK: env[process_tree.MARK]})
+    tree_cores, launched_cores = usage.steady_cores()
     return {**json.loads(results.read_text()), "host/tree_peak_mib": usage.peak_mib,
-            "host/tree_peak_cores": usage.peak_cores}
+            "host/tree_peak_cores": usage.peak_cores, "host/tree_cores": tree_cores,
+            "host/launched_cores": launched_cores}
