@@ -9,7 +9,7 @@ from typing import List, Optional
 
 import pytest
 
-from helpers import warm
+from helpers import two_streams, warm
 from helpers.launches import LOGS, Finished, launch
 from helpers.processes import SESSION, marked_pids
 from helpers.shared_runs import TWO_RANKS_ON_CIFAR
@@ -86,6 +86,8 @@ def train_here(capsys, tmp_path):
 
 
 def pytest_configure(config):
+    config.pluginmanager.register(two_streams, "two_streams")  # the suite on two streams where it pays
     config.addinivalue_line("markers", "gpu: needs CUDA GPUs; skipped without them (run on the GPU machine)")
     config.addinivalue_line("markers", "extras: needs an optional extra (requirements-hf.txt); skipped without it")
     config.addinivalue_line("markers", "fast: in-process, no launches: the edit-test loop (pytest -m fast)")
+
