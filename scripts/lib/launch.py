@@ -206,7 +206,8 @@ def failure_line(stderr: str, last_line: bool = True) -> str:
 def named_error_line(stderr: str) -> Optional[str]:
     """The first line of ``stderr`` that names an error (or says a worker ran past its time), torchrun's own
     report left out; None if there is none."""
-    own = [line for line in _lines(stderr) if "ChildFailedError" not in line and "torch.distributed.elastic" not in line]
+    own = [line for line in _lines(stderr)
+           if "ChildFailedError" not in line and "torch.distributed.elastic" not in line]
     named = [line for line in own if "ran past" in line or re.search(r"\w*(Error|Exception)\b:|\berror:", line)]
     return named[0] if named else None
 
