@@ -117,7 +117,9 @@ def test_a_second_stream_that_dies_fails_its_remaining_tests_by_name_and_nothing
     assert done.returncode == 1, out[-3000:]
     for test in ("test_second_fails", "test_second_skips", "test_second_prints_and_passes"):
         assert f"ERROR test_second.py::{test} - " in out and f"ERROR at setup of {test}" in out, out[-3000:]
-    assert out.count("the second stream's pytest ended (exit 3) before reporting this test") == 3, out[-3000:]
+    assert out.count("ERROR at setup of") == 3, out[-3000:]  # the three, each once in the errors' section
+    errors = out[out.index("= ERRORS ="):out.index("= FAILURES =")]
+    assert errors.count("the second stream's pytest ended (exit 3) before reporting this test") == 3, errors
     assert "PASSED test_second.py::test_second_passes" in out, out[-3000:]  # reported before it died
 
 
