@@ -89,6 +89,7 @@ def test_the_second_streams_tests_run_beside_the_first_and_report_as_one_session
         assert f"FAILED test_{name}.py::test_{name}_fails - AssertionError: {name}'s own message" in out, out[-3000:]
         assert f"PASSED test_{name}.py::test_{name}_passes" in out and f"SKIPPED [1] test_{name}.py" in out, out
         assert f"{name} printed this" in out, out[-3000:]  # -rA shows passed tests' output: replayed too
+    assert re.search(r"two streams: the second pytest ran 4 tests in \d+ s; this one then waited \d+ s", out), out
     runs = recorded(suite)
     first = {runs[f"first_{t}"][0] for t in ("passes", "fails", "prints")}
     second = {runs[f"second_{t}"][0] for t in ("passes", "fails", "prints")}

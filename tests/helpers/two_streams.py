@@ -102,7 +102,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item
                              cwd=config.rootpath, env=env, stdout=log, stderr=subprocess.STDOUT,
                              start_new_session=True)
     log.close()
-    _state.update(child=child, work=work, reader=open(reports, "rb"), pending={}, ids={item.nodeid for item in second})
+    _state.update(child=child, work=work, reader=open(reports, "rb"), pending={}, ids={item.nodeid for item in second},
+                  started=time.monotonic(), waited_s=0.0)
     chosen = set(id(item) for item in second)
     items[:] = [item for item in items if id(item) not in chosen] + second
 
@@ -114,7 +115,10 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: Optional[pytest.Item]) 
     if item.nodeid not in _state.get("ids", ()):
         return None
     item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
-    for report in _reports_of(item):
+    began = time.monotonic()
+    reports = _reports_of(item)
+    _state["waited_s"] += time.monotonic() - began  # type: ignore[operator]
+    for report in reports:
         item.ihook.pytest_runtest_logreport(report=report)
     item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
     return True
@@ -182,6 +186,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     except subprocess.TimeoutExpired:
         end(signal.SIGKILL)
         code = child.wait()
+    _state["second_s"] = time.monotonic() - _state["started"]  # type: ignore[operator]
     _state["reader"].close()  # type: ignore[attr-defined]
     if code not in (0, 1, 5) and not stopped:
         log = _state["work"] / "output.log"  # type: ignore[operator]
@@ -190,6 +195,15 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
     else:
         shutil.rmtree(_state["work"], ignore_errors=True)  # type: ignore[arg-type]
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """One line on how the two streams shared the time, for the next balance of ``SECOND_STREAM``: the second
+    pytest's time from its start to its end, and how long this one waited for its reports after its own tests."""
+    if "second_s" in _state:
+        terminalreporter.write_line(
+            f"two streams: the second pytest ran {len(_state['ids'])} tests in {_state['second_s']:.0f} s; this one "
+            f"then waited {_state['waited_s']:.0f} s for their reports (helpers/two_streams.py)")
 
 
 def pytest_unconfigure() -> None:
