@@ -90,4 +90,3 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs CUDA GPUs; skipped without them (run on the GPU machine)")
     config.addinivalue_line("markers", "extras: needs an optional extra (requirements-hf.txt); skipped without it")
     config.addinivalue_line("markers", "fast: in-process, no launches: the edit-test loop (pytest -m fast)")
-
