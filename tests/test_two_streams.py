@@ -55,13 +55,17 @@ def test_{0}_prints_and_passes():
 '''
 
 
+def suite_env(folder: Path) -> dict:
+    """The small suite's environment: helpers importable, its record file, its own TMPDIR (where a failed second
+    stream's log is kept)."""
+    (folder / "tmp").mkdir(exist_ok=True)
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)]),
+            "RECORD": str(folder / "record.txt"), "TMPDIR": str(folder / "tmp")}
+
+
 def run_suite(folder: Path, *args: str, env=None, timeout: float = 120) -> subprocess.CompletedProcess:
-    paths = os.pathsep.join([str(ROOT / "tests"), str(ROOT)])
-    (folder / "tmp").mkdir(exist_ok=True)  # TMPDIR: where a failed second stream's log is kept
     return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rA", *args], cwd=folder,
-                          capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "PYTHONPATH": paths, "RECORD": str(folder / "record.txt"),
-                               "TMPDIR": str(folder / "tmp"), **(env or {})})
+                          capture_output=True, text=True, timeout=timeout, env={**suite_env(folder), **(env or {})})
 
 
 @pytest.fixture
@@ -139,10 +143,8 @@ def test_ctrl_c_ends_both_pytests_at_once(suite):
         'def test_second_passes():\n    record("second_passes")',
         'def test_second_passes():\n    open(os.environ["RECORD"] + ".pid", "w").write(str(os.getpid()))\n'
         '    time.sleep(120)'))
-    paths = os.pathsep.join([str(ROOT / "tests"), str(ROOT)])
     parent = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "no:cacheprovider"], cwd=suite,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env={**os.environ, "PYTHONPATH": paths, "RECORD": str(suite / "record.txt")})
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=suite_env(suite))
     try:
         pid_file = suite / "record.txt.pid"
         deadline = time.monotonic() + 60

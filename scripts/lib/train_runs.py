@@ -35,7 +35,7 @@ class TreeUsage:
     whose parent is not marked, without their children, e.g. a rank without its loader workers)."""
 
     def __init__(self, mark: str):
-        self.mark, self.peak_mib, self.peak_cores = mark, 0.0, 0.0
+        self.mark, self.peak_mib = mark, 0.0
         self.samples: List[Tuple[float, float]] = []  # (tree cores, launched processes' own cores) per interval
         self._cpu_s: Dict[int, float] = {}  # each process's CPU seconds at the last sample
         self._done = threading.Event()
@@ -48,6 +48,10 @@ class TreeUsage:
     def __exit__(self, *exc) -> None:
         self._done.set()
         self._thread.join()
+
+    @property
+    def peak_cores(self) -> float:
+        return max((tree for tree, _ in self.samples), default=0.0)
 
     def steady_cores(self) -> Tuple[float, float]:
         """The median interval of the run's second half (past start-up, where a benchmark's timed steps are):
@@ -77,7 +81,6 @@ class TreeUsage:
             self.peak_mib = max(self.peak_mib, total / 2**20)
             if pids:
                 self.samples.append((busy_s / (now - last), own_s / (now - last)))
-                self.peak_cores = max(self.peak_cores, self.samples[-1][0])
             self._cpu_s, last = cpu_s, now
 
 

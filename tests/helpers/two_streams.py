@@ -104,8 +104,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item
     log.close()
     _state.update(child=child, work=work, reader=open(reports, "rb"), pending={}, ids={item.nodeid for item in second},
                   started=time.monotonic(), waited_s=0.0)
-    chosen = set(id(item) for item in second)
-    items[:] = [item for item in items if id(item) not in chosen] + second
+    items[:] = [item for item in items if item.nodeid not in _state["ids"]] + second  # type: ignore[operator]
 
 
 @pytest.hookimpl(tryfirst=True)
