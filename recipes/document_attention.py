@@ -79,7 +79,9 @@ class DocumentMask:
         if self.kernel == "dense":
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, scale=scale, enable_gqa=gqa)
         else:
-            out = flex_attention_kernel()(q, k, v, block_mask=self.mask, scale=scale, enable_gqa=gqa)
+            options = flex_kernel_options(q)
+            out = flex_attention_kernel()(q, k, v, block_mask=self.mask, scale=scale, enable_gqa=gqa,
+                                          **({"kernel_options": options} if options else {}))
         return out.transpose(1, 2)
 
 
@@ -99,6 +101,31 @@ def flex_attention_kernel():
 
         return flex_attention
     return compiled_flex_attention()
+
+
+# FlexAttention's backward tiles where Inductor's default for the GPU and head size was measured slower than the
+# tiles its own max-autotune picks: (compute capability, head dim) -> kernel_options. H100/H200 at head dim 64
+# (Qwen2-0.5B, GPT-2): the default is 64/128/128/64 with 8 warps (torch's table puts 64 with the larger heads);
+# max-autotune picks 64 x 4 with 4 warps and 3 stages: 11% less backward time at bench_trl's 0.5b shape alone, 1.3 ms
+# of its 132.7 ms step (scripts/results/RESULTS.md, 2026-12-03).
+FLEX_BACKWARD_TILES = {
+    ((9, 0), 64): {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 64,
+                   "bwd_num_warps": 4, "bwd_num_stages": 3},
+}
+
+
+def flex_kernel_options(q: torch.Tensor) -> Optional[dict]:
+    """The kernel_options for flex_attention over queries ``q`` (..., D): FLEX_BACKWARD_TILES' entry for this GPU and
+    head size in half precision, else None (Inductor's own choice). The tiles shape only the kernels' speed."""
+    if q.device.type != "cuda" or q.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    return FLEX_BACKWARD_TILES.get((cuda_capability(q.device.index), q.shape[-1]))
+
+
+@torch.compiler.assume_constant_result
+def cuda_capability(index: Optional[int]) -> tuple:
+    """(major, minor) of a CUDA device; a constant to Dynamo, so a compiled model reads it without a graph break."""
+    return tuple(torch.cuda.get_device_capability(index))
 
 
 @functools.lru_cache(maxsize=None)

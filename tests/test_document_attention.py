@@ -130,6 +130,19 @@ def test_wide_inputs_are_cast_to_the_autocast_dtype_as_sdpa_takes_them():
     assert torch.equal(cast[0], q.to(torch.bfloat16))
 
 
+@pytest.mark.fast
+def test_flex_backward_tiles_are_asked_for_on_cuda_in_half_precision_only():
+    """The tiles are a CUDA kernel's; on the CPU and in fp32 flex keeps its own choice. Each entry names the
+    backward kernel's options alone (the bwd_ prefix), so the forward keeps Inductor's."""
+    from recipes.document_attention import FLEX_BACKWARD_TILES, flex_kernel_options
+
+    assert flex_kernel_options(torch.ones(1, 2, 8, 64, dtype=torch.bfloat16)) is None
+    assert flex_kernel_options(torch.ones(1, 2, 8, 64)) is None
+    for (capability, head_dim), options in FLEX_BACKWARD_TILES.items():
+        assert len(capability) == 2 and head_dim in (16, 32, 64, 128, 256), capability
+        assert options and all(key.startswith("bwd_") for key in options), options
+
+
 def test_an_unknown_kernel_is_named():
     ids, cu = packed_rows([[4]], 4)
     with pytest.raises(ValueError, match="'flash' is not one of auto, dense, flex, varlen"):

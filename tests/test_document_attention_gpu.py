@@ -46,12 +46,13 @@ def inputs(rows, context, hq, hkv, d, lengths, seed=0):
 
 @pytest.mark.parametrize("kernel", ["flex", "varlen"])
 @pytest.mark.parametrize("heads", [(8, 8), (14, 2)], ids=["mha", "gqa"])
-def test_each_kernel_equals_the_fp32_dense_reference_forward_and_backward(kernel, heads):
+@pytest.mark.parametrize("head_dim", [64, 128], ids=["d64", "d128"])  # d64 on H100/H200: FLEX_BACKWARD_TILES
+def test_each_kernel_equals_the_fp32_dense_reference_forward_and_backward(kernel, heads, head_dim):
     import torch
 
     from recipes.document_attention import DocumentMask
 
-    ids, cu, q, k, v = inputs(3, 1024, *heads, 64, [200, 17, 513, 64, 1, 300])
+    ids, cu, q, k, v = inputs(3, 1024, *heads, head_dim, [200, 17, 513, 64, 1, 300])
     grad = torch.randn_like(q)
     got = {}
     for name, dtype in ((kernel, torch.bfloat16), ("dense", torch.float32)):
