@@ -13,7 +13,7 @@ ratio column is each pair's folder run over its synthetic run, images per second
 over its timed steps (results.json ``perf/wall_samples_per_s``: every input wait inside it). Each row also
 records the start-up to the first step, the peak host memory of the whole run, loader workers included, the
 share of the loop's window spent waiting for the workers (results.json ``time/input_wait_s``), and the cores the run
-kept busy in its steady second half, with the training process's own share in brackets: all of the machine's cores
+kept busy over its timed steps, with the training process's own share in brackets: all of the machine's cores
 busy and a wait says the decoding ran short of cores (scripts/lib/train_runs.py). Evaluation and checkpoints are
 off. Writes --output (JSON) and a Markdown table beside it, with the commit, versions and GPU.
 
@@ -21,13 +21,16 @@ off. Writes --output (JSON) and a Markdown table beside it, with the commit, ver
 torchvision repository's references/classification matching the installed torchvision; no wheel carries it),
 unmodified, as its README runs it (``--amp``, ``--workers`` as this repo's), on the same folder (it reads
 ``train/`` and ``val/``: ``make_image_folder.py --val``), model and batch, timed by scripts/time_steps.py over
-the same number of optimizer steps as this repo's timed window, after as many untimed: its own img/s meter starts
-after each batch arrives and so leaves loading out, the wall window does not. The ratio column of its row is this
-repo's folder-fed run over it.
+the same number of optimizer steps as this repo's timed window, after 20 untimed: its own img/s meter starts after
+each batch arrives and so leaves loading out, the wall window does not. Its host memory and busy cores are read as
+this repo's are. The ratio column of its row is this repo's folder-fed run over it. The references evaluate and save
+a checkpoint at each epoch's end and start new loader workers: a folder whose epoch is shorter than the references'
+steps puts that inside their window (said when it does); an epoch of ImageNet is 5,005 steps of 256.
 """
 from __future__ import annotations
 
 import argparse
+import math
 import json
 import os
 import statistics
@@ -43,7 +46,7 @@ if str(ROOT) not in sys.path:
 from scripts.lib.comparison import provenance, provenance_line  # noqa: E402
 from scripts.lib.launch import check_overrides, cuda_device_count, gpu_name, train_launcher  # noqa: E402
 from scripts.lib.refuse import refuse  # noqa: E402
-from scripts.lib.train_runs import run_until_written, train_results  # noqa: E402
+from scripts.lib.train_runs import measured_run, train_results  # noqa: E402
 from trainer.metrics.results import markdown_table, write_json  # noqa: E402
 from trainer.run.cli import script_config  # noqa: E402
 
@@ -82,12 +85,23 @@ def run_references(args: argparse.Namespace, model: str, work: Path, timed: int)
                "--steps", str(timed), "--batch", str(args.batch), "--output", str(output),
                str(args.references / "train.py"), "--data-path", str(args.root), "--model", model,
                "--batch-size", str(args.batch), "--amp", "--workers", str(args.workers), "--epochs", "1000",
-               "--output-dir", str(work / f"references_{model}")]
-    run_until_written(SCRIPT, f"torchvision's references/classification/train.py ({model})", command, output,
-                      args.timeout)
+               "--train-crop-size", str(args.image_size), "--val-crop-size", str(args.image_size),
+               "--val-resize-size", str(round(args.image_size / 0.875)),
+               "--output-dir", str(work / f"references_{model}"), *([] if cuda_device_count() else ["--device", "cpu"])]
+    per_epoch = math.ceil(sum(1 for f in (args.root / "train").rglob("*") if f.is_file()) / args.batch)
+    if per_epoch < REFERENCE_UNTIMED + timed:
+        print(f"{SCRIPT}: note: an epoch of {args.root} is {per_epoch} steps of {args.batch}, fewer than the references' "
+              f"{REFERENCE_UNTIMED} untimed and {timed} timed: their window holds an epoch's end (its evaluation, "
+              "checkpoint and new loader workers), which ours does not; a larger folder compares steps alone",
+              flush=True)
+    usage = measured_run(SCRIPT, f"torchvision's references/classification/train.py ({model})", command, output,
+                         args.timeout)
     window = json.loads(output.read_text())
+    ended = output.stat().st_mtime  # time_steps.py writes it as its window closes
+    cores, own = usage.cores_between(ended - window["wall_s"], ended)
     return {"model": model, "graph": "references (--amp)", "source": "folder", "images_per_s": window["samples_per_s"],
-            "step_ms_median": 1e3 * window["wall_s"] / window["steps"], "steps_timed": window["steps"]}
+            "step_ms_mean": 1e3 * window["wall_s"] / window["steps"], "steps_timed": window["steps"],
+            "run_peak_host_mib": usage.peak_mib, "cores_busy": cores, "rank_cores_busy": own}
 
 
 def main(argv: Sequence[str] = None) -> int:
@@ -140,16 +154,17 @@ def main(argv: Sequence[str] = None) -> int:
         folder["folder_over_synthetic"] = folder["images_per_s"] / synthetic["images_per_s"]
     measured = provenance(gpu_name() if cuda_device_count() else "CPU")
     table = markdown_table(
-        ["model", "graph", "source", "images/s (wall)", "median step ms", "folder / synthetic", "this repo / it",
-         "start-up s", "first step s", "host MiB (rank)", "host MiB (run, workers too)", "loop waiting for input",
-         "cores busy (the rank alone), steady"],
-        [[r["model"], r["graph"], r["source"], f"{r['images_per_s']:,.0f}", round(r["step_ms_median"], 2),
+        ["model", "graph", "source", "images/s (wall)", "step ms (median; references: mean)", "folder / synthetic",
+         "this repo / it", "start-up s", "first step s", "host MiB (rank)", "host MiB (run, workers too)",
+         "loop waiting for input", "cores busy (the rank alone), timed steps"],
+        [[r["model"], r["graph"], r["source"], f"{r['images_per_s']:,.0f}",
+          round(r.get("step_ms_median", r.get("step_ms_mean", 0.0)), 2),
           f"{r['folder_over_synthetic']:.3f}" if "folder_over_synthetic" in r else "",
           f"{r['ours_over_references']:.2f}x" if "ours_over_references" in r else "",
-          *([round(r["startup_s"], 1), round(r["first_step_s"], 1), round(r["rank_peak_host_mib"]),
-             round(r["run_peak_host_mib"]), f"{r['input_wait_share']:.1%}",
-             f"{r['cores_busy']:.1f} ({r['rank_cores_busy']:.1f})"]
-            if "startup_s" in r else [""] * 6)]
+          *([round(r["startup_s"], 1), round(r["first_step_s"], 1), round(r["rank_peak_host_mib"])]
+            if "startup_s" in r else [""] * 3),
+          round(r["run_peak_host_mib"]), *([f"{r['input_wait_share']:.1%}"] if "startup_s" in r else [""]),
+          f"{r['cores_busy']:.1f} ({r['rank_cores_busy']:.1f})"]
          for r in rows])
     medians = {f"{m} {g}": statistics.median(r["folder_over_synthetic"] for r in ours
                                              if (r["model"], r["graph"]) == (m, g) and "folder_over_synthetic" in r)

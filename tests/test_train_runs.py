@@ -45,9 +45,23 @@ def test_the_launched_process_own_cores_leave_its_childrens_out():
     env, mark = process_tree.marked(dict(os.environ))
     with TreeUsage(mark) as waits:
         subprocess.run([sys.executable, "-c", PARENT_WAITS_FOR_A_BUSY_CHILD], env=env, timeout=60, check=True)
-    tree, own = waits.steady_cores()
+    tree, own = waits.cores_between(waits.samples[0][0], waits.samples[-1][1])
     assert 0.3 < tree < 1.5 and own < 0.2, waits.samples
     with TreeUsage(mark) as spins:
         subprocess.run([sys.executable, "-c", BUSY], env=env, timeout=60, check=True)
-    tree, own = spins.steady_cores()
+    tree, own = spins.cores_between(spins.samples[0][0], spins.samples[-1][1])
     assert 0.3 < own < 1.5 and abs(tree - own) < 0.2, spins.samples
+
+
+def test_the_cores_between_two_times_are_those_of_the_samples_inside_them():
+    """A window over the spinning second half of a run reads about one core where the idle first half reads none
+    (a benchmark's timed steps after its start-up); a window shorter than a sample reads the nearest one."""
+    env, mark = process_tree.marked(dict(os.environ))
+    idle_then_busy = f"import time\ntime.sleep(2.5)\n{BUSY}"
+    with TreeUsage(mark) as usage:
+        subprocess.run([sys.executable, "-c", idle_then_busy], env=env, timeout=60, check=True)
+    first, last = usage.samples[0][0], usage.samples[-1][1]
+    assert usage.cores_between(first, first + 2.0)[0] < 0.2, usage.samples
+    assert 0.3 < usage.cores_between(last - 2.0, last)[0] < 1.5, usage.samples
+    assert usage.cores_between(last - 0.1, last - 0.05)[0] > 0.3, usage.samples
+    assert TreeUsage(mark).cores_between(first, last) == (0.0, 0.0)

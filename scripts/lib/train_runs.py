@@ -7,8 +7,9 @@ a thread adds up the proportional set size (PSS: a page shared by n processes co
 the run started, its loader workers included, once a second: their peak is the run's host memory, what
 results.json's perf/peak_host_mib (the rank's own process) leaves out. The same thread reads the CPU time those
 processes used in each second, the cores they kept busy, for the whole tree and for the launched process alone (a
-rank without its loader workers): the median second of the run's second half says whether the run's decoding had
-the machine's cores to itself or ran short of them, and how much of them the training process took.
+rank without its loader workers): the median second of the run's timed steps (results.json's wall window) says
+whether the run's decoding had the machine's cores to itself or ran short of them, and how much of them the training
+process took.
 """
 from __future__ import annotations
 
@@ -31,12 +32,13 @@ SAMPLE_S = 1.0
 class TreeUsage:
     """The peak, over samples taken every ``SAMPLE_S``, of the summed PSS of the processes marked ``mark``; and the
     cores they kept busy in each sample's interval (CPU seconds over wall seconds): ``peak_cores``, the busiest
-    interval's, and ``samples``, every interval's (the whole tree's cores, and the launched processes' own: those
-    whose parent is not marked, without their children, e.g. a rank without its loader workers)."""
+    interval's, and ``samples``, every interval's: (its start and end on the wall clock, time.time(); the whole
+    tree's cores; the launched processes' own: those whose parent is not marked, without their children, e.g. a
+    rank without its loader workers)."""
 
     def __init__(self, mark: str):
         self.mark, self.peak_mib = mark, 0.0
-        self.samples: List[Tuple[float, float]] = []  # (tree cores, launched processes' own cores) per interval
+        self.samples: List[Tuple[float, float, float, float]] = []  # (start, end, tree cores, launched processes')
         self._cpu_s: Dict[int, float] = {}  # each process's CPU seconds at the last sample
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="tree-usage", daemon=True)
@@ -51,18 +53,22 @@ class TreeUsage:
 
     @property
     def peak_cores(self) -> float:
-        return max((tree for tree, _ in self.samples), default=0.0)
+        return max((tree for _, _, tree, _ in self.samples), default=0.0)
 
-    def steady_cores(self) -> Tuple[float, float]:
-        """The median interval of the run's second half (past start-up, where a benchmark's timed steps are):
-        (the tree's cores, the launched processes' own); zeros before any sample."""
-        late = self.samples[len(self.samples) // 2:]
-        if not late:
+    def cores_between(self, start: float, end: float) -> Tuple[float, float]:
+        """The median interval among those whose middle falls in [start, end] (wall clock), or the one nearest that
+        window where it is shorter than a sample: (the tree's cores, the launched processes' own); zeros before any
+        sample."""
+        if not self.samples:
             return 0.0, 0.0
-        return statistics.median(t for t, _ in late), statistics.median(o for _, o in late)
+        inside = [s for s in self.samples if start <= (s[0] + s[1]) / 2 <= end]
+        if not inside:
+            middle = (start + end) / 2
+            inside = [min(self.samples, key=lambda s: abs((s[0] + s[1]) / 2 - middle))]
+        return statistics.median(s[2] for s in inside), statistics.median(s[3] for s in inside)
 
     def _watch(self) -> None:
-        last = time.monotonic()
+        last = time.time()
         while not self._done.wait(SAMPLE_S):
             total, busy_s, own_s, cpu_s = 0, 0.0, 0.0, {}
             pids = set(process_tree.marked_pids(self.mark))
@@ -77,10 +83,10 @@ class TreeUsage:
                 busy = cpu_s[pid] - self._cpu_s.get(pid, cpu_s[pid])  # a process new since the last look: from now
                 busy_s += busy
                 own_s += busy if parent not in pids else 0.0
-            now = time.monotonic()
+            now = time.time()
             self.peak_mib = max(self.peak_mib, total / 2**20)
-            if pids:
-                self.samples.append((busy_s / (now - last), own_s / (now - last)))
+            if pids and now > last:
+                self.samples.append((last, now, busy_s / (now - last), own_s / (now - last)))
             self._cpu_s, last = cpu_s, now
 
 
@@ -95,17 +101,28 @@ def run_until_written(script: str, name: str, command: List[str], written: Path,
         raise SystemExit(f"{script}: {name} {how}:\n{tail}")
 
 
+def measured_run(script: str, name: str, command: List[str], written: Path, timeout: float) -> TreeUsage:
+    """run_until_written with every process it starts marked and watched: the returned TreeUsage holds their host
+    memory and busy cores over the run."""
+    env, mark = process_tree.marked(dict(os.environ))
+    with TreeUsage(mark) as usage:
+        run_until_written(script, name, command, written, timeout, env={process_tree.MARK: env[process_tree.MARK]})
+    return usage
+
+
 def train_results(script: str, name: str, command: List[str], run_dir: Path, timeout: float) -> Dict[str, Any]:
     """Runs ``command`` (a train.py launch writing into ``run_dir``) and returns its results.json with
-    ``host/tree_peak_mib``, ``host/tree_peak_cores`` and the second half's median cores, ``host/tree_cores`` (every
-    process of the run) and ``host/launched_cores`` (the launched process alone: a rank without its workers), added;
-    a failure or a timeout ends the benchmark
-    (SystemExit) naming ``name``."""
-    env, mark = process_tree.marked(dict(os.environ))
+    ``host/tree_peak_mib``, ``host/tree_peak_cores`` and the median cores over the timed steps, ``host/tree_cores``
+    (every process of the run) and ``host/launched_cores`` (the launched process alone: a rank without its
+    workers), added; a failure or a timeout ends the benchmark (SystemExit) naming ``name``. The timed steps: the
+    ``perf/wall_s`` seconds that ended ``time/after_last_step_s`` before results.json was written (the whole run
+    where results.json has no wall window)."""
     results = run_dir / "results.json"
-    with TreeUsage(mark) as usage:
-        run_until_written(script, name, command, results, timeout, env={process_tree.MARK: env[process_tree.MARK]})
-    tree_cores, launched_cores = usage.steady_cores()
-    return {**json.loads(results.read_text()), "host/tree_peak_mib": usage.peak_mib,
+    began = time.time()
+    usage = measured_run(script, name, command, results, timeout)
+    values = json.loads(results.read_text())
+    ended = results.stat().st_mtime - values.get("time/after_last_step_s", 0.0)
+    tree_cores, launched_cores = usage.cores_between(ended - (values.get("perf/wall_s") or ended - began), ended)
+    return {**values, "host/tree_peak_mib": usage.peak_mib,
             "host/tree_peak_cores": usage.peak_cores, "host/tree_cores": tree_cores,
             "host/launched_cores": launched_cores}
