@@ -90,10 +90,10 @@ def run_references(args: argparse.Namespace, model: str, work: Path, timed: int)
                "--output-dir", str(work / f"references_{model}"), *([] if cuda_device_count() else ["--device", "cpu"])]
     per_epoch = math.ceil(sum(1 for f in (args.root / "train").rglob("*") if f.is_file()) / args.batch)
     if per_epoch < REFERENCE_UNTIMED + timed:
-        print(f"{SCRIPT}: note: an epoch of {args.root} is {per_epoch} steps of {args.batch}, fewer than the references' "
-              f"{REFERENCE_UNTIMED} untimed and {timed} timed: their window holds an epoch's end (its evaluation, "
-              "checkpoint and new loader workers), which ours does not; a larger folder compares steps alone",
-              flush=True)
+        print(f"{SCRIPT}: note: an epoch of {args.root} is {per_epoch} steps of {args.batch}, fewer than the "
+              f"references' {REFERENCE_UNTIMED} untimed and {timed} timed: their window holds an epoch's end (its "
+              "evaluation, checkpoint and new loader workers), which ours does not; a larger folder compares steps "
+              "alone", flush=True)
     usage = measured_run(SCRIPT, f"torchvision's references/classification/train.py ({model})", command, output,
                          args.timeout)
     window = json.loads(output.read_text())
