@@ -57,10 +57,10 @@ def test_{0}_prints_and_passes():
 
 def suite_env(folder: Path) -> dict:
     """The small suite's environment: helpers importable, its record file, its own TMPDIR (where a failed second
-    stream's log is kept)."""
+    stream's log is kept), two streams on (whatever the session running this test was told)."""
     (folder / "tmp").mkdir(exist_ok=True)
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)]),
-            "RECORD": str(folder / "record.txt"), "TMPDIR": str(folder / "tmp")}
+            "RECORD": str(folder / "record.txt"), "TMPDIR": str(folder / "tmp"), "TESTS_TWO_STREAMS": "1"}
 
 
 def run_suite(folder: Path, *args: str, env=None, timeout: float = 120) -> subprocess.CompletedProcess:
