@@ -52,6 +52,11 @@ def test_{0}_skips():
 def test_{0}_prints_and_passes():
     print("{0} printed this")
     record("{0}_prints")
+
+@pytest.mark.fast
+@pytest.mark.parametrize("n", range(3))
+def test_{0}_fast(n):
+    pass
 '''
 
 
@@ -71,7 +76,7 @@ def run_suite(folder: Path, *args: str, env=None, timeout: float = 120) -> subpr
 @pytest.fixture
 def suite(tmp_path) -> Path:
     (tmp_path / "conftest.py").write_text(CONFTEST)
-    (tmp_path / "pytest.ini").write_text("[pytest]\ntimeout = 60\n")
+    (tmp_path / "pytest.ini").write_text("[pytest]\ntimeout = 60\nmarkers =\n    fast: in-process\n")
     for name in ("first", "second"):
         (tmp_path / f"test_{name}.py").write_text(TESTS.format(name))
     return tmp_path
@@ -88,12 +93,12 @@ def test_the_second_streams_tests_run_beside_the_first_and_report_as_one_session
     took = time.monotonic() - began
     out = done.stdout
     assert done.returncode == 1, out[-3000:]
-    assert re.search(r"2 failed, 4 passed, 2 skipped", out), out[-3000:]
+    assert re.search(r"2 failed, 10 passed, 2 skipped", out), out[-3000:]
     for name in ("first", "second"):  # every test named in the summary, the failures with their own message
         assert f"FAILED test_{name}.py::test_{name}_fails - AssertionError: {name}'s own message" in out, out[-3000:]
         assert f"PASSED test_{name}.py::test_{name}_passes" in out and f"SKIPPED [1] test_{name}.py" in out, out
         assert f"{name} printed this" in out, out[-3000:]  # -rA shows passed tests' output: replayed too
-    assert re.search(r"two streams: the second pytest ran 4 tests in \d+ s; this one then waited \d+ s", out), out
+    assert re.search(r"two streams: the second pytest ran 7 tests in \d+ s; this one then waited \d+ s", out), out
     runs = recorded(suite)
     first = {runs[f"first_{t}"][0] for t in ("passes", "fails", "prints")}
     second = {runs[f"second_{t}"][0] for t in ("passes", "fails", "prints")}
@@ -105,8 +110,11 @@ def test_the_second_streams_tests_run_beside_the_first_and_report_as_one_session
 
 def test_one_stream_when_turned_off_or_when_one_kind_or_too_little_of_the_second_is_chosen(suite):
     """Off; only the second stream's file chosen; a quarter of its tests chosen (-k: its 60 s measured, 15 s
-    expected, under the 40 s that starting a second pytest must be worth): every test in this pytest."""
-    for args, env in (((), {"TESTS_TWO_STREAMS": "0"}), (("test_second.py",), {}), (("-k", "passes"), {})):
+    expected, under the 40 s that starting a second pytest must be worth); half of its launching tests and its
+    three `fast` ones (which count none of the file's seconds: 30 s expected, where a share of all its tests would
+    be 5 of 7, 43 s): every test in this pytest."""
+    for args, env in (((), {"TESTS_TWO_STREAMS": "0"}), (("test_second.py",), {}), (("-k", "passes"), {}),
+                      (("-k", "fast or fails or passes and not prints"), {})):
         (suite / "record.txt").unlink(missing_ok=True)
         done = run_suite(suite, *args, env=env)
         assert done.returncode in (0, 1) and "passed" in done.stdout, done.stdout[-3000:]
@@ -120,11 +128,13 @@ def test_a_second_stream_that_dies_fails_its_remaining_tests_by_name_and_nothing
     done = run_suite(suite, timeout=90)
     out = done.stdout
     assert done.returncode == 1, out[-3000:]
-    for test in ("test_second_fails", "test_second_skips", "test_second_prints_and_passes"):
+    left = ("test_second_fails", "test_second_skips", "test_second_prints_and_passes",
+            *(f"test_second_fast[{n}]" for n in range(3)))
+    for test in left:
         assert f"ERROR test_second.py::{test} - " in out and f"ERROR at setup of {test}" in out, out[-3000:]
-    assert out.count("ERROR at setup of") == 3, out[-3000:]  # the three, each once in the errors' section
+    assert out.count("ERROR at setup of") == len(left), out[-3000:]  # each once in the errors' section
     errors = out[out.index("= ERRORS ="):out.index("= FAILURES =")]
-    assert errors.count("the second stream's pytest ended (exit 3) before reporting this test") == 3, errors
+    assert errors.count("the second stream's pytest ended (exit 3) before reporting this test") == len(left), errors
     assert "PASSED test_second.py::test_second_passes" in out, out[-3000:]  # reported before it died
 
 
