@@ -199,3 +199,53 @@ def test_inputs_in_a_few_shapes_are_a_note_not_a_finding():
     assert report.verdict == "ready" and not report.findings, report.table()
     assert any("the inputs came in 2 sets of shapes: GraphedStep captures one graph per set" in n
                for n in report.notes), report.notes
+
+
+class _Holder:
+    """An object in a reference cycle of its own: freed by the cycle collector only."""
+
+    def __init__(self):
+        self.me, self.kept = self, None
+
+
+@pytest.mark.fast
+def test_tensors_held_by_garbage_older_than_the_steps_are_not_said_to_be_kept():
+    """The doctor collects the steps' cyclic garbage with the objects made before the steps frozen out (a full
+    collection takes tenths of a second in a large process): a step's tensor held by such an older object, itself
+    garbage, is collected by the full collection made before naming it, and no finding says the step keeps it.
+    The process's own frozen objects stay frozen, and what the doctor froze is thawed."""
+    import gc
+
+    from helpers.doctor_gallery import batches, sgd, small_model
+
+    model = small_model(torch.device("cpu"))
+    optimizer = sgd(model, torch.device("cpu"))
+    holders = [_Holder() for _ in range(CHECKED_STEPS)]  # made before the steps: frozen during them
+    steps = iter(range(CHECKED_STEPS))
+
+    def step(model, x, y):
+        optimizer.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        i = next(steps)
+        holders[i].kept = loss.detach() * 1  # a tensor this line makes, each step
+        holders[i] = None  # its holder now garbage: a cycle older than the steps
+        return loss.detach()
+
+    assert gc.get_freeze_count() == 0
+    report = graphing.diagnose(step, model, optimizer, batches(torch.device("cpu")), warmup_iters=CHECKED_STEPS,
+                               timing_steps=0)
+    assert "memory_growth" not in [f.kind for f in report.findings], report.table()
+    assert gc.get_freeze_count() == 0  # thawed
+
+    kept = _Holder()
+    gc.freeze()  # the process's own: the doctor leaves them frozen
+    try:
+        frozen = gc.get_freeze_count()
+        case, report = diagnose_case("memory_growth")
+        assert "memory_growth" in [f.kind for f in report.findings], report.table()
+        assert frozen / 2 < gc.get_freeze_count() <= frozen  # not thawed (0); a few freed since by their refcount
+    finally:
+        gc.unfreeze()
+    assert kept.me is kept

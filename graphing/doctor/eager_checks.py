@@ -36,8 +36,10 @@ class EagerChecks:
     def start(self) -> None:
         self._model_hooks = watch_model(self.model, self.findings)
         self.optimizer_watch.start()
+        self.memory.start()
 
     def stop(self) -> None:
+        self.memory.stop()
         self.optimizer_watch.stop()
         for h in self._model_hooks:
             h.remove()

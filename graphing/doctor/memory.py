@@ -25,6 +25,23 @@ class MemoryWatch:
         self.device = device
         self.made: List[Tuple[Any, int, str, int]] = []  # (weakref, step, file, line)
         self.allocated: List[int] = []  # device bytes after each step (CUDA)
+        self._froze = False
+
+    def start(self) -> None:
+        """Before the steps: the objects that exist now are frozen out of the collection ``stop`` makes (a full one
+        takes tenths of a second in a process with torch loaded; the steps' own objects are few). Not where the
+        process froze objects itself: thawing ours would thaw those too."""
+        self._froze = gc.get_freeze_count() == 0
+        if self._froze:
+            gc.freeze()
+
+    def stop(self) -> None:
+        """After the steps, also when one raised: the cyclic garbage among the steps' objects collected, and what
+        ``start`` froze thawed."""
+        if self._froze:
+            gc.collect()
+            gc.unfreeze()
+            self._froze = False
 
     def remember(self, out, args, file: str, line: int) -> None:
         """The tensors a user line made (not handed back one of its inputs), from the second step on."""
@@ -53,12 +70,12 @@ class MemoryWatch:
                               f"{self.allocated[-1] / 2**20:.1f} MiB): the step keeps something per step")
 
     def _kept_tensors(self, last_step: int) -> None:
-        """Tensors made at one place in two or more steps (not the last) and still alive now."""
-        gc.collect()
-        steps_alive: Dict[Tuple[str, int], set] = {}
-        for ref, step, file, line in self.made:
-            if 1 <= step <= last_step - 1 and ref() is not None:
-                steps_alive.setdefault((file, line), set()).add(step)
+        """Tensors made at one place in two or more steps (not the last) and still alive now. Before naming one, a
+        full collection: ``stop``'s left out garbage older than the steps, which may hold a step's tensors."""
+        steps_alive = self._steps_alive(last_step)
+        if any(len(steps) >= 2 for steps in steps_alive.values()):
+            gc.collect()
+            steps_alive = self._steps_alive(last_step)
         self.made.clear()
         for (file, line), steps in steps_alive.items():
             if len(steps) >= 2:
@@ -67,6 +84,13 @@ class MemoryWatch:
                                   f"a tensor made here in each of {len(steps)} steps is still alive: the step keeps "
                                   "one per step (a replayed graph adds none, and would keep overwriting one)")
         self.findings.step = -1
+
+    def _steps_alive(self, last_step: int) -> Dict[Tuple[str, int], set]:
+        alive: Dict[Tuple[str, int], set] = {}
+        for ref, step, file, line in self.made:
+            if 1 <= step <= last_step - 1 and ref() is not None:
+                alive.setdefault((file, line), set()).add(step)
+        return alive
 
 
 def _grows(allocated: Sequence[int]) -> bool:
