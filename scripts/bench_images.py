@@ -30,8 +30,8 @@ steps puts that inside their window (said when it does); an epoch of ImageNet is
 from __future__ import annotations
 
 import argparse
-import math
 import json
+import math
 import os
 import statistics
 import sys
