@@ -79,9 +79,8 @@ class DocumentMask:
         if self.kernel == "dense":
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, scale=scale, enable_gqa=gqa)
         else:
-            options = flex_kernel_options(q)
             out = flex_attention_kernel()(q, k, v, block_mask=self.mask, scale=scale, enable_gqa=gqa,
-                                          **({"kernel_options": options} if options else {}))
+                                          kernel_options=flex_kernel_options(q))
         return out.transpose(1, 2)
 
 

@@ -164,8 +164,8 @@ def main(argv: Sequence[str] = None) -> int:
           f"{r['folder_over_synthetic']:.3f}" if "folder_over_synthetic" in r else "",
           f"{r['ours_over_references']:.2f}x" if "ours_over_references" in r else "",
           *([round(r["startup_s"], 1), round(r["first_step_s"], 1), round(r["rank_peak_host_mib"])]
-            if "startup_s" in r else [""] * 3),
-          round(r["run_peak_host_mib"]), *([f"{r['input_wait_share']:.1%}"] if "startup_s" in r else [""]),
+            if "startup_s" in r else [""] * 3),  # the references report no start-up and no rank of their own
+          round(r["run_peak_host_mib"]), f"{r['input_wait_share']:.1%}" if "input_wait_share" in r else "",
           f"{r['cores_busy']:.1f} ({r['rank_cores_busy']:.1f})"]
          for r in rows])
     medians = {f"{m} {g}": statistics.median(r["folder_over_synthetic"] for r in ours
