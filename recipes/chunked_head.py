@@ -163,17 +163,58 @@ def whole_weight(head: torch.nn.Module) -> torch.Tensor:
     return weight
 
 
-def chunked_head_criterion(head: torch.nn.Linear, chunk: int, smoothing: float = 0.0):
+def loss_positions(target: torch.Tensor, size: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(``index [size]``, ``used [size]``): the flat positions of ``target [N]``'s labels that count, in order, in
+    ``size`` slots (unused slots index position 0 and are marked unused), in fixed shapes on the device (graph-safe:
+    no host sync, whatever the step's count). Labels past ``size`` find no slot: the caller checks the count."""
+    kept = target != IGNORE_INDEX
+    rank = torch.cumsum(kept, 0) - 1
+    slot = torch.where(kept & (rank < size), rank, size)  # slot ``size``: where every other position lands
+    index = torch.zeros(size + 1, dtype=torch.int64, device=target.device)
+    index.scatter_(0, slot, torch.arange(target.shape[0], device=target.device))
+    used = torch.arange(size, device=target.device) < kept.sum()
+    return torch.where(used, index[:size], 0), used
+
+
+def at_loss_positions(hidden: torch.Tensor, target: torch.Tensor, size: int):
+    """(hidden states [size, H], their labels [size], ``loss_positions``' index and used, and a factor: 1, or NaN
+    where the step holds more than ``size`` loss tokens): the chunked head's input at the loss tokens only. The
+    packer bounds each row's loss tokens (recipe.model.head_loss_tokens_per_row), so the count fits; a step that
+    did not would train on part of its loss, so the factor makes its loss and gradients NaN, which stops the run
+    (trainer.NonFiniteLossError) rather than train differently."""
+    index, used = loss_positions(target, size)
+    overflow = (target != IGNORE_INDEX).sum() > size
+    poison = torch.where(overflow, float("nan"), 1.0)
+    return hidden.index_select(0, index), torch.where(used, target[index], IGNORE_INDEX), index, used, poison
+
+
+def chunked_head_criterion(head: torch.nn.Linear, chunk: Optional[int], smoothing: float = 0.0,
+                           loss_tokens_per_row: Optional[int] = None):
     """``Recipe.criterion`` (with its ``with_top1`` and ``top1``) over the model's hidden states, ``head`` (the
-    model's ``lm_head``, bias-free) applied ``chunk`` tokens at a time; ``Recipe.correct`` is its ``top1``."""
+    model's ``lm_head``, bias-free) applied ``chunk`` tokens at a time; ``Recipe.correct`` is its ``top1``.
+
+    ``loss_tokens_per_row``: training's head runs at the loss tokens only (``at_loss_positions``), a batch of
+    ``rows`` holding at most ``rows * loss_tokens_per_row`` of them (the packer's bound): fewer logits by the share
+    of tokens that carry no loss (a conversation's prompts). ``chunk`` None: all of them in one chunk. Evaluation
+    (``reduction="none"``) runs over every token as without it."""
 
     def with_top1(hidden: torch.Tensor, target: torch.Tensor,
                   reduction: str = "mean") -> Tuple[torch.Tensor, torch.Tensor]:
         weight = whole_weight(head)
+        flat_h, flat_t = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1)
         if reduction == "none":
-            return chunked_head_terms(hidden, weight, target, chunk, smoothing)
-        total, correct = _chunk_loop(_ChunkedHeadLoss.apply, _chunk_pass, hidden.reshape(-1, hidden.shape[-1]),
-                                     weight, target.reshape(-1), chunk, smoothing)
+            return chunked_head_terms(hidden, weight, target, chunk or flat_t.shape[0], smoothing)
+        if loss_tokens_per_row is None:
+            total, correct = _chunk_loop(_ChunkedHeadLoss.apply, _chunk_pass, flat_h, weight, flat_t,
+                                         chunk or flat_t.shape[0], smoothing)
+        else:
+            size = min(flat_t.shape[0], target.shape[0] * loss_tokens_per_row)
+            h, t, index, used, poison = at_loss_positions(flat_h, flat_t, size)
+            total, right = _chunk_loop(_ChunkedHeadLoss.apply, _chunk_pass, h, weight, t, chunk or size, smoothing)
+            total = total * poison
+            # each slot's correctness back at its position; unused slots write to a slot past the end
+            correct = torch.zeros(flat_t.shape[0] + 1, dtype=torch.bool, device=flat_t.device)
+            correct = correct.scatter(0, torch.where(used, index, flat_t.shape[0]), right)[:-1]
         if reduction == "mean":
             total = total / (target != IGNORE_INDEX).sum()
         return total, correct.view_as(target)
@@ -185,7 +226,7 @@ def chunked_head_criterion(head: torch.nn.Linear, chunk: int, smoothing: float =
         """Each token's top-1 against its label, a chunk at a time, no gradients: a pass of the head of its own,
         which the compiled step (graph.compile_model) saves by counting it in the loss's pass (``with_top1``)."""
         with torch.no_grad():
-            return chunked_head_terms(hidden, whole_weight(head), target, chunk)[1]
+            return chunked_head_terms(hidden, whole_weight(head), target, chunk or target.numel())[1]
 
     return fused_with_top1(criterion, with_top1, top1)
 

@@ -336,9 +336,11 @@ def next_token_loss_and_top1(label_smoothing: float = 0.0):
     return loss_and_correct
 
 
-def language_data(data_cfg, seed: int, context: int, vocab: int, vocab_key: str = "recipe.model.vocab") -> Datasets:
+def language_data(data_cfg, seed: int, context: int, vocab: int, vocab_key: str = "recipe.model.vocab",
+                  max_loss: Optional[int] = None, loss_key: str = "max_loss_tokens") -> Datasets:
     """The samples that ``recipe.data`` names (its source: text, tokens, synthetic or auto), for a model of
-    ``vocab`` tokens; ``vocab_key`` is the setting that sizes it, named in messages.
+    ``vocab`` tokens; ``vocab_key`` is the setting that sizes it, named in messages. ``max_loss``: the most loss
+    tokens a packed row may carry (setting ``loss_key``), for documents only.
 
     Token files with document boundaries (scripts/prepare_text.py --input documents|jsonl|chat|pairs) give
     packed rows of whole documents (trainer/data/packing.py: fields x, y, position_ids, document_ids,
@@ -357,14 +359,20 @@ def language_data(data_cfg, seed: int, context: int, vocab: int, vocab_key: str 
         raise ConfigError(f"recipe.data.path={data_cfg.path!r} but recipe.data.source={source}: set "
                           "recipe.data.source=text (or auto) to read the file, or recipe.data.path=null")
     stats = {}
-    if source == "tokens" and has_documents(data_cfg.root):
+    documents = source == "tokens" and has_documents(data_cfg.root)
+    if max_loss is not None and not documents:
+        raise ConfigError(f"{loss_key}={max_loss} bounds the loss tokens of packed rows of documents, and "
+                          f"recipe.data.source={source} gives windows of one stream, every token a loss token: "
+                          f"set {loss_key}=null, or train on documents (token files that scripts/prepare_text.py "
+                          "wrote with --input documents, jsonl, chat or pairs, in recipe.data.root)")
+    if documents:
         if data_cfg.seq_len_buckets:
             raise ConfigError("recipe.data.seq_len_buckets cuts rows short, which would cut packed documents: "
                               f"remove it (recipe.data.root={data_cfg.root!r} holds documents)")
         train, test = document_splits(data_cfg.root, context, vocab, seed=seed,
-                                      split_long=data_cfg.split_long_documents, vocab_key=vocab_key,
-                                      split_key="recipe.data.split_long_documents",
-                                      context_key="recipe.model.context")
+                                      split_long=data_cfg.split_long_documents, max_loss=max_loss,
+                                      vocab_key=vocab_key, split_key="recipe.data.split_long_documents",
+                                      context_key="recipe.model.context", loss_key=loss_key)
         print(train.describe(), flush=True)
         stats = packing_stats(train)
     elif source == "tokens":
@@ -392,7 +400,9 @@ def packing_stats(train: PackedDocuments) -> dict:
     """The training split's packing, for results.json and W&B (trainer.recipe.Datasets.stats)."""
     return {"data/padding_fraction": train.padding_fraction, "data/documents": len(train.documents),
             "data/rows": len(train), "data/documents_cut": train.plan.split_documents,
-            "data/real_tokens": int(train.real_tokens.sum()), "data/loss_tokens": int(train.loss_tokens.sum())}
+            "data/real_tokens": int(train.real_tokens.sum()), "data/loss_tokens": int(train.loss_tokens.sum()),
+            **({"data/loss_tokens_per_row_bound": train.max_loss, "data/cuts_for_loss_bound": train.plan.cut_for_loss}
+               if train.max_loss is not None else {})}
 
 
 ATTENTION = ("auto", "document", "causal")

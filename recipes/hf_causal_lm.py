@@ -59,17 +59,25 @@ from graphing.sharded import local_tensor
 
 REQUIREMENT = "transformers>=5.17,<6"  # as requirements-hf.txt says
 INSTALL = "pip install -r requirements-hf.txt"
-MODEL_KEYS = ("config", "path", "context", "head_chunk_tokens")
+MODEL_KEYS = ("config", "path", "context", "head_chunk_tokens", "head_loss_tokens_per_row")
 
 
 @dataclass(frozen=True)
 class ModelSettings:
-    """``recipe.model``: exactly one of ``config`` (a mapping) and ``path``, the context, and ``head_chunk_tokens``
-    (the LM head and its loss this many tokens at a time, recipes/chunked_head.py; None: the whole step's logits)."""
+    """``recipe.model``: exactly one of ``config`` (a mapping) and ``path``, the context, ``head_chunk_tokens``
+    (the LM head and its loss this many tokens at a time, recipes/chunked_head.py; None: the whole step's logits)
+    and ``head_loss_tokens_per_row`` (training's head at the loss tokens only, each packed row carrying at most
+    this many; None: at every token)."""
     config: Optional[Dict[str, Any]]
     path: Optional[str]
     context: int
     head_chunk_tokens: Optional[int] = None
+    head_loss_tokens_per_row: Optional[int] = None
+
+    @property
+    def chunked_head(self) -> bool:
+        """Whether the loss applies the head itself (recipes/chunked_head.py) rather than read the model's logits."""
+        return self.head_chunk_tokens is not None or self.head_loss_tokens_per_row is not None
 
 
 def transformers_module(recipe: str = "hf_causal_lm"):
@@ -117,7 +125,13 @@ def model_settings(settings) -> ModelSettings:
     if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
         raise ConfigError(f"recipe.model.head_chunk_tokens={chunk!r} must be a positive integer (tokens a chunk, "
                           "e.g. 4096), or null for the whole step's logits at once")
-    return ModelSettings(config, path, context, chunk)
+    per_row = values.get("head_loss_tokens_per_row")
+    if per_row is not None and (isinstance(per_row, bool) or not isinstance(per_row, int)
+                                or not 1 <= per_row <= context):
+        raise ConfigError(f"recipe.model.head_loss_tokens_per_row={per_row!r} must be an integer from 1 to "
+                          f"recipe.model.context={context} (the most loss tokens a packed row carries, e.g. 3/4 of "
+                          "the context for conversations), or null for the head at every token")
+    return ModelSettings(config, path, context, chunk, per_row)
 
 
 def model_config(settings: ModelSettings, transformers):
@@ -491,13 +505,16 @@ def packed_documents_forward(model: torch.nn.Module, attention: str, transformer
     return packed_logits
 
 
-def chunked_head(model: torch.nn.Module, chunk: int, cfg):
-    """The criterion of ``recipe.model.head_chunk_tokens``: the model's ``lm_head`` passes its hidden states through
-    and the loss applies the head a chunk at a time (recipes/chunked_head.py); refused where the head's weight is
+def chunked_head(model: torch.nn.Module, settings: ModelSettings, cfg):
+    """The criterion of ``recipe.model.head_chunk_tokens`` and ``head_loss_tokens_per_row``: the model's ``lm_head``
+    passes its hidden states through and the loss applies the head a chunk at a time, at the loss tokens only with
+    the second (recipes/chunked_head.py); refused where the head's weight is
     not a plain local tensor when the loss reads it (under FSDP2, a root resharded after forward: kept gathered,
     the root's weights stay whole from its forward to its backward, where FSDP2 reduce-scatters the head's
     gradient with the rest of the root's), or the model does more after its head."""
-    key = f"recipe.model.head_chunk_tokens={chunk}"
+    key = " and ".join(f"recipe.model.{name}={value}" for name, value in (
+        ("head_chunk_tokens", settings.head_chunk_tokens),
+        ("head_loss_tokens_per_row", settings.head_loss_tokens_per_row)) if value is not None)
     fsdp = cfg.train.fsdp
     refuse = [why for why, applies in (
         # The loss reads the head's weight after the model's forward: FSDP2 must still hold it gathered then.
@@ -511,9 +528,10 @@ def chunked_head(model: torch.nn.Module, chunk: int, cfg):
     if not isinstance(head, torch.nn.Linear) or head.bias is not None:
         refuse.append(f"the head of {type(model).__name__} is not one bias-free linear layer")
     if refuse:
-        raise ConfigError(f"{key} cannot be used with {'; '.join(refuse)}: set recipe.model.head_chunk_tokens=null")
+        raise ConfigError(f"{key} cannot be used with {'; '.join(refuse)}: set it to null")
     pass_hidden_states_through(head)
-    return chunked_head_criterion(head, chunk, cfg.recipe.label_smoothing)
+    return chunked_head_criterion(head, settings.head_chunk_tokens, cfg.recipe.label_smoothing,
+                                  settings.head_loss_tokens_per_row)
 
 
 def build(cfg, rt: Runtime) -> Recipe:
@@ -523,7 +541,8 @@ def build(cfg, rt: Runtime) -> Recipe:
     check_config(config, settings)
     vocab_key = ("recipe.model.config.vocab_size" if settings.path is None
                  else f"vocab_size (in recipe.model.path={settings.path!r})")
-    data = language_data(cfg.recipe.data, cfg.seed, settings.context, config.vocab_size, vocab_key)
+    data = language_data(cfg.recipe.data, cfg.seed, settings.context, config.vocab_size, vocab_key,
+                         settings.head_loss_tokens_per_row, "recipe.model.head_loss_tokens_per_row")
     meta = rt is not None and rt.init_device.type == "meta"
     draw = init_weights
     source = None if settings.path is None else Path(settings.path).expanduser()
@@ -540,8 +559,8 @@ def build(cfg, rt: Runtime) -> Recipe:
             check_attention_kernel(cfg, rt)
         forward = packed_documents_forward(model, attention, transformers, cfg.recipe.data.attention_kernel)
     criterion = next_token_criterion(cfg.recipe.label_smoothing)
-    if settings.head_chunk_tokens is not None:
-        criterion = chunked_head(model, settings.head_chunk_tokens, cfg)
+    if settings.chunked_head:
+        criterion = chunked_head(model, settings, cfg)
     return Recipe(name=cfg.recipe.name, model=model, data=data, preprocess=preprocess,
                   criterion=criterion, correct=criterion.top1,
                   units_per_sample=settings.context, unit="tokens",

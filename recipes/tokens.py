@@ -267,13 +267,13 @@ def read_document_header(root, vocab: int, data_key: str = "recipe.data.root",
 
 
 def document_splits(root, context: int, vocab: int, *, seed: int = 0, buffer: int = DEFAULT_BUFFER,
-                    split_long: bool = True, max_documents: Optional[int] = None,
+                    split_long: bool = True, max_documents: Optional[int] = None, max_loss: Optional[int] = None,
                     data_key: str = "recipe.data.root", vocab_key: str = "recipe.model.vocab",
-                    split_key: str = "split_long_documents",
-                    context_key: str = "recipe.model.context") -> Tuple[PackedDocuments, PackedDocuments]:
+                    split_key: str = "split_long_documents", context_key: str = "recipe.model.context",
+                    loss_key: str = "max_loss_tokens") -> Tuple[PackedDocuments, PackedDocuments]:
     """(train, test) packed rows of the documents in ``root`` (trainer/data/packing.py), after
     ``read_document_header``'s checks. The test split takes the training split's ``max_documents``, so both
-    carry ``cu_seqlens`` of one length."""
+    carry ``cu_seqlens`` of one length; ``max_loss`` (the most loss tokens a row carries) binds both."""
     meta = read_document_header(root, vocab, data_key, vocab_key)
     directory = Path(root).expanduser()
     loss_files = meta.get("loss_mask") or {}
@@ -281,8 +281,9 @@ def document_splits(root, context: int, vocab: int, *, seed: int = 0, buffer: in
     for name in SPLIT_FILES:
         documents = DocumentFiles(directory, name, meta["dtype"], loss_files.get(name))
         splits.append(PackedDocuments(documents, context, seed=seed, buffer=buffer, split_long=split_long,
-                                      max_documents=max_documents, x_dtype=input_dtype(meta["dtype"]),
-                                      split_key=split_key, context_key=context_key))
+                                      max_documents=max_documents, max_loss=max_loss,
+                                      x_dtype=input_dtype(meta["dtype"]), split_key=split_key,
+                                      context_key=context_key, loss_key=loss_key))
         max_documents = splits[0].max_documents
         if int(splits[-1].loss_tokens.sum()) == 0:  # every label a prompt's: nothing to learn or to average over
             raise ConfigError(f"{data_key}={root}: its {Path(name).stem} split has no token that carries loss (the "

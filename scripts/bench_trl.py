@@ -93,8 +93,8 @@ class Plan:
     compile_trl: bool
     liger: str  # TRL's use_liger_kernel: auto (where liger_kernel imports), on, off
     seed: int
-    # this repo's runs, one per recipe.model.head_chunk_tokens (None: the whole logits), beside one TRL run
-    head_chunks: Tuple[Optional[int], ...] = (None,)
+    # this repo's runs, one per way of computing its head (--head-chunk x --head-loss-tokens), beside one TRL run
+    heads: Tuple["Head", ...] = ()
     trl_pad_to: Optional[int] = None  # TRL's pad_to_multiple_of: its padding-free steps padded to one length
 
     @property
@@ -145,14 +145,34 @@ def trl_command(plan: Plan, output: Path) -> List[str]:
             *(["--pad-to-multiple-of", str(plan.trl_pad_to)] if plan.trl_pad_to else [])]
 
 
-def ours_overrides(plan: Plan, head_chunk: Optional[int]) -> List[str]:
+@dataclass(frozen=True)
+class Head:
+    """How one of this repo's runs computes its LM head and loss."""
+    chunk: Optional[int] = None  # recipe.model.head_chunk_tokens (None: the whole step's logits at once)
+    loss_per_row: Optional[int] = None  # recipe.model.head_loss_tokens_per_row (None: at every token)
+
+    @property
+    def run_dir(self) -> str:
+        return ("ours" + (f"_chunk{self.chunk}" if self.chunk is not None else "")
+                + (f"_loss{self.loss_per_row}" if self.loss_per_row is not None else ""))
+
+    @property
+    def label(self) -> str:
+        """The row's words after "this repo <graph>" (empty for the whole logits)."""
+        return ((f", head in chunks of {self.chunk}" if self.chunk is not None else "")
+                + (f", head at <= {self.loss_per_row} loss tokens a row" if self.loss_per_row is not None else ""))
+
+
+def ours_overrides(plan: Plan, head: Head) -> List[str]:
     """train.py's settings for this repo's side: the matched optimizer, schedule, steps and data (MATCHED), with
-    its head in chunks of ``head_chunk`` tokens (None: the whole logits)."""
+    its head as ``head`` says."""
     return ["recipe=hf_causal_lm", "recipe.model.config=null", f"recipe.model.path={hydra_value(str(plan.model))}",
             f"recipe.model.context={plan.context}", "recipe.data.source=tokens",
             f"recipe.data.root={hydra_value(str(plan.tokens))}", f"recipe.data.batch_size={plan.our_batch}",
             "recipe.data.attention=document", f"recipe.data.attention_kernel={plan.attention}",
-            f"recipe.model.head_chunk_tokens={hydra_value(head_chunk)}", f"recipe.optim.lr={MATCHED['lr']!r}",
+            f"recipe.model.head_chunk_tokens={hydra_value(head.chunk)}",
+            f"recipe.model.head_loss_tokens_per_row={hydra_value(head.loss_per_row)}",
+            f"recipe.optim.lr={MATCHED['lr']!r}",
             f"recipe.optim.betas={hydra_value(list(MATCHED['betas']))}",
             f"recipe.optim.weight_decay={MATCHED['weight_decay']!r}", f"+recipe.optim.eps={MATCHED['eps']!r}",
             "recipe.schedule._target_=trainer.step.schedules.Constant",
@@ -163,13 +183,13 @@ def ours_overrides(plan: Plan, head_chunk: Optional[int]) -> List[str]:
             "checkpoint.save=false", "logger=none", f"seed={plan.seed}"]
 
 
-def ours_command(plan: Plan, args: argparse.Namespace, head_chunk: Optional[int]) -> List[str]:
-    return [sys.executable, "train.py", *args.train_options, *ours_overrides(plan, head_chunk), *args.overrides,
-            f"run_dir={hydra_value(str(ours_run_dir(plan, head_chunk)))}"]
+def ours_command(plan: Plan, args: argparse.Namespace, head: Head) -> List[str]:
+    return [sys.executable, "train.py", *args.train_options, *ours_overrides(plan, head), *args.overrides,
+            f"run_dir={hydra_value(str(ours_run_dir(plan, head)))}"]
 
 
-def ours_run_dir(plan: Plan, head_chunk: Optional[int]) -> Path:
-    return plan.runs / ("ours" if head_chunk is None else f"ours_chunk{head_chunk}")
+def ours_run_dir(plan: Plan, head: Head) -> Path:
+    return plan.runs / head.run_dir
 
 
 # ---- making the data, tokenizer and model ------------------------------------------------
@@ -210,15 +230,16 @@ def trl_row(plan: Plan, status: str, result: Dict[str, Any], command: Sequence[s
             "status": status, "command": shlex.join(command[1:])}
 
 
-def ours_row(plan: Plan, status: str, head_chunk: Optional[int], command: Sequence[str]) -> Dict[str, Any]:
-    run_dir = ours_run_dir(plan, head_chunk)
+def ours_row(plan: Plan, status: str, head: Head, command: Sequence[str]) -> Dict[str, Any]:
+    run_dir = ours_run_dir(plan, head)
     results_file = run_dir / "results.json"
     r = json.loads(results_file.read_text()) if status == "ok" and results_file.is_file() else {}
     if status == "ok":  # flags a fallback to eager, or only warm-up steps timed
         status = comparison_rows([{"mode": plan.graph, "status": status, "results": r}])[0]["status"]
     real = r.get("perf/wall_real_tokens_per_s")
-    return {"run": f"this repo {plan.graph}" + (f", head in chunks of {head_chunk}" if head_chunk else ""),
-            "head_chunk": head_chunk, "size": plan.size, "rows": plan.our_batch, "context": plan.context,
+    return {"run": f"this repo {plan.graph}{head.label}", "head_chunk": head.chunk,
+            "head_loss_tokens_per_row": head.loss_per_row, "size": plan.size, "rows": plan.our_batch,
+            "context": plan.context,
             "attention": f"document_attention ({plan.attention})", "compile": plan.graph, "liger": False,
             "real_tokens_per_s": real,
             "real_tokens_per_step": real * r["perf/wall_s"] / r["perf/wall_steps"] if real and r.get("perf/wall_steps")
@@ -300,7 +321,7 @@ def report(plan: Plan, rows: List[Dict[str, Any]], measured: Dict[str, Optional[
              "once per forward from TRL's padding-free batch (scripts/lib/trl_worker.py).",
              "- LM head and loss: TRL, " + ("Liger's fused linear cross-entropy" if plan.liger == "on" else
                                             "the whole logits, or Liger's fused head where it imports (--liger auto)")
-             + "; this repo, " + head_words(plan.head_chunks) + ".",
+             + "; this repo, " + head_words(plan.heads) + ".",
              "- Not matched: the packing (TRL: best-fit decreasing over the whole set, rows of at most the context; "
              "this repo: best-fit decreasing in a shuffle buffer, rows of exactly the context), the order of the "
              "conversations, weight decay on biases and norms (TRL leaves them out; this repo decays every "
@@ -313,14 +334,15 @@ def report(plan: Plan, rows: List[Dict[str, Any]], measured: Dict[str, Optional[
     return "\n".join(lines) + "\n"
 
 
-def head_words(head_chunks: Sequence[Optional[int]]) -> str:
+def head_words(heads: Sequence[Head]) -> str:
     """How this repo's rows compute their LM head and loss."""
-    if len(head_chunks) == 1:
-        chunk = head_chunks[0]
+    if len(heads) == 1 and heads[0].loss_per_row is None:
+        chunk = heads[0].chunk
         return ("the whole step's logits" if chunk is None
                 else f"in chunks of {chunk} tokens (recipe.model.head_chunk_tokens)")
     return ("as each row says: the whole step's logits, or in chunks of that many tokens "
-            "(recipe.model.head_chunk_tokens)")
+            "(recipe.model.head_chunk_tokens), at every token or at the loss tokens only, each packed row holding "
+            "at most that many (recipe.model.head_loss_tokens_per_row)")
 
 
 # ---- running -------------------------------------------------------------------------------
@@ -337,12 +359,12 @@ def run_size(plan: Plan, args: argparse.Namespace, measured: Dict[str, Optional[
     result = json.loads(trl_output.read_text()) if status == "ok" and trl_output.is_file() else {}
     rows = [trl_row(plan, status, result, command)]
 
-    for head_chunk in plan.head_chunks:
-        command = ours_command(plan, args, head_chunk)
-        name = ours_run_dir(plan, head_chunk).name
+    for head in plan.heads:
+        command = ours_command(plan, args, head)
+        name = ours_run_dir(plan, head).name
         _, status = run_or_mark(SCRIPT, f"[{plan.size}] this repo ({name})", command, args.timeout,
                                 {"PYTHONUNBUFFERED": "1"}, log=plan.runs / f"{name}.log")
-        rows.append(ours_row(plan, status, head_chunk, command))
+        rows.append(ours_row(plan, status, head, command))
     rows = [{**row, "provenance": dict(measured)} for row in with_ratios(rows)]
 
     output = output_dir / f"trl_sft_{plan.size}.json"
@@ -350,9 +372,12 @@ def run_size(plan: Plan, args: argparse.Namespace, measured: Dict[str, Optional[
     plot = loss_plot(rows, output.with_name(f"{output.stem}_loss.png"))
     text = report(plan, rows, measured, plot)
     print("\n" + text, flush=True)
-    write_json(output, {"date": datetime.date.today().isoformat(), "size": plan.size, "shape": vars(SIZES[plan.size]), "plan": {
-        k: str(v) if isinstance(v, Path) else v for k, v in vars(plan).items()}, "conversations": plan.conversations,
-        "matched": MATCHED, "loss_normalization": LOSS_NORMALIZATION, "provenance": measured, "rows": rows})
+    plan_fields = {k: str(v) if isinstance(v, Path) else [vars(h) for h in v] if k == "heads" else v
+                   for k, v in vars(plan).items()}
+    write_json(output, {"date": datetime.date.today().isoformat(), "size": plan.size,
+                        "shape": vars(SIZES[plan.size]), "plan": plan_fields, "conversations": plan.conversations,
+                        "matched": MATCHED, "loss_normalization": LOSS_NORMALIZATION, "provenance": measured,
+                        "rows": rows})
     output.with_suffix(".md").write_text(text)
     print(f"{SCRIPT}: wrote {output} and {output.with_suffix('.md').name}", flush=True)
     return [(f"[{plan.size}] {row['run']}", row["status"]) for row in rows]
@@ -373,7 +398,9 @@ def loss_plot(rows: List[Dict[str, Any]], path: Path) -> Optional[str]:
 def plans(args: argparse.Namespace) -> List[Plan]:
     return [Plan(size, args.work.resolve(), args.context, args.our_batch, args.trl_batch, args.steps,
                  args.warmup_steps, args.attention, args.trl_attention or args.attention, args.graph,
-                 not args.no_compile, args.liger, args.seed, tuple(dict.fromkeys(args.head_chunk)), args.trl_pad_to)
+                 not args.no_compile, args.liger, args.seed,
+                 tuple(Head(chunk, loss) for chunk in dict.fromkeys(args.head_chunk)
+                       for loss in dict.fromkeys(args.head_loss_tokens)), args.trl_pad_to)
             for size in dict.fromkeys(args.sizes)]
 
 
@@ -420,6 +447,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="this repo's recipe.model.head_chunk_tokens: its LM head and loss this many tokens at a "
                              "time, or none for the whole step's logits (the default); several values run this repo "
                              "once each beside one TRL run, in one table: --head-chunk none 4096 2048")
+    parser.add_argument("--head-loss-tokens", type=head_chunk_value, nargs="+", default=[None],
+                        help="this repo's recipe.model.head_loss_tokens_per_row: its head at the loss tokens only, "
+                             "each packed row holding at most this many, or none for every token (the default); "
+                             "with several --head-chunk values, each pair runs: --head-chunk 4096 --head-loss-tokens "
+                             "none 3072")
     parser.add_argument("--trl-pad-to", type=positive_int, default=None,
                         help="TRL's pad_to_multiple_of: each padding-free step padded to a multiple of this many "
                              "tokens (its rows x the context: one length every step, so flex and torch_compile "
@@ -447,7 +479,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     def checked(args: argparse.Namespace) -> List[str]:  # a typo in this repo's part fails here, before any run
         check(parser, args)
         plan = plans(args)[0]
-        return ours_overrides(plan, next((c for c in plan.head_chunks if c is not None), None))
+        return ours_overrides(plan, plan.heads[-1])
 
     args, _ = script_config(parser, argv, defaults=checked)
     run_plans = plans(args)
@@ -457,8 +489,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   f"{plan.tokenizer}; model {plan.model}")
             print(f"[{plan.size}] prepare: {shlex.join(prepare_command(plan))}")
             print(f"[{plan.size}] TRL: {shlex.join(trl_command(plan, plan.runs / 'trl.json'))}")
-            for chunk in plan.head_chunks:
-                print(f"[{plan.size}] this repo: {shlex.join(ours_command(plan, args, chunk))}")
+            for head in plan.heads:
+                print(f"[{plan.size}] this repo: {shlex.join(ours_command(plan, args, head))}")
         return 0
     import importlib.util
 

@@ -127,8 +127,21 @@ def test_several_head_chunks_run_this_repo_once_each_beside_one_trl_run(tmp_path
     assert len(ours) == 3  # the repeated 4096 runs once
     for line, chunk, run_dir in zip(ours, ("null", "4096", "2048"), ("ours", "ours_chunk4096", "ours_chunk2048")):
         assert f"recipe.model.head_chunk_tokens={chunk}" in line and f"/{run_dir}" in line, line
-    assert bench.head_words([None]) == "the whole step's logits"
-    assert bench.head_words([2048]) == "in chunks of 2048 tokens (recipe.model.head_chunk_tokens)"
+    assert bench.head_words([bench.Head()]) == "the whole step's logits"
+    assert bench.head_words([bench.Head(2048)]) == "in chunks of 2048 tokens (recipe.model.head_chunk_tokens)"
+
+
+@pytest.mark.fast
+def test_head_loss_tokens_run_this_repo_once_per_chunk_and_bound(tmp_path, capsys):
+    assert bench.main(["--dry-run", "--sizes", "tiny", "--head-chunk", "4096", "--head-loss-tokens", "none", "3072",
+                       "--work", str(tmp_path / "work")]) == 0
+    ours = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[tiny] this repo: ")]
+    assert len(ours) == 2
+    for line, bound, run_dir in zip(ours, ("null", "3072"), ("ours_chunk4096", "ours_chunk4096_loss3072")):
+        assert "recipe.model.head_chunk_tokens=4096" in line and f"/{run_dir}" in line, line
+        assert f"recipe.model.head_loss_tokens_per_row={bound}" in line, line
+    assert "head at <= 3072 loss tokens a row" in bench.Head(4096, 3072).label
+    assert "recipe.model.head_loss_tokens_per_row" in bench.head_words([bench.Head(4096), bench.Head(4096, 3072)])
 
 
 BAD = [  # (arguments, words of the one line)

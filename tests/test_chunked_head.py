@@ -110,7 +110,6 @@ def test_bf16_hidden_states_give_the_whole_logits_gradients_to_bf16_rounding():
 
 
 @pytest.mark.fast
-@pytest.mark.fast
 def test_under_autocast_the_head_hands_the_loss_its_hidden_states_in_autocasts_dtype():
     """The loss runs outside autocast: the head, called inside the model's autocast forward, casts the hidden states
     as its own matmul would have, so the chunks' matmuls run in bf16 (they ran in fp32: 3x slower on an H200)."""
@@ -124,6 +123,71 @@ def test_under_autocast_the_head_hands_the_loss_its_hidden_states_in_autocasts_d
     (passed.float() * 3).sum().backward()
     assert x.grad.dtype == torch.float32 and torch.equal(x.grad, torch.full_like(x, 3.0))
     assert set(head.state_dict()) == {"weight"}
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("per_row", [11, 7], ids=["room-to-spare", "exactly-full"])
+@pytest.mark.parametrize("chunk", [None, 4])
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_the_head_at_the_loss_tokens_only_equals_the_whole_logits(per_row, chunk, reduction):
+    """recipe.model.head_loss_tokens_per_row: 3 rows of 11 tokens, 21 of them loss tokens, in 3 * per_row slots
+    (33: 12 unused, read as position 0 with no label; 21: every slot used). Loss, both gradients and the top-1 of
+    every position (False at the positions without a label, as the whole logits judge them) are the whole
+    logits', in fp64 inputs to fp32's rounding."""
+    head, x, target = case()
+    with torch.no_grad():
+        target[1, :4] = (x[1, :4] @ head.weight.T).argmax(-1)  # four labels the model predicts
+    assert (target != IGNORE_INDEX).sum() == 21
+    loss, correct = chunked_head_criterion(head, chunk, 0.1, per_row).with_top1(x, target, reduction=reduction)
+    (3.0 * loss).backward()
+    got = loss.detach(), x.grad.clone(), head.weight.grad.clone()
+    x.grad = head.weight.grad = None
+    ref, logits = unchunked(head, x, target, 0.1, reduction)
+    (3.0 * ref).backward()
+    assert got[0].item() == pytest.approx(ref.item(), rel=1e-6)
+    assert torch.allclose(got[1], x.grad, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(got[2], head.weight.grad, rtol=1e-5, atol=1e-5)
+    assert torch.equal(correct, top1_correct(logits.detach().float(), target))
+    assert correct[1, :4].all()  # not vacuous: the predicted labels read back at their positions
+
+
+@pytest.mark.fast
+def test_more_loss_tokens_than_the_slots_make_the_loss_and_gradients_nan_never_a_partial_loss():
+    """21 loss tokens, 3 rows of at most 6: the packer never makes such a batch, and were one to reach the head,
+    training on 18 of its 21 labels would differ from eager's whole logits without a word. The loss and the
+    gradients it gives are NaN instead, which stops the run (trainer.NonFiniteLossError names the step)."""
+    head, x, target = case()
+    loss = chunked_head_criterion(head, 4, 0.0, 6).with_top1(x, target, reduction="sum")[0]
+    loss.backward()
+    assert loss.isnan() and head.weight.grad.isnan().all()
+    assert x.grad[target != IGNORE_INDEX][:18].isnan().all()  # every hidden state the head read
+
+
+def test_the_head_at_the_loss_tokens_compiled_equals_it_eager():
+    """graph=full_compiled traces the loss positions' gather (cumsum, scatter, index) into the step's graph; the
+    chunk loop stays outside it as without the bound."""
+    head, x, target = case()
+    x, head = x.detach().float().requires_grad_(), head.float()
+    criterion = chunked_head_criterion(head, 5, 0.1, 8)
+    results = {}
+    for name, fn in (("eager", criterion.with_top1), ("compiled", torch.compile(criterion.with_top1, dynamic=False))):
+        x.grad = head.weight.grad = None
+        loss, correct = fn(x, target, reduction="mean")
+        loss.backward()
+        results[name] = (loss.detach(), correct, x.grad.clone(), head.weight.grad.clone())
+    for got, want in zip(results["compiled"], results["eager"]):
+        assert got.dtype == want.dtype and torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.fast
+def test_loss_positions_lists_the_counted_labels_in_order_in_fixed_slots():
+    from recipes.chunked_head import loss_positions
+
+    target = torch.tensor([IGNORE_INDEX, 5, 6, IGNORE_INDEX, 7, IGNORE_INDEX])
+    index, used = loss_positions(target, 5)
+    assert index.tolist() == [1, 2, 4, 0, 0] and used.tolist() == [True, True, True, False, False]
+    index, used = loss_positions(target, 2)  # too few slots: the first two (the caller poisons the loss)
+    assert index.tolist() == [1, 2] and used.tolist() == [True, True]
 
 
 def test_per_token_losses_for_evaluation_and_with_gradients_for_a_partial_batch():
@@ -166,8 +230,38 @@ def test_hf_causal_lm_trains_alike_with_the_head_in_chunks(train_here, tmp_path,
 
 
 @transformers_needed
+def test_hf_causal_lm_trains_alike_with_the_head_at_the_loss_tokens_only(train_here, tmp_path):
+    """recipe.model.head_loss_tokens_per_row on prompt/completion pairs (about half the tokens carry loss): at the
+    context (64: the packing is the unbounded one, the head reads the loss tokens in slots of which some stay
+    unused) the run trains as with the whole logits; at 40 each row holds at most 40 loss tokens, the log and
+    results say so, and the run trains."""
+    from helpers.availability import needs_extra
+
+    from helpers.documents import pairs_directory
+
+    needs_extra("transformers")
+    data = [f"recipe.data.root={pairs_directory(tmp_path)}", "recipe.data.source=tokens",
+            "recipe.data.train_size=null", "recipe.data.test_size=null"]
+    runs = {bound: train_here([*TINY, *data, f"recipe.model.head_loss_tokens_per_row={bound}"], tmp_path / bound)
+            for bound in ("null", "64", "40")}
+    for done in runs.values():
+        assert done.returncode == 0, done.stderr[-3000:]
+    whole, at_loss, bounded = (runs[b].results() for b in ("null", "64", "40"))
+    for key in ("final/loss", "final/eval_loss", "final/accuracy", "final/eval_accuracy", "final/grad_norm"):
+        assert at_loss[key] == pytest.approx(whole[key], rel=1e-4), key
+    assert whole["data/loss_tokens"] < 0.7 * whole["data/real_tokens"]  # prompts carry none: fewer logits
+    assert "(at most 40 a row)" in runs["40"].stdout and bounded["data/loss_tokens_per_row_bound"] == 40
+    assert bounded["data/loss_tokens"] == whole["data/loss_tokens"]  # nothing dropped
+    assert bounded["final/loss"] == pytest.approx(whole["final/loss"], rel=0.2)  # the same data, other rows
+
+
+@transformers_needed
 @pytest.mark.parametrize("overrides, message", [
     (["recipe.model.head_chunk_tokens=0"], "recipe.model.head_chunk_tokens=0 must be a positive integer"),
+    (["recipe.model.head_loss_tokens_per_row=65"], "recipe.model.head_loss_tokens_per_row=65 must be an integer "
+     "from 1 to recipe.model.context=64"),
+    (["recipe.model.head_loss_tokens_per_row=32"], "recipe.model.head_loss_tokens_per_row=32 bounds the loss tokens "
+     "of packed rows of documents, and recipe.data.source=synthetic gives windows of one stream"),
     (["recipe.model.head_chunk_tokens=64", "train.parallel=fsdp2"],
      "recipe.model.head_chunk_tokens=64 cannot be used with train.parallel=fsdp2 with its root resharded after "
      "forward (the head's weight is sharded again before the loss reads it; set train.fsdp.root=gathered)"),

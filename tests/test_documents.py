@@ -386,6 +386,71 @@ def test_best_fit_decreasing_pads_at_most_two_percent_of_realistic_lengths(conte
     assert packed.real_tokens.sum() == documents.offsets[-1]
 
 
+def conversation_like(documents, seed: int = 1):
+    """The documents with a loss mask as conversations carry one: a prompt of 10-60% of each, then the reply (about
+    65% of the tokens carry loss in all)."""
+    from trainer.data.packing import Documents
+
+    rng = np.random.default_rng(seed)
+    targets = np.zeros(documents.offsets[-1], np.uint8)
+    for a, b in zip(documents.offsets[:-1], documents.offsets[1:]):
+        targets[a + int((b - a) * rng.uniform(0.1, 0.6)):b] = 1
+    return Documents(documents.tokens, documents.offsets, targets)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("context,bound", [(4096, 3072), (2048, 1536)])
+def test_a_loss_bound_holds_in_every_row_at_little_padding_and_no_loss_token_lost(context, bound):
+    """recipe.model.head_loss_tokens_per_row: no row carries more loss tokens than the bound (the head's slots),
+    at 3/4 of the context the padding stays under 1% (the data's share of loss tokens: 65%), and every loss token
+    of the documents is in some row: the pieces with more than the bound are cut, not dropped."""
+    from trainer.data.packing import IGNORE_INDEX, PackedDocuments
+
+    documents = conversation_like(lognormal_documents(20_000, longest=context))
+    free = PackedDocuments(documents, context)
+    packed = PackedDocuments(documents, context, max_loss=bound, loss_key="recipe.model.head_loss_tokens_per_row")
+    print(f"context {context}, at most {bound} loss tokens a row: padding {100 * packed.padding_fraction:.3f}% "
+          f"(no bound: {100 * free.padding_fraction:.3f}%), {packed.plan.cut_for_loss} cuts; most in a row "
+          f"{packed.loss_tokens.max()} (no bound: {free.loss_tokens.max()})")
+    assert free.loss_tokens.max() > bound  # not vacuous: without the bound some rows hold more
+    assert packed.loss_tokens.max() <= bound and packed.padding_fraction < 0.01
+    assert packed.loss_tokens.sum() == free.loss_tokens.sum() and packed.real_tokens.sum() == documents.offsets[-1]
+    assert packed.plan.cut_for_loss > 0 and "cuts where a piece's loss tokens reached a row's" in packed.describe()
+    for i in np.random.default_rng(0).choice(len(packed), 50, replace=False):  # the rows as the step reads them
+        assert (packed[int(i)]["y"] != IGNORE_INDEX).sum() == packed.loss_tokens[i] <= bound
+    assert packed.for_epoch(1).loss_tokens.max() <= bound  # every epoch's packing keeps it
+
+
+@pytest.mark.fast
+def test_a_piece_cut_at_the_loss_bound_keeps_every_label_and_restarts_positions():
+    """One document of 12 tokens, tokens 2-11 targets: 10 loss labels (positions 1-10; the last token has none).
+    At most 4 a row: cut into pieces carrying 4, 4 and 2, each positioned from 0, the label of each piece's last
+    token still its document's next token."""
+    from trainer.data.packing import IGNORE_INDEX, Documents, PackedDocuments
+
+    targets = np.array([0, 0] + [1] * 10, np.uint8)
+    packed = PackedDocuments(Documents(np.arange(12), np.array([0, 12]), targets), 16, max_loss=4, x_dtype=np.int64)
+    rows = [packed[i] for i in range(len(packed))]
+    labels = sorted(int(v) for row in rows for v in row["y"][row["y"] != IGNORE_INDEX])
+    assert labels == list(range(2, 12))  # every target token is a label once
+    assert sorted(packed.loss_tokens.tolist()) == [2, 4, 4] and packed.plan.cut_for_loss == 2
+    starts = sorted(int(row["x"][j]) for row in rows for j in range(16)
+                    if row["document_ids"][j] >= 0 and row["position_ids"][j] == 0)
+    assert starts == [0, 5, 9]  # pieces [0, 5) (labels 2..5), [5, 9) (6..9), [9, 12) (10, 11)
+
+
+@pytest.mark.fast
+def test_a_piece_over_the_loss_bound_is_refused_when_splitting_is_off():
+    from trainer.data.packing import PackedDocuments
+    from trainer.run.errors import ConfigError
+
+    documents = conversation_like(lognormal_documents(200, longest=512))
+    with pytest.raises(ConfigError, match=r"documents: document \d+ carries \d+ loss tokens, more than a row may hold "
+                                          r"with head_loss=100 \(\d+ pieces do\): set split=true to cut them where "
+                                          r"their loss tokens reach it, or raise head_loss \(at most the context, 512\)"):
+        PackedDocuments(documents, 512, max_loss=100, split_long=False, split_key="split", loss_key="head_loss")
+
+
 @pytest.mark.fast
 def test_loss_masks_count_the_same_packed_or_read_in_chunks(monkeypatch):
     import trainer.data.packing as packing

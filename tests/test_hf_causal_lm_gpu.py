@@ -155,6 +155,32 @@ def test_a_captured_forward_builds_no_attention_mask():
 CHUNKED_TOLERANCE = {"eager": 2e-3, "full": 2e-3, "full_compiled": 2e-2}
 
 
+@pytest.mark.parametrize("graph,bound,against", [("full", 128, "whole"), ("full_compiled", 128, "whole"),
+                                                  ("full", 80, "eager")])
+def test_the_head_at_the_loss_tokens_only_trains_like_eager(out, tmp_path, graph, bound, against):
+    """recipe.model.head_loss_tokens_per_row on prompt/completion pairs (about half the tokens carry loss), qwen2,
+    16 rows of 128 tokens, the head in chunks of 500. At 128 (the packing is the unbounded one) captured whole and
+    compiled inside the graph against the whole logits eager; at 80 (a binding bound: unbounded, rows hold up to
+    110; the rows differ) captured against the same bound eager: the loss positions' gather, whose count changes every step, replays right."""
+    from helpers.documents import pairs_directory
+
+    data = [f"recipe.data.root={pairs_directory(tmp_path, n=3000)}", "recipe.data.source=tokens",
+            "recipe.data.train_size=null", "recipe.data.test_size=null"]
+    args = [*SAME_RUNS, *model("qwen2"), *data]
+    head = ["recipe.model.head_chunk_tokens=500", f"recipe.model.head_loss_tokens_per_row={bound}"]
+    reference = launch([*args, "graph=eager", *(head if against == "eager" else [])], out / "reference", timeout=600)
+    done = launch([*args, f"graph={graph}", *head], out / graph, timeout=600)
+    for run in (reference, done):
+        assert run.returncode == 0, run.output[-4000:]
+    tolerance = REL_TOLERANCE if against == "eager" else CHUNKED_TOLERANCE[graph]
+    why = f"reference {train_losses(reference)}\n{graph}, bound {bound}: {train_losses(done)}"
+    assert [s for s, _ in train_losses(reference)] == [s for s, _ in train_losses(done)], why
+    for (step, lr), (_, lg) in zip(train_losses(reference), train_losses(done)):
+        assert math.isfinite(lr) and lg == pytest.approx(lr, rel=tolerance), f"step {step}\n{why}"
+    assert done.results()["final/eval_loss"] == pytest.approx(reference.results()["final/eval_loss"], rel=tolerance)
+    assert done.results()["data/loss_tokens"] < 0.7 * done.results()["data/real_tokens"]
+
+
 @pytest.mark.parametrize("graph,parallel", [*((g, "ddp") for g in sorted(CHUNKED_TOLERANCE)), ("full", "fsdp2")])
 def test_the_head_in_chunks_trains_like_the_whole_logits_eager(out, graph, parallel):
     """recipe.model.head_chunk_tokens: qwen2's (untied) head, 16 x 128 tokens in chunks of 500, eager, captured whole

@@ -21,3 +21,20 @@ def document_directory(tmp_path: Path, n: int = 120, max_words: int = 60, seed: 
     out = tmp_path / "tokens"
     main([*map(str, sorted(folder.iterdir())), "--input", "documents", "--output", str(out)])
     return out
+
+
+def pairs_directory(tmp_path: Path, n: int = 160, seed: int = 0) -> Path:
+    """``n`` prompt/completion pairs of 1-8 and 1-9 words as token files of bytes (``--input pairs``: the loss on
+    the completions only, about half the tokens): the directory to pass as recipe.data.root."""
+    import json
+
+    from scripts.prepare_text import main
+
+    rng = np.random.default_rng(seed)
+    pairs = [{"prompt": " ".join(rng.choice(WORDS, int(rng.integers(1, 9)))) + "?",
+              "completion": " " + " ".join(rng.choice(WORDS, int(rng.integers(1, 10))))} for _ in range(n)]
+    source = tmp_path / "pairs.jsonl"
+    source.write_text("".join(json.dumps(pair) + "\n" for pair in pairs))
+    out = tmp_path / "tokens"
+    main([str(source), "--input", "pairs", "--output", str(out), "--val-fraction", "0.2"])
+    return out

@@ -34,8 +34,15 @@ rows and the short in others) and the cost at O(n log n) in one pass. The loader
 rows each epoch; ``for_epoch`` repacks with another document order when row compositions should
 change too.
 
-Everything is a function of the documents, ``context``, ``seed``, ``epoch``, ``buffer`` and
-``max_documents``, so item ``i`` is the same in every process and every run: resuming mid-epoch
+A bound on the loss tokens a row carries (``max_loss``: a head computed at the loss tokens only
+sizes itself by it, recipes/chunked_head.py) is a second capacity: a piece goes to the tightest row
+with room for its tokens and its loss tokens, looked for among a bounded number of the tightest and
+the roomiest open rows; a piece with more loss tokens than the bound is cut where they reach it
+(said, as long documents are). At a bound 5-10% above the data's share of loss tokens the padding
+stays under 1% (tests/test_documents.py); nearer that share it grows, and the log says how much.
+
+Everything is a function of the documents, ``context``, ``seed``, ``epoch``, ``buffer``,
+``max_documents`` and ``max_loss``, so item ``i`` is the same in every process and every run: resuming mid-epoch
 reads the same rows. Per row, ``real_tokens`` (not padding) and ``loss_tokens`` (labels that
 count) are known on the host, for the trainer's counts and logs; on the device,
 ``document_ids >= 0`` marks real tokens and ``y != IGNORE_INDEX`` the loss tokens.
@@ -55,6 +62,7 @@ PADDING_DOCUMENT = -1  # the document id of a row's padding
 DEFAULT_BUFFER = 16384  # pieces sorted together: enough for well under 1% padding at a few hundred tokens each
 FIELDS = ("x", "y", "position_ids", "document_ids", "cu_seqlens")
 PREFIX_CHUNK = 1 << 24  # tokens summed at a time when counting loss tokens (memory stays bounded)
+SCAN_ROWS = 64  # open rows a piece looks at for loss room under a loss bound (max_loss) before starting a new row
 
 
 class Documents:
@@ -113,6 +121,7 @@ class PackingPlan:
     ends_document: np.ndarray
     split_documents: int  # documents longer than the context
     pieces_of_split: int  # the pieces they became
+    cut_for_loss: int = 0  # cuts made where a piece's loss tokens reached a row's bound (max_loss)
 
     @property
     def rows(self) -> int:
@@ -141,32 +150,35 @@ def cut_into_pieces(starts: np.ndarray, lengths: np.ndarray, context: int):
     return piece_starts, piece_lengths, k == per_document[document] - 1
 
 
-def best_fit_decreasing(lengths: np.ndarray, context: int, buffer: int,
-                        max_documents: Optional[int]) -> List[List[int]]:
+def best_fit_decreasing(lengths: np.ndarray, context: int, buffer: int, max_documents: Optional[int],
+                        loss: Optional[np.ndarray] = None, max_loss: Optional[int] = None) -> List[List[int]]:
     """Rows of piece indices: each run of ``buffer`` pieces longest first, each piece into the open row with
     the least free space that holds it (rows with free space stay open across buffers); a row closes when
-    full or holding ``max_documents`` pieces."""
+    full or holding ``max_documents`` pieces.
+
+    With ``max_loss``, a row's pieces also carry at most that many loss tokens (``loss``: each piece's): the
+    piece goes to the tightest row with room for both, looked for among the ``SCAN_ROWS`` tightest rows that
+    have the tokens (a bounded search: rows short of loss room but not of tokens would otherwise be looked at
+    again for every piece), a new row when none has; a row without loss room left closes."""
     rows: List[List[int]] = []
     free_sizes: List[int] = []  # sorted distinct free spaces of the open rows
     open_rows: Dict[int, List[int]] = {}  # free space -> open rows with that much
+    loss_room: List[int] = []  # per row: the loss tokens it may still take
     for lo in range(0, len(lengths), buffer):
         chunk = np.arange(lo, min(lo + buffer, len(lengths)))
         for piece in chunk[np.argsort(-lengths[chunk], kind="stable")].tolist():
             need = int(lengths[piece])
-            k = bisect.bisect_left(free_sizes, need)
-            if k < len(free_sizes):
-                free = free_sizes[k]
-                bucket = open_rows[free]
-                row = bucket.pop()
-                if not bucket:
-                    del open_rows[free]
-                    free_sizes.pop(k)
-            else:
+            loss_need = int(loss[piece]) if max_loss is not None else 0
+            row, free = fitting_row(free_sizes, open_rows, loss_room, need, loss_need)
+            if row is None:
                 row, free = len(rows), context
                 rows.append([])
+                loss_room.append(max_loss if max_loss is not None else 0)
             rows[row].append(piece)
             free -= need
-            if free > 0 and (max_documents is None or len(rows[row]) < max_documents):
+            loss_room[row] -= loss_need
+            if free > 0 and (max_documents is None or len(rows[row]) < max_documents) \
+                    and (max_loss is None or loss_room[row] > 0):
                 if free not in open_rows:
                     open_rows[free] = []
                     bisect.insort(free_sizes, free)
@@ -174,14 +186,46 @@ def best_fit_decreasing(lengths: np.ndarray, context: int, buffer: int,
     return rows
 
 
+def fitting_row(free_sizes: List[int], open_rows: Dict[int, List[int]], loss_room: List[int], need: int,
+                loss_need: int):
+    """(row, its free space) of an open row with at least ``need`` free tokens and a loss room of at least
+    ``loss_need``, taken out of the open rows; (None, 0) when none is found. Looked for among the ``SCAN_ROWS``
+    tightest rows with the tokens, then among the ``SCAN_ROWS`` roomiest: rows short of loss room but not of tokens
+    gather at the tight end, and the roomy end holds the rows opened since. Without a loss bound (every room 0,
+    every need 0) the first row looked at fits: plain best fit."""
+    first = bisect.bisect_left(free_sizes, need)
+    for sizes in (range(first, len(free_sizes)), range(len(free_sizes) - 1, first - 1, -1)):
+        looked = 0
+        for k in sizes:
+            free = free_sizes[k]
+            bucket = open_rows[free]
+            for j in range(len(bucket) - 1, -1, -1):  # the newest first
+                if loss_room[bucket[j]] >= loss_need:
+                    row = bucket.pop(j)
+                    if not bucket:
+                        del open_rows[free]
+                        free_sizes.pop(k)
+                    return row, free
+                looked += 1
+                if looked >= SCAN_ROWS:
+                    break
+            if looked >= SCAN_ROWS:
+                break
+    return None, 0
+
+
 def plan_packing(documents: Documents, context: int, *, seed: int = 0, epoch: int = 0, buffer: int = DEFAULT_BUFFER,
-                 split_long: bool = True, max_documents: Optional[int] = None,
-                 split_key: str = "split_long_documents", context_key: str = "context") -> PackingPlan:
+                 split_long: bool = True, max_documents: Optional[int] = None, max_loss: Optional[int] = None,
+                 split_key: str = "split_long_documents", context_key: str = "context",
+                 loss_key: str = "max_loss_tokens") -> PackingPlan:
     """The rows of one packing of ``documents`` (the rule: the module docstring). A document longer than
     ``context`` is cut into pieces, or with ``split_long=False`` refused (ConfigError naming ``split_key`` and
-    ``context_key``, the settings to change)."""
-    if context < 1 or buffer < 1 or (max_documents is not None and max_documents < 1):
-        raise ValueError(f"context={context}, buffer={buffer} and max_documents={max_documents} must be positive")
+    ``context_key``, the settings to change). ``max_loss``: the most loss tokens a row may carry (a piece with
+    more is refused, naming ``loss_key``)."""
+    if context < 1 or buffer < 1 or (max_documents is not None and max_documents < 1) \
+            or (max_loss is not None and max_loss < 1):
+        raise ValueError(f"context={context}, buffer={buffer}, max_documents={max_documents} and "
+                         f"max_loss={max_loss} must be positive")
     lengths = documents.lengths()
     order = seeded_order(len(lengths), seed, epoch)
     long = lengths > context
@@ -191,12 +235,61 @@ def plan_packing(documents: Documents, context: int, *, seed: int = 0, epoch: in
                           f"{context_key}={context} ({int(long.sum()):,} documents are): set {split_key}=true to cut "
                           f"them into pieces, or a larger {context_key}")
     starts, piece_lengths, ends = cut_into_pieces(documents.offsets[:-1][order], lengths[order], context)
-    rows = best_fit_decreasing(piece_lengths, context, buffer, max_documents)
+    piece_loss, cut_for_loss = None, 0
+    if max_loss is not None:
+        piece_loss = loss_tokens_of_pieces(starts, piece_lengths, ends, documents.targets)
+        over = piece_loss > max_loss
+        if over.any() and not split_long:
+            p = int(np.flatnonzero(over)[0])
+            d = int(np.searchsorted(documents.offsets, starts[p], side="right")) - 1
+            raise ConfigError(f"{documents.name}: document {d} carries {int(piece_loss[p]):,} loss tokens, more than a "
+                              f"row may hold with {loss_key}={max_loss} ({int(over.sum()):,} pieces do): set "
+                              f"{split_key}=true to cut them where their loss tokens reach it, or raise {loss_key} "
+                              f"(at most the context, {context})")
+        starts, piece_lengths, ends, piece_loss, cut_for_loss = cut_at_loss_bound(
+            starts, piece_lengths, ends, piece_loss, documents.targets, max_loss)
+    rows = best_fit_decreasing(piece_lengths, context, buffer, max_documents, piece_loss, max_loss)
     members = np.fromiter((p for row in rows for p in row), dtype=np.int64, count=len(piece_lengths))
     row_offsets = np.zeros(len(rows) + 1, dtype=np.int64)
     np.cumsum([len(row) for row in rows], out=row_offsets[1:])
     return PackingPlan(context, row_offsets, starts[members], piece_lengths[members], ends[members],
-                       int(long.sum()), int((-(-lengths[long] // context)).sum()))
+                       int(long.sum()), int((-(-lengths[long] // context)).sum()), cut_for_loss)
+
+
+def cut_at_loss_bound(starts: np.ndarray, lengths: np.ndarray, ends: np.ndarray, loss: np.ndarray,
+                      targets: Optional[np.ndarray], max_loss: int):
+    """Each piece with more than ``max_loss`` loss tokens cut where they reach it (as many times as it takes),
+    the rest following it in order: (starts, lengths, ends_document, loss tokens, the cuts made). A cut piece
+    is a document of its own to attention and positions, as a document longer than the context is; the label
+    of its last token is still its document's next token, so no loss token is lost."""
+    over = np.flatnonzero(loss > max_loss)
+    if not len(over):
+        return starts, lengths, ends, loss, 0
+    parts = {}  # piece -> (starts, lengths, ends_document, loss) of its parts
+    for p in over.tolist():
+        start, length, end = int(starts[p]), int(lengths[p]), bool(ends[p])
+        labelled = length - end
+        counted = (np.ones(labelled, np.int64) if targets is None
+                   else np.asarray(targets[start + 1:start + 1 + labelled], dtype=np.int64))
+        reached = np.cumsum(counted)
+        cuts, at, carried = [], 0, 0
+        while reached[-1] - carried > max_loss:  # the next part: the positions whose loss stays within the bound
+            at = int(np.searchsorted(reached, carried + max_loss, side="right"))
+            cuts.append(at)
+            carried = int(reached[at - 1])
+        bounds = [0, *cuts, length]
+        part_loss = [int(reached[b - 1]) if b else 0 for b in bounds[1:-1]] + [int(reached[-1])]
+        parts[p] = (np.array([start + b for b in bounds[:-1]]), np.diff(bounds),
+                    np.array([False] * len(cuts) + [end]), np.diff([0, *part_loss]))
+    counts = np.ones(len(starts), np.int64)
+    counts[over] = [len(parts[p][0]) for p in over.tolist()]
+    source = np.repeat(np.arange(len(starts)), counts)  # each new piece's piece before the cuts
+    out = [starts[source], lengths[source], ends[source].astype(bool), loss[source].astype(np.int64)]
+    first = np.cumsum(counts) - counts
+    for p, columns in parts.items():
+        for column, values in zip(out, columns):
+            column[first[p]:first[p] + counts[p]] = values
+    return (*out, int((counts - 1).sum()))
 
 
 def sums_before(values: np.ndarray, points: np.ndarray) -> np.ndarray:
@@ -217,11 +310,17 @@ def sums_before(values: np.ndarray, points: np.ndarray) -> np.ndarray:
 
 
 def loss_tokens_per_segment(plan: PackingPlan, targets: Optional[np.ndarray]) -> np.ndarray:
-    """Labels that count in each segment: its positions whose next token, in the same document, is a target."""
-    labelled = plan.lengths - plan.ends_document  # a document's last token has no label
+    """Labels that count in each segment of a plan (``loss_tokens_of_pieces``)."""
+    return loss_tokens_of_pieces(plan.starts, plan.lengths, plan.ends_document, targets)
+
+
+def loss_tokens_of_pieces(starts: np.ndarray, lengths: np.ndarray, ends_document: np.ndarray,
+                          targets: Optional[np.ndarray]) -> np.ndarray:
+    """Labels that count in each piece: its positions whose next token, in the same document, is a target."""
+    labelled = lengths - ends_document  # a document's last token has no label
     if targets is None:
         return labelled
-    first = plan.starts + 1  # the targets of a segment's labels are tokens [start + 1, start + 1 + labelled)
+    first = starts + 1  # the targets of a piece's labels are tokens [start + 1, start + 1 + labelled)
     return sums_before(targets, first + labelled) - sums_before(targets, first)
 
 
@@ -230,19 +329,22 @@ class PackedDocuments(torch.utils.data.Dataset):
 
     ``max_documents``: the most documents (pieces) a row may hold, which sizes ``cu_seqlens``
     (``max_documents + 2``); None takes the most this packing put in a row. Give the same value to
-    every split and epoch whose batches share one graph. ``x_dtype``: what ``x`` is held as (uint8
-    for bytes, int32 for wider ids, as recipes/tokens.py's ``input_dtype``).
+    every split and epoch whose batches share one graph. ``max_loss``: the most loss tokens a row may
+    carry (None: no bound), what a head computed at the loss tokens only sizes itself by
+    (recipes/chunked_head.py). ``x_dtype``: what ``x`` is held as (uint8 for bytes, int32 for wider
+    ids, as recipes/tokens.py's ``input_dtype``).
     """
 
     def __init__(self, documents: Documents, context: int, *, seed: int = 0, epoch: int = 0,
                  buffer: int = DEFAULT_BUFFER, split_long: bool = True, max_documents: Optional[int] = None,
-                 x_dtype=np.int32, pad_id: int = 0, split_key: str = "split_long_documents",
-                 context_key: str = "context"):
+                 max_loss: Optional[int] = None, x_dtype=np.int32, pad_id: int = 0,
+                 split_key: str = "split_long_documents", context_key: str = "context",
+                 loss_key: str = "max_loss_tokens"):
         self.documents, self.context, self.seed, self.epoch, self.buffer = documents, int(context), seed, epoch, buffer
-        self.split_long, self.x_dtype, self.pad_id = split_long, np.dtype(x_dtype), pad_id
-        self.keys = {"split_key": split_key, "context_key": context_key}
+        self.split_long, self.max_loss, self.x_dtype, self.pad_id = split_long, max_loss, np.dtype(x_dtype), pad_id
+        self.keys = {"split_key": split_key, "context_key": context_key, "loss_key": loss_key}
         self.plan = plan_packing(documents, self.context, seed=seed, epoch=epoch, buffer=buffer, split_long=split_long,
-                                 max_documents=max_documents, **self.keys)
+                                 max_documents=max_documents, max_loss=max_loss, **self.keys)
         per_row = self.plan.documents_per_row()
         self.max_documents = int(max_documents if max_documents is not None else (per_row.max() if len(per_row) else 1))
         self.real_tokens = self.plan.real_tokens()
@@ -253,8 +355,8 @@ class PackedDocuments(torch.utils.data.Dataset):
     def for_epoch(self, epoch: int) -> "PackedDocuments":
         """The same documents packed in epoch ``epoch``'s order, with this packing's ``max_documents``."""
         return PackedDocuments(self.documents, self.context, seed=self.seed, epoch=epoch, buffer=self.buffer,
-                               split_long=self.split_long, max_documents=self.max_documents, x_dtype=self.x_dtype,
-                               pad_id=self.pad_id, **self.keys)
+                               split_long=self.split_long, max_documents=self.max_documents, max_loss=self.max_loss,
+                               x_dtype=self.x_dtype, pad_id=self.pad_id, **self.keys)
 
     def __len__(self) -> int:
         return self.plan.rows
@@ -270,10 +372,13 @@ class PackedDocuments(torch.utils.data.Dataset):
         plan = self.plan
         cut = (f"; {plan.split_documents:,} documents longer than {self.context} tokens cut into "
                f"{plan.pieces_of_split:,} pieces" if plan.split_documents else "")
+        bound = f" (at most {self.max_loss:,} a row)" if self.max_loss is not None else ""
+        if plan.cut_for_loss:
+            cut += f"; {plan.cut_for_loss:,} cuts where a piece's loss tokens reached a row's {self.max_loss:,}"
         return (f"{self.documents.name}: {len(self.documents):,} documents packed into {plan.rows:,} rows of "
                 f"{self.context} tokens by best-fit decreasing in buffers of {self.buffer:,} pieces, "
                 f"padding {100 * self.padding_fraction:.2f}% of tokens, {int(self.loss_tokens.sum()):,} loss tokens"
-                f"{cut}")
+                f"{bound}{cut}")
 
     def __getitem__(self, i: int) -> Dict[str, torch.Tensor]:
         n = len(self)
