@@ -300,6 +300,29 @@ def test_two_gloo_ranks_train_alike_with_the_head_in_chunks(tmp_path, parallel, 
         assert chunked[key] == pytest.approx(whole[key], rel=1e-4), key
 
 
+@transformers_needed
+def test_two_gloo_ranks_under_fsdp2_train_alike_with_the_head_at_the_loss_tokens_only(tmp_path):
+    """recipe.model.head_loss_tokens_per_row at the context (the unbounded packing) under FSDP2 with the root kept
+    gathered: each rank gathers its own micro-batch's loss positions, and the loss over both ranks' loss tokens and
+    the gradients FSDP2 reduce-scatters are the whole logits'."""
+    from helpers.availability import needs_extra
+    from helpers.documents import pairs_directory
+    from helpers.launches import launch_together
+
+    needs_extra("transformers")
+    data = [f"recipe.data.root={pairs_directory(tmp_path)}", "recipe.data.source=tokens",
+            "recipe.data.train_size=null", "recipe.data.test_size=null"]
+    args = ["recipe=hf_causal_lm", *[a for a in TINY if a != "recipe=hf_causal_lm"], *data, *FSDP2_GATHERED_ROOT]
+    runs = launch_together({bound: [*args, f"recipe.model.head_loss_tokens_per_row={bound}"]
+                            for bound in ("null", "64")}, tmp_path / "runs", nproc=2, timeout=240)
+    for done in runs.values():
+        assert done.returncode == 0, done.stderr[-3000:]
+    whole, at_loss = (runs[b].results() for b in ("null", "64"))
+    assert whole["world_size"] == at_loss["world_size"] == 2
+    for key in ("final/loss", "final/eval_loss", "final/accuracy", "final/grad_norm"):
+        assert at_loss[key] == pytest.approx(whole[key], rel=1e-4), key
+
+
 @pytest.mark.fast
 def test_a_sharded_head_weight_is_refused_not_read_as_a_slice_of_the_vocabulary():
     """Where a user's own FSDP2 layout reshards the head before the loss, the criterion says so (never a loss over
