@@ -37,7 +37,7 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -77,6 +77,25 @@ def run_once(args: argparse.Namespace, model: str, graph: str, source: str, work
             "rank_cores_busy": r["host/launched_cores"]}
 
 
+def train_images(root: Path) -> int:
+    return sum(1 for f in (root / "train").rglob("*") if f.is_file())
+
+
+def epoch_end_note(root: Path, batch: int, steps: int) -> Optional[str]:
+    """Why a short folder's numbers are not the step's: each epoch's end falls inside this repo's runs, and with it a
+    tail step (a partial batch; under full_compiled the first compiles a step of its own, tens of seconds)."""
+    images = train_images(root)
+    per_epoch = math.ceil(images / batch)
+    if per_epoch >= steps:
+        return None
+    tail = images % batch
+    return (f"note: an epoch of {root} is {per_epoch} steps of {batch}"
+            + (f" (the last a tail of {tail} images)" if tail else "") + f", fewer than a run's {steps}: its "
+            f"steps hold {(steps - 1) // per_epoch} epoch end(s)" + (" and their tail steps (under "
+            "full_compiled the first compiles a step of its own: tens of seconds inside the window)" if tail else "")
+            + f"; a folder of at least {steps * batch:,} images times the step alone")
+
+
 def run_references(args: argparse.Namespace, model: str, work: Path, timed: int) -> Dict[str, Any]:
     """torchvision's references/classification/train.py on the same folder, model and batch: images/s over ``timed``
     optimizer steps after REFERENCE_UNTIMED (scripts/time_steps.py)."""
@@ -88,12 +107,11 @@ def run_references(args: argparse.Namespace, model: str, work: Path, timed: int)
                "--train-crop-size", str(args.image_size), "--val-crop-size", str(args.image_size),
                "--val-resize-size", str(round(args.image_size / 0.875)),
                "--output-dir", str(work / f"references_{model}"), *([] if cuda_device_count() else ["--device", "cpu"])]
-    per_epoch = math.ceil(sum(1 for f in (args.root / "train").rglob("*") if f.is_file()) / args.batch)
+    per_epoch = math.ceil(train_images(args.root) / args.batch)
     if per_epoch < REFERENCE_UNTIMED + timed:
         print(f"{SCRIPT}: note: an epoch of {args.root} is {per_epoch} steps of {args.batch}, fewer than the "
               f"references' {REFERENCE_UNTIMED} untimed and {timed} timed: their window holds an epoch's end (its "
-              "evaluation, checkpoint and new loader workers), which ours does not; a larger folder compares steps "
-              "alone", flush=True)
+              "evaluation, checkpoint and new loader workers); a larger folder compares steps alone", flush=True)
     usage = measured_run(SCRIPT, f"torchvision's references/classification/train.py ({model})", command, output,
                          args.timeout)
     window = json.loads(output.read_text())
@@ -134,6 +152,9 @@ def main(argv: Sequence[str] = None) -> int:
     if args.steps < 30 or args.repeats < 1:
         parser.error("--steps must be at least 30 (the first are warm-up and capture) and --repeats at least 1")
     args.root = args.root.resolve()
+    note = epoch_end_note(args.root, args.batch, args.steps)
+    if note:
+        print(f"{SCRIPT}: {note}", flush=True)
     rows: List[Dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench_images_") as work:
         for model in args.models:
@@ -178,11 +199,12 @@ def main(argv: Sequence[str] = None) -> int:
                         *args.train_options, *args.overrides])
     text = (f"{table}\n\nFolder over synthetic, median of the pairs: "
             + ", ".join(f"{k} {v:.3f}" for k, v in medians.items())
-            + f".\n\n`{command}`; {os.cpu_count()} CPU cores. {provenance_line(measured)}\n")
+            + f".\n\n`{command}`; {os.cpu_count()} CPU cores. {provenance_line(measured)}\n"
+            + (f"\n{note[0].upper()}{note[1:]}.\n" if note else ""))
     print(text)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     write_json(args.output, {"rows": rows, "median_folder_over_synthetic": medians, "command": command,
-                             "provenance": measured, "cpu_cores": os.cpu_count()})
+                             "provenance": measured, "cpu_cores": os.cpu_count(), "note": note})
     args.output.with_suffix(".md").write_text(text)
     return 0
 
