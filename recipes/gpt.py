@@ -401,8 +401,8 @@ def packing_stats(train: PackedDocuments) -> dict:
     return {"data/padding_fraction": train.padding_fraction, "data/documents": len(train.documents),
             "data/rows": len(train), "data/documents_cut": train.plan.split_documents,
             "data/real_tokens": int(train.real_tokens.sum()), "data/loss_tokens": int(train.loss_tokens.sum()),
-            **({"data/loss_tokens_per_row_bound": train.max_loss, "data/cuts_for_loss_bound": train.plan.cut_for_loss}
-               if train.max_loss is not None else {})}
+            **({"data/loss_tokens_per_row_bound": train.max_loss,
+                "data/cuts_for_loss_bound": train.plan.cut_for_loss} if train.max_loss is not None else {})}
 
 
 ATTENTION = ("auto", "document", "causal")

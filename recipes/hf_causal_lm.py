@@ -512,9 +512,10 @@ def chunked_head(model: torch.nn.Module, settings: ModelSettings, cfg):
     not a plain local tensor when the loss reads it (under FSDP2, a root resharded after forward: kept gathered,
     the root's weights stay whole from its forward to its backward, where FSDP2 reduce-scatters the head's
     gradient with the rest of the root's), or the model does more after its head."""
-    key = " and ".join(f"recipe.model.{name}={value}" for name, value in (
+    given = {f"recipe.model.{name}": value for name, value in (
         ("head_chunk_tokens", settings.head_chunk_tokens),
-        ("head_loss_tokens_per_row", settings.head_loss_tokens_per_row)) if value is not None)
+        ("head_loss_tokens_per_row", settings.head_loss_tokens_per_row)) if value is not None}
+    key = " and ".join(f"{name}={value}" for name, value in given.items())
     fsdp = cfg.train.fsdp
     refuse = [why for why, applies in (
         # The loss reads the head's weight after the model's forward: FSDP2 must still hold it gathered then.
@@ -528,7 +529,8 @@ def chunked_head(model: torch.nn.Module, settings: ModelSettings, cfg):
     if not isinstance(head, torch.nn.Linear) or head.bias is not None:
         refuse.append(f"the head of {type(model).__name__} is not one bias-free linear layer")
     if refuse:
-        raise ConfigError(f"{key} cannot be used with {'; '.join(refuse)}: set it to null")
+        raise ConfigError(f"{key} cannot be used with {'; '.join(refuse)}: set "
+                          f"{' and '.join(name + '=null' for name in given)}")
     pass_hidden_states_through(head)
     return chunked_head_criterion(head, settings.head_chunk_tokens, cfg.recipe.label_smoothing,
                                   settings.head_loss_tokens_per_row)

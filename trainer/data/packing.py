@@ -119,6 +119,7 @@ class PackingPlan:
     starts: np.ndarray
     lengths: np.ndarray
     ends_document: np.ndarray
+    loss_tokens: np.ndarray  # per segment: the labels that count (``loss_tokens_of_pieces``)
     split_documents: int  # documents longer than the context
     pieces_of_split: int  # the pieces they became
     cut_for_loss: int = 0  # cuts made where a piece's loss tokens reached a row's bound (max_loss)
@@ -157,9 +158,8 @@ def best_fit_decreasing(lengths: np.ndarray, context: int, buffer: int, max_docu
     full or holding ``max_documents`` pieces.
 
     With ``max_loss``, a row's pieces also carry at most that many loss tokens (``loss``: each piece's): the
-    piece goes to the tightest row with room for both, looked for among the ``SCAN_ROWS`` tightest rows that
-    have the tokens (a bounded search: rows short of loss room but not of tokens would otherwise be looked at
-    again for every piece), a new row when none has; a row without loss room left closes."""
+    piece goes to a row with room for both (``fitting_row``: a bounded search), a new row when none has; a row
+    without loss room left closes."""
     rows: List[List[int]] = []
     free_sizes: List[int] = []  # sorted distinct free spaces of the open rows
     open_rows: Dict[int, List[int]] = {}  # free space -> open rows with that much
@@ -220,8 +220,9 @@ def plan_packing(documents: Documents, context: int, *, seed: int = 0, epoch: in
                  loss_key: str = "max_loss_tokens") -> PackingPlan:
     """The rows of one packing of ``documents`` (the rule: the module docstring). A document longer than
     ``context`` is cut into pieces, or with ``split_long=False`` refused (ConfigError naming ``split_key`` and
-    ``context_key``, the settings to change). ``max_loss``: the most loss tokens a row may carry (a piece with
-    more is refused, naming ``loss_key``)."""
+    ``context_key``, the settings to change). ``max_loss``: the most loss tokens a row may carry; a piece with
+    more is cut where they reach it (``cut_at_loss_bound``), or with ``split_long=False`` refused, naming
+    ``loss_key``."""
     if context < 1 or buffer < 1 or (max_documents is not None and max_documents < 1) \
             or (max_loss is not None and max_loss < 1):
         raise ValueError(f"context={context}, buffer={buffer}, max_documents={max_documents} and "
@@ -235,9 +236,8 @@ def plan_packing(documents: Documents, context: int, *, seed: int = 0, epoch: in
                           f"{context_key}={context} ({int(long.sum()):,} documents are): set {split_key}=true to cut "
                           f"them into pieces, or a larger {context_key}")
     starts, piece_lengths, ends = cut_into_pieces(documents.offsets[:-1][order], lengths[order], context)
-    piece_loss, cut_for_loss = None, 0
+    piece_loss, cut_for_loss = loss_tokens_of_pieces(starts, piece_lengths, ends, documents.targets), 0
     if max_loss is not None:
-        piece_loss = loss_tokens_of_pieces(starts, piece_lengths, ends, documents.targets)
         over = piece_loss > max_loss
         if over.any() and not split_long:
             p = int(np.flatnonzero(over)[0])
@@ -253,7 +253,7 @@ def plan_packing(documents: Documents, context: int, *, seed: int = 0, epoch: in
     row_offsets = np.zeros(len(rows) + 1, dtype=np.int64)
     np.cumsum([len(row) for row in rows], out=row_offsets[1:])
     return PackingPlan(context, row_offsets, starts[members], piece_lengths[members], ends[members],
-                       int(long.sum()), int((-(-lengths[long] // context)).sum()), cut_for_loss)
+                       piece_loss[members], int(long.sum()), int((-(-lengths[long] // context)).sum()), cut_for_loss)
 
 
 def cut_at_loss_bound(starts: np.ndarray, lengths: np.ndarray, ends: np.ndarray, loss: np.ndarray,
@@ -272,7 +272,7 @@ def cut_at_loss_bound(starts: np.ndarray, lengths: np.ndarray, ends: np.ndarray,
         counted = (np.ones(labelled, np.int64) if targets is None
                    else np.asarray(targets[start + 1:start + 1 + labelled], dtype=np.int64))
         reached = np.cumsum(counted)
-        cuts, at, carried = [], 0, 0
+        cuts, carried = [], 0
         while reached[-1] - carried > max_loss:  # the next part: the positions whose loss stays within the bound
             at = int(np.searchsorted(reached, carried + max_loss, side="right"))
             cuts.append(at)
@@ -309,11 +309,6 @@ def sums_before(values: np.ndarray, points: np.ndarray) -> np.ndarray:
     return out
 
 
-def loss_tokens_per_segment(plan: PackingPlan, targets: Optional[np.ndarray]) -> np.ndarray:
-    """Labels that count in each segment of a plan (``loss_tokens_of_pieces``)."""
-    return loss_tokens_of_pieces(plan.starts, plan.lengths, plan.ends_document, targets)
-
-
 def loss_tokens_of_pieces(starts: np.ndarray, lengths: np.ndarray, ends_document: np.ndarray,
                           targets: Optional[np.ndarray]) -> np.ndarray:
     """Labels that count in each piece: its positions whose next token, in the same document, is a target."""
@@ -348,8 +343,7 @@ class PackedDocuments(torch.utils.data.Dataset):
         per_row = self.plan.documents_per_row()
         self.max_documents = int(max_documents if max_documents is not None else (per_row.max() if len(per_row) else 1))
         self.real_tokens = self.plan.real_tokens()
-        segment_loss = loss_tokens_per_segment(self.plan, documents.targets)
-        self.loss_tokens = (np.add.reduceat(segment_loss, self.plan.row_offsets[:-1]) if self.plan.rows
+        self.loss_tokens = (np.add.reduceat(self.plan.loss_tokens, self.plan.row_offsets[:-1]) if self.plan.rows
                             else np.zeros(0, np.int64))
 
     def for_epoch(self, epoch: int) -> "PackedDocuments":
