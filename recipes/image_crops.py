@@ -16,8 +16,10 @@ Geometry, in the oriented image's pixels:
   rank, eager or graphed, resumed or not).
 - evaluation, ``center_crop``: the shorter side resized to ``int(size / eval_resize_ratio)`` (the
   references' 256 for 224) and the center ``size`` cut out.
-One resampling (Pillow's bilinear, antialiased) does the crop and the resize. A JPEG decodes at
-the smallest DCT scale (1, 1/2, 1/4, 1/8) that still gives the box at least the output's pixels
+The box, rounded to whole pixels of the decoded image, is cut out and resized by one antialiased
+bilinear resampling (``resized``: torch's kernel on uint8, the filter of Pillow's and torchvision's
+``antialias=True``; as in RandomResizedCrop no pixel outside the box counts). A JPEG decodes at the
+smallest DCT scale (1, 1/2, 1/4, 1/8) that still gives the box at least the output's pixels
 (``Image.draft``): an 800-pixel photo cropped to 32 decodes at 1/8 of its size.
 """
 from __future__ import annotations
@@ -117,12 +119,29 @@ def read_image(path: str, *, gray: bool, out_size: Optional[Tuple[int, int]] = N
         if placement is not None:
             scale_x, scale_y = pixels.width / width, pixels.height / height  # < 1 where the JPEG decoded smaller
             left, top, right, bottom = placement.box
-            pixels = pixels.resize((out_size[1], out_size[0]), Image.BILINEAR,
-                                   box=(left * scale_x, top * scale_y, right * scale_x, bottom * scale_y))
-            if placement.flip:
-                pixels = pixels.transpose(Image.FLIP_LEFT_RIGHT)
+            box = pixel_box((left * scale_x, top * scale_y, right * scale_x, bottom * scale_y), pixels.size)
+            return resized(np.array(pixels.crop(box)), out_size, placement.flip)
         array = np.array(pixels)  # a copy torch may own
     return torch.from_numpy(array).unsqueeze(0) if gray else torch.from_numpy(array).permute(2, 0, 1).contiguous()
+
+
+def pixel_box(box: Box, size: Tuple[int, int]) -> Tuple[int, int, int, int]:
+    """``box`` rounded to whole pixels of an image of ``size`` (width, height), at least one pixel a side."""
+    width, height = size
+    left, top = min(max(round(box[0]), 0), width - 1), min(max(round(box[1]), 0), height - 1)
+    return left, top, min(max(round(box[2]), left + 1), width), min(max(round(box[3]), top + 1), height)
+
+
+def resized(crop: np.ndarray, out_size: Tuple[int, int], flip: bool) -> torch.Tensor:
+    """uint8 ``crop`` ([H, W] or [H, W, C]) as ``[C, *out_size]``, resized by torch's antialiased bilinear filter on
+    uint8 (Pillow's filter, within one level: tests/test_image_crops.py) and mirrored when ``flip``. torch's kernel
+    takes the pixels as Pillow lays them out (channels last) and, on a worker's one thread, resizes a
+    random-resized crop in about 40% of the time of Pillow's ``resize`` with the array conversion that followed it
+    (0.35 against 0.9 ms on 224-pixel crops of 200-800-pixel JPEGs): a quarter of a worker's time per image."""
+    x = torch.from_numpy(crop)
+    x = x[None, None] if x.dim() == 2 else x.permute(2, 0, 1)[None]
+    x = torch.nn.functional.interpolate(x, size=tuple(out_size), mode="bilinear", antialias=True, align_corners=False)[0]
+    return (x.flip(-1) if flip else x).contiguous()
 
 
 def _draft(image, gray: bool, placement: Optional[Placement], out_size, orientation: int, width: int,

@@ -11,7 +11,7 @@ flight at the start: the steady state) to the end of its last:
 - ``pillow``: the repo's reader (recipes/image_folder.py RandomCropImageFolder: Pillow with ``Image.draft``, EXIF
   orientation applied) in ``--workers`` DataLoader processes;
 - ``simplejpeg``: libjpeg-turbo through simplejpeg (its DCT scaling in place of draft, fast IDCT and upsampling;
-  EXIF orientation not read), the box then resized by Pillow, in the same DataLoader;
+  EXIF orientation not read), the box then resized as the repo's reader does, in the same DataLoader;
 - ``nvjpeg``: the files' bytes read by threads, decoded as one batch on the GPU by
   ``torchvision.io.decode_jpeg(device="cuda")``, each box cut and resized (bilinear, antialiased) on the GPU;
 - ``nvjpeg_decode``: the same decoding without the crops (what the GPU's decoder alone gives).
@@ -52,12 +52,9 @@ class SimplejpegCrops:
         return len(self.folder)
 
     def __getitem__(self, i: int):
-        import numpy as np
         import simplejpeg
-        import torch
-        from PIL import Image
 
-        from recipes.image_crops import random_resized_crop, sample_generator
+        from recipes.image_crops import pixel_box, random_resized_crop, resized, sample_generator
 
         f, size = self.folder, self.folder.shape[1:]
         data = Path(f.path(i)).read_bytes()
@@ -68,11 +65,8 @@ class SimplejpegCrops:
         pixels = simplejpeg.decode_jpeg(data, colorspace="RGB", fastdct=True, fastupsample=True,
                                         min_width=math.ceil(width * factor), min_height=math.ceil(height * factor))
         sx, sy = pixels.shape[1] / width, pixels.shape[0] / height
-        image = Image.fromarray(pixels).resize((size[1], size[0]), Image.BILINEAR,
-                                               box=(left * sx, top * sy, right * sx, bottom * sy))
-        if place.flip:
-            image = image.transpose(Image.FLIP_LEFT_RIGHT)
-        return torch.from_numpy(np.array(image)).permute(2, 0, 1).contiguous(), int(f.labels[i])
+        box = pixel_box((left * sx, top * sy, right * sx, bottom * sy), (pixels.shape[1], pixels.shape[0]))
+        return resized(pixels[box[1]:box[3], box[0]:box[2]], size, place.flip), int(f.labels[i])
 
 
 PREFETCH = 4  # batches each worker keeps in flight (DataLoader's prefetch_factor)

@@ -156,6 +156,29 @@ def test_the_crops_are_torchvisions_the_eval_crop_centered_after_resizing_as_the
 
 
 @pytest.mark.fast
+@pytest.mark.parametrize("gray", [False, True])
+def test_a_box_is_resized_by_pillows_filter_within_one_level_and_rounded_to_whole_pixels(tmp_path, gray):
+    """torch's antialiased bilinear kernel on uint8 replaces Pillow's resize: the same filter, so the same pixels
+    within one level, shrinking or enlarging, on detail as fine as noise, as torchvision's RandomResizedCrop makes
+    them (the box cut out, then resized: no pixel outside it counts); the flip mirrors the result."""
+    from PIL import Image
+
+    from recipes.image_crops import pixel_box, resized
+
+    rng = np.random.default_rng(0)
+    image = rng.integers(0, 256, (300, 280) if gray else (300, 280, 3), dtype=np.uint8)
+    for box, out in (((20, 10, 250, 290), (64, 48)), ((5, 7, 41, 30), (64, 64)), ((0, 0, 280, 300), (224, 224))):
+        crop = image[box[1]:box[3], box[0]:box[2]]
+        theirs = np.array(pil(crop).resize(out[::-1], Image.BILINEAR)).astype(int)
+        ours = resized(crop, out, flip=False)
+        assert ours.shape == ((1,) if gray else (3,)) + out and ours.dtype == torch.uint8 and ours.is_contiguous()
+        assert np.abs(pixels(ours).astype(int) - theirs).max() <= 1
+        assert torch.equal(resized(crop, out, flip=True), ours.flip(-1))
+    assert pixel_box((10.4, 2.6, 99.5, 50.2), (100, 60)) == (10, 3, 100, 50)  # the nearest whole pixels
+    assert pixel_box((-0.3, 59.8, 0.2, 60.4), (100, 60)) == (0, 59, 1, 60)  # inside the image, one pixel at least
+
+
+@pytest.mark.fast
 @pytest.mark.parametrize("orientation", [1, 6])
 def test_a_large_jpeg_decodes_at_the_scale_its_crop_needs_and_gives_the_full_decodes_pixels(tmp_path, monkeypatch,
                                                                                             orientation):
