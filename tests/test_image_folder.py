@@ -392,16 +392,19 @@ if __name__ == "__main__":
         threading.Thread(target=write_and_warn, daemon=True).start()
     pool = ThreadPoolExecutor(2)
     pool.map(lambda _: time.sleep(0.001), range(10**6))  # a pool's threads and its queue, busy all along
-    data = folder_datasets(sys.argv[1], recipe="mnist", shape=(1, 28, 28), num_classes=10, seed=0)
+    # 80 workers started while the threads run: each read starts two, and so does each loader (its workers persist
+    # across epochs, so every loader reads two epochs and closes); small splits, so that starting is most of it
+    data = folder_datasets(sys.argv[1], recipe="mnist", shape=(1, 28, 28), num_classes=10, seed=0, train_size=60)
     for _ in range(20):
-        assert len(data.train.to_split(workers=2).y) == 600
+        assert len(data.train.to_split(workers=2).y) == 60
     rt = Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), distributed=False, run_dir=None)
-    loader = HostLoader(data.train, 100, rt, train=True, seed=0, num_workers=2)
-    for epoch in range(20):
-        loader.start_epoch(epoch)
-        for _ in range(loader.steps):
-            loader.stage()
-    loader.close()
+    for _ in range(20):
+        loader = HostLoader(data.train, 20, rt, train=True, seed=0, num_workers=2)
+        for epoch in range(2):
+            loader.start_epoch(epoch)
+            for _ in range(loader.steps):
+                loader.stage()
+        loader.close()
     print("read", flush=True)
     os._exit(0)  # the busy threads never end
 '''
@@ -410,7 +413,8 @@ if __name__ == "__main__":
 def test_workers_never_inherit_a_lock_that_a_thread_of_their_rank_held(tmp_path):
     """A worker forked while another thread of its rank held a lock (stderr's, the warnings module's, a queue's)
     waits on it forever, and the rank on the worker: the suite once hung so in this folder's reader. Workers start
-    from a forkserver of one thread instead; 20 whole reads and 20 host-loader epochs, threads busy throughout."""
+    from a forkserver of one thread instead; 20 whole reads and 20 host loaders of two epochs each start 80
+    workers while the threads are busy."""
     images = [png(gray(i)) for i in range(30)]
     folder = write_folder(tmp_path / "folder", {split: {str(c): [images[(c * 7 + i) % 30] for i in range(60)]
                                                         for c in range(10)} for split in ("train", "test")})
