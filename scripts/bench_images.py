@@ -12,9 +12,10 @@ but one by default) and ``recipe.data.source=synthetic`` (images held on the GPU
 ratio column is each pair's folder run over its synthetic run, images per second from each run's own wall window
 over its timed steps (results.json ``perf/wall_samples_per_s``: every input wait inside it). Each row also
 records the start-up to the first step, the peak host memory of the whole run, loader workers included, the
-share of the loop's window spent waiting for the workers (results.json ``time/input_wait_s``), and the cores the run
-kept busy over its timed steps, with the training process's own share in brackets: all of the machine's cores
-busy and a wait says the decoding ran short of cores (scripts/lib/train_runs.py). Evaluation and checkpoints are
+share of the loop spent waiting for the workers (results.json ``time/input_wait_s``, warm-up's first batches too)
+and of the timed steps' wall window (``perf/wall_input_wait_s``: the steady state's), and the cores the run kept
+busy over its timed steps, with the training process's own share in brackets: all of the machine's cores busy and a
+wait says the decoding ran short of cores (scripts/lib/train_runs.py). Evaluation and checkpoints are
 off. Writes --output (JSON) and a Markdown table beside it, with the commit, versions and GPU.
 
 ``--references DIR``: also torchvision's own ``references/classification/train.py`` from DIR (a checkout of the
@@ -73,6 +74,7 @@ def run_once(args: argparse.Namespace, model: str, graph: str, source: str, work
             "startup_s": r["time/startup_s"], "first_step_s": r["time/first_step_s"],
             "rank_peak_host_mib": r["perf/peak_host_mib"], "run_peak_host_mib": r["host/tree_peak_mib"],
             "input_wait_share": r["time/input_wait_s"] / r["train_loop_s"],
+            "window_wait_share": r["perf/wall_input_wait_s"] / r["perf/wall_s"],
             "peak_cores_busy": r["host/tree_peak_cores"], "cores_busy": r["host/tree_cores"],
             "rank_cores_busy": r["host/launched_cores"]}
 
@@ -179,7 +181,7 @@ def main(argv: Sequence[str] = None) -> int:
     table = markdown_table(
         ["model", "graph", "source", "images/s (wall)", "step ms (median; references: mean)", "folder / synthetic",
          "this repo / it", "start-up s", "first step s", "host MiB (rank)", "host MiB (run, workers too)",
-         "loop waiting for input", "cores busy (the rank alone), timed steps"],
+         "loop waiting for input", "of it in the timed steps", "cores busy (the rank alone), timed steps"],
         [[r["model"], r["graph"], r["source"], f"{r['images_per_s']:,.0f}",
           round(r.get("step_ms_median", r.get("step_ms_mean", 0.0)), 2),
           f"{r['folder_over_synthetic']:.3f}" if "folder_over_synthetic" in r else "",
@@ -187,6 +189,7 @@ def main(argv: Sequence[str] = None) -> int:
           *([round(r["startup_s"], 1), round(r["first_step_s"], 1), round(r["rank_peak_host_mib"])]
             if "startup_s" in r else [""] * 3),  # the references report no start-up and no rank of their own
           round(r["run_peak_host_mib"]), f"{r['input_wait_share']:.1%}" if "input_wait_share" in r else "",
+          f"{r['window_wait_share']:.1%}" if "window_wait_share" in r else "",
           f"{r['cores_busy']:.1f} ({r['rank_cores_busy']:.1f})"]
          for r in rows])
     medians = {f"{m} {g}": statistics.median(r["folder_over_synthetic"] for r in ours

@@ -449,6 +449,9 @@ def test_a_dataset_recipe_trains_under_two_gloo_ranks_alike_on_both_loaders(tmp_
     assert host["final/eval_samples"] == 333  # padded batches, masked: each sample once
     assert host["final/eval_accuracy"] > 0.9
     assert 0 <= host["time/input_wait_s"] < host["train_loop_s"] and device["time/input_wait_s"] == 0
+    # inside the headline phase's wall window: part of the whole loop's wait (which also counts warm-up's batches)
+    assert 0 <= host["perf/wall_input_wait_s"] <= host["time/input_wait_s"] and host["timed_phase"] == "eager"
+    assert host["perf/wall_input_wait_s"] < host["perf/wall_s"] and device["perf/wall_input_wait_s"] == 0
 
 
 def test_a_host_loader_with_workers_exits_when_training_ends(debug_run_with_host_workers_and_a_broken_wandb):

@@ -144,6 +144,8 @@ class Trainer:
         self.history: deque = deque(maxlen=HISTORY_ROWS)  # the last logged train/eval rows
         self.comparison: Optional[Dict[str, Any]] = None
         self.clock: Dict[str, float] = {"eval_s": 0.0}  # where the loop's wall time went
+        # per phase: the loader's waited_s when its wall window opened (perf/wall_input_wait_s: the wait inside it)
+        self._waited_at_window: Dict[str, float] = {}
         self._last_train: Dict[str, float] = {}
         self._script_steps = 0  # steps next_step has run
         # The stall watchdog (trainer/run/watchdog.py), while fit runs under torchrun; the allowance of a step's
@@ -184,6 +186,7 @@ class Trainer:
         if watchdog is not None and not steady:  # its first time: compile, warm-up or capture take longer
             watchdog.expect(f"the first {phase} step of shape {shape}", self.allowance_s, step)
         self._steps_seen.add((phase, shape))
+        self._waited_at_window.setdefault(phase, self.train_loader.waited_s)
         self.perf.begin(phase)  # opens the phase's wall window at its first step (Perf.walls)
         self.executor.run(StepRole.train, self.train_loader.stage, partial(self.train_step, shape), shape)
         if watchdog is not None:
@@ -424,6 +427,12 @@ class Trainer:
         self.perf.timer.restart()
 
     # ---- the results -----------------------------------------------------------------
+    def _wall_input_wait(self, phase: str) -> Dict[str, float]:
+        """perf/wall_input_wait_s: the loop's wait for its host loader's workers inside ``phase``'s wall window (the
+        steady state's share of input, where time/input_wait_s also counts the first batches of warm-up)."""
+        opened = self._waited_at_window.get(phase)
+        return {} if opened is None else {"perf/wall_input_wait_s": self.train_loader.waited_s - opened}
+
     def _summary(self, steps: int, wall: float) -> Dict[str, Any]:
         report = self.executor.report
         headline_phase = self.phase()  # full steps make the headline
@@ -438,6 +447,7 @@ class Trainer:
             "train_loop_s": wall, **{f"time/{k}": v for k, v in self.clock.items()},
             "timed_phase": headline_phase,
             **self.perf.run_summary(headline_phase),
+            **self._wall_input_wait(headline_phase),
             **{f"final/{k.split('/')[-1]}": v for k, v in self._last_train.items() if k.startswith("train/")},
             **{f"final/eval_{k.split('/')[-1]}": v for k, v in self._last_eval.items()},
             **{f"graph/{k}": v for k, v in report.as_results().items()},
