@@ -214,6 +214,21 @@ TIED_GPT2 = ["recipe.model.config=null", "+recipe.model.config={model_type:gpt2,
              "n_positions:64,vocab_size:256,resid_pdrop:0.0,embd_pdrop:0.0,attn_pdrop:0.0}"]
 
 
+TRAINED = ("final/loss", "final/eval_loss", "final/accuracy", "final/grad_norm")  # what two runs must agree on
+
+
+def results_of(runs, *names):
+    """Each named run's results.json, once every run ended with 0."""
+    for done in runs.values():
+        assert done.returncode == 0, done.stderr[-3000:]
+    return [runs[name].results() for name in names]
+
+
+def assert_trained_alike(results, reference, keys=TRAINED):
+    for key in keys:
+        assert results[key] == pytest.approx(reference[key], rel=1e-4), key
+
+
 @transformers_needed
 @pytest.mark.parametrize("model", [[], TIED_GPT2], ids=["llama_untied", "gpt2_tied"])
 def test_hf_causal_lm_trains_alike_with_the_head_in_chunks(train_here, tmp_path, model):
@@ -222,11 +237,8 @@ def test_hf_causal_lm_trains_alike_with_the_head_in_chunks(train_here, tmp_path,
     needs_extra("transformers")
     runs = {chunk: train_here([*TINY, *model, f"recipe.model.head_chunk_tokens={chunk}"], tmp_path / str(chunk))
             for chunk in ("null", "100")}
-    for done in runs.values():
-        assert done.returncode == 0, done.stderr[-3000:]
-    whole, chunked = (runs[c].results() for c in ("null", "100"))
-    for key in ("final/loss", "final/eval_loss", "final/accuracy", "final/eval_accuracy", "final/grad_norm"):
-        assert chunked[key] == pytest.approx(whole[key], rel=1e-4), key
+    whole, chunked = results_of(runs, "null", "100")
+    assert_trained_alike(chunked, whole, (*TRAINED, "final/eval_accuracy"))
 
 
 @transformers_needed
@@ -244,11 +256,8 @@ def test_hf_causal_lm_trains_alike_with_the_head_at_the_loss_tokens_only(train_h
             "recipe.data.train_size=null", "recipe.data.test_size=null"]
     runs = {bound: train_here([*TINY, *data, f"recipe.model.head_loss_tokens_per_row={bound}"], tmp_path / bound)
             for bound in ("null", "64", "40")}
-    for done in runs.values():
-        assert done.returncode == 0, done.stderr[-3000:]
-    whole, at_loss, bounded = (runs[b].results() for b in ("null", "64", "40"))
-    for key in ("final/loss", "final/eval_loss", "final/accuracy", "final/eval_accuracy", "final/grad_norm"):
-        assert at_loss[key] == pytest.approx(whole[key], rel=1e-4), key
+    whole, at_loss, bounded = results_of(runs, "null", "64", "40")
+    assert_trained_alike(at_loss, whole, (*TRAINED, "final/eval_accuracy"))
     assert whole["data/loss_tokens"] < 0.7 * whole["data/real_tokens"]  # prompts carry none: fewer logits
     assert "(at most 40 a row)" in runs["40"].stdout and bounded["data/loss_tokens_per_row_bound"] == 40
     assert bounded["data/loss_tokens"] == whole["data/loss_tokens"]  # nothing dropped
@@ -292,12 +301,9 @@ def test_two_gloo_ranks_train_alike_with_the_head_in_chunks(tmp_path, parallel, 
     args = [a for a in TINY if a != "recipe=hf_causal_lm"]
     runs = launch_together({c: ["recipe=hf_causal_lm", *args, *model, *parallel, f"recipe.model.head_chunk_tokens={c}"]
                             for c in ("null", "50")}, tmp_path, nproc=2, timeout=240)
-    for done in runs.values():
-        assert done.returncode == 0, done.stderr[-3000:]
-    whole, chunked = (runs[c].results() for c in ("null", "50"))
+    whole, chunked = results_of(runs, "null", "50")
     assert whole["world_size"] == chunked["world_size"] == 2
-    for key in ("final/loss", "final/eval_loss", "final/accuracy", "final/grad_norm"):
-        assert chunked[key] == pytest.approx(whole[key], rel=1e-4), key
+    assert_trained_alike(chunked, whole)
 
 
 @transformers_needed
@@ -315,12 +321,9 @@ def test_two_gloo_ranks_under_fsdp2_train_alike_with_the_head_at_the_loss_tokens
     args = ["recipe=hf_causal_lm", *[a for a in TINY if a != "recipe=hf_causal_lm"], *data, *FSDP2_GATHERED_ROOT]
     runs = launch_together({bound: [*args, f"recipe.model.head_loss_tokens_per_row={bound}"]
                             for bound in ("null", "64")}, tmp_path / "runs", nproc=2, timeout=240)
-    for done in runs.values():
-        assert done.returncode == 0, done.stderr[-3000:]
-    whole, at_loss = (runs[b].results() for b in ("null", "64"))
+    whole, at_loss = results_of(runs, "null", "64")
     assert whole["world_size"] == at_loss["world_size"] == 2
-    for key in ("final/loss", "final/eval_loss", "final/accuracy", "final/grad_norm"):
-        assert at_loss[key] == pytest.approx(whole[key], rel=1e-4), key
+    assert_trained_alike(at_loss, whole)
 
 
 @pytest.mark.fast
