@@ -20,10 +20,13 @@ The box, rounded to whole pixels of the decoded image, is cut out and resized by
 bilinear resampling (``resized``: torch's kernel on uint8, the filter of Pillow's and torchvision's
 ``antialias=True``; as in RandomResizedCrop no pixel outside the box counts). A JPEG decodes at the
 smallest DCT scale (1, 1/2, 1/4, 1/8) that still gives the box at least the output's pixels
-(``Image.draft``): an 800-pixel photo cropped to 32 decodes at 1/8 of its size.
+(``dct_scale``, Pillow's ``draft`` rule): an 800-pixel photo cropped to 32 decodes at 1/8 of its size.
+A color or gray JPEG's body is decoded by simplejpeg where it is installed (``default_jpeg_decoder``: the
+same libjpeg-turbo call with the same settings, so the same pixels, in less CPU), by Pillow otherwise.
 """
 from __future__ import annotations
 
+import io
 import math
 from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
@@ -35,6 +38,9 @@ Box = Tuple[float, float, float, float]  # left, top, right, bottom
 CROP_STREAM = 0x1C80  # keeps these draws apart from any other use of the run seed
 SIXTEEN_BIT_GRAY = ("I;16", "I;16L", "I;16B", "I;16N", "I")
 TURNED = (5, 6, 7, 8)  # EXIF orientations that swap width and height
+# What turns each EXIF orientation upright (Pillow's ImageOps.exif_transpose table, by name)
+EXIF_TRANSPOSE = {2: "FLIP_LEFT_RIGHT", 3: "ROTATE_180", 4: "FLIP_TOP_BOTTOM", 5: "TRANSPOSE", 6: "ROTATE_270",
+                  7: "TRANSVERSE", 8: "ROTATE_90"}
 RATIO = (3 / 4, 4 / 3)  # torchvision's RandomResizedCrop default
 
 
@@ -90,39 +96,68 @@ def center_crop(width: int, height: int, out_size: Tuple[int, int], eval_resize_
     return Placement((left, top, left + box_w, top + box_h))
 
 
+def default_jpeg_decoder() -> str:
+    """"simplejpeg" where it is installed (requirements-images.txt), else "pillow". Both run libjpeg-turbo with
+    the same settings (accurate integer IDCT, smooth chroma upsampling, the same DCT scale), so they give the same
+    pixels (tests/test_image_crops.py); simplejpeg decodes into one array without Pillow's intermediate image, in
+    about a third less CPU a JPEG (docs/data.md, "Which decoder")."""
+    try:
+        import simplejpeg  # noqa: F401
+    except ImportError:
+        return "pillow"
+    return "simplejpeg"
+
+
 def read_image(path: str, *, gray: bool, out_size: Optional[Tuple[int, int]] = None,
-               place: Optional[Callable[[int, int], Placement]] = None) -> torch.Tensor:
+               place: Optional[Callable[[int, int], Placement]] = None,
+               jpeg_decoder: str = "pillow") -> torch.Tensor:
     """The image at ``path`` as uint8 ``[1, H, W]`` (``gray``) or ``[3, H, W]``, oriented by its EXIF tag.
 
     Without ``place``: the whole image. With it: ``place(width, height)`` of the oriented image
-    picks the box, resized to ``out_size`` (height, width). Raises UndecodableImage when Pillow
-    cannot decode the file."""
+    picks the box, resized to ``out_size`` (height, width). ``jpeg_decoder`` "simplejpeg" decodes the body of a
+    color or gray JPEG (Pillow still reads its header and EXIF, and decodes every other file). Raises
+    UndecodableImage when Pillow cannot decode the file."""
     from PIL import Image
 
     try:
-        image = Image.open(path)
+        with open(path, "rb") as f:
+            data = f.read()
+        image = Image.open(io.BytesIO(data))
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
         raise UndecodableImage(f"{type(e).__name__}: {e}") from None
-    with image:  # closing the file invalidates the image: everything up to the array happens inside
+    with image:
         try:
             orientation = image.getexif().get(0x0112, 1)  # (a PNG may keep its EXIF after the pixels: read here)
         except (OSError, SyntaxError, ValueError, EOFError) as e:
             raise UndecodableImage(f"{type(e).__name__}: {e}") from None
         width, height = image.size[::-1] if orientation in TURNED else image.size
         placement = place(width, height) if place is not None else None
+        scale = dct_scale(placement.box, out_size, width, height) if placement and image.format == "JPEG" else 1
         try:
-            if image.format == "JPEG":
-                _draft(image, gray, placement, out_size, orientation, width, height)
-            pixels = _decoded(image, gray, orientation)
+            pixels = None
+            if jpeg_decoder == "simplejpeg" and image.format == "JPEG" and image.mode in ("RGB", "L"):
+                pixels = _simplejpeg_pixels(data, gray, scale, image.size, orientation)
+            if pixels is None:
+                pixels = _pillow_pixels(image, gray, scale, orientation)
         except (OSError, SyntaxError, ValueError, EOFError) as e:
             raise UndecodableImage(f"{type(e).__name__}: {e}") from None
-        if placement is not None:
-            scale_x, scale_y = pixels.width / width, pixels.height / height  # < 1 where the JPEG decoded smaller
-            left, top, right, bottom = placement.box
-            box = pixel_box((left * scale_x, top * scale_y, right * scale_x, bottom * scale_y), pixels.size)
-            return resized(np.array(pixels.crop(box)), out_size, placement.flip)
-        array = np.array(pixels)  # a copy torch may own
-    return torch.from_numpy(array).unsqueeze(0) if gray else torch.from_numpy(array).permute(2, 0, 1).contiguous()
+    if placement is not None:
+        scale_x, scale_y = pixels.shape[1] / width, pixels.shape[0] / height  # < 1 where the JPEG decoded smaller
+        left, top, right, bottom = placement.box
+        box = pixel_box((left * scale_x, top * scale_y, right * scale_x, bottom * scale_y), pixels.shape[1::-1])
+        return resized(pixels[box[1]:box[3], box[0]:box[2]], out_size, placement.flip)
+    x = torch.from_numpy(pixels)
+    return x.unsqueeze(0) if gray else x.permute(2, 0, 1).contiguous()
+
+
+def dct_scale(box: Box, out_size: Tuple[int, int], width: int, height: int) -> int:
+    """The largest JPEG DCT scale divisor (1, 2, 4, 8) at which ``box`` of a ``width`` x ``height`` image still
+    has at least ``out_size``'s (height, width) pixels: the decoder then computes that much less. Pillow's
+    ``draft`` rule, in the upright image (turning swaps both sides, so the scale is the same)."""
+    left, top, right, bottom = box
+    factor = max(out_size[1] / (right - left), out_size[0] / (bottom - top))
+    fits = min(width // math.ceil(width * factor), height // math.ceil(height * factor))  # 0: the box is enlarged
+    return next((s for s in (8, 4, 2) if fits >= s), 1)
 
 
 def pixel_box(box: Box, size: Tuple[int, int]) -> Tuple[int, int, int, int]:
@@ -144,28 +179,39 @@ def resized(crop: np.ndarray, out_size: Tuple[int, int], flip: bool) -> torch.Te
     return (x.flip(-1) if flip else x).contiguous()
 
 
-def _draft(image, gray: bool, placement: Optional[Placement], out_size, orientation: int, width: int,
-           height: int) -> None:
-    """Asks libjpeg for the smallest DCT scale at which ``placement``'s box keeps at least ``out_size``'s
-    pixels (and for gray output, when ``gray``): it then decodes that much less."""
-    needed = None
-    if placement is not None:
-        left, top, right, bottom = placement.box
-        factor = max(out_size[1] / (right - left), out_size[0] / (bottom - top))
-        needed = (math.ceil(width * factor), math.ceil(height * factor))
-        needed = needed[::-1] if orientation in TURNED else needed  # the file stores it unturned
-    if gray or needed is not None:
-        image.draft("L" if gray else image.mode, needed)
+def _simplejpeg_pixels(data: bytes, gray: bool, scale: int, stored_size: Tuple[int, int], orientation: int):
+    """The JPEG in ``data`` decoded by simplejpeg at 1/``scale`` and turned upright: an ``[H, W]`` (``gray``) or
+    ``[H, W, 3]`` array; None where libjpeg-turbo reports a problem (Pillow then decodes it, or names what is
+    wrong, as it does for every file without simplejpeg)."""
+    import simplejpeg
+
+    width, height = stored_size
+    try:  # simplejpeg picks the smallest of libjpeg-turbo's eighths-scales that keeps these sizes: 1/scale
+        pixels = simplejpeg.decode_jpeg(data, colorspace="GRAY" if gray else "RGB",
+                                        min_width=-(-width // scale), min_height=-(-height // scale))
+    except ValueError:
+        return None
+    if gray:
+        pixels = pixels[:, :, 0]
+    if orientation in EXIF_TRANSPOSE:
+        from PIL import Image
+
+        pixels = np.array(Image.fromarray(pixels).transpose(Image.Transpose[EXIF_TRANSPOSE[orientation]]))
+    return pixels
 
 
-def _decoded(image, gray: bool, orientation: int):
-    """The file's pixels, turned upright, in mode "L" or "RGB"."""
+def _pillow_pixels(image, gray: bool, scale: int, orientation: int) -> np.ndarray:
+    """The file's pixels decoded by Pillow (a JPEG at 1/``scale``), turned upright, in mode "L" or "RGB", as an
+    ``[H, W]`` or ``[H, W, 3]`` array."""
     from PIL import ImageOps
 
+    if image.format == "JPEG" and (gray or scale > 1):
+        width, height = image.size
+        image.draft("L" if gray else image.mode, (width // scale, height // scale) if scale > 1 else None)
     image.load()
-    if orientation in (2, 3, 4, *TURNED):
+    if orientation in EXIF_TRANSPOSE:
         ImageOps.exif_transpose(image, in_place=True)
-    return eight_bit(image, gray)
+    return np.array(eight_bit(image, gray))
 
 
 def eight_bit(image, gray: bool):

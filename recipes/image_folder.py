@@ -32,8 +32,8 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from recipes.image_crops import (UndecodableImage, center_crop, random_resized_crop, read_image,
-                                 sample_generator)
+from recipes.image_crops import (UndecodableImage, center_crop, default_jpeg_decoder, random_resized_crop,
+                                 read_image, sample_generator)
 from trainer.data import read_every_item
 from trainer.data.workers import MAX_WORKERS, cores_per_rank
 from trainer.recipe import Datasets, Split
@@ -53,7 +53,8 @@ class ImageFolderDataset(torch.utils.data.Dataset):
 
     ``eval_resize_ratio`` None: every image has ``shape`` already and is read as it is; else the
     center crop of the image resized to ``shape``'s size / the ratio. A file Pillow cannot decode
-    gives its place to the next one (see the module docstring). Paths and labels are held in numpy
+    gives its place to the next one (see the module docstring). ``jpeg_decoder``: what decodes a JPEG's body
+    (recipes/image_crops.py ``read_image``; the same pixels either way). Paths and labels are held in numpy
     arrays rather than Python lists, so that forked DataLoader workers do not copy them page by page
     as reference counts change.
     """
@@ -64,6 +65,7 @@ class ImageFolderDataset(torch.utils.data.Dataset):
         self.files = np.array([f.encode() for f in files], dtype=bytes)  # relative to root
         self.labels = np.asarray(labels, dtype=np.int64)
         self.eval_resize_ratio = eval_resize_ratio
+        self.jpeg_decoder = default_jpeg_decoder()
         # Files skipped so far by this split's readers: pickled to DataLoader workers as shared memory.
         self.skipped = torch.zeros(1, dtype=torch.int64)
         self._warned: set = set()
@@ -88,9 +90,9 @@ class ImageFolderDataset(torch.utils.data.Dataset):
         """File ``j``'s pixels for sample ``i`` (``attempt`` > 0: a replacement for sample ``i``'s own file)."""
         path, gray = self.path(j), self.shape[0] == 1
         if self.eval_resize_ratio is not None:
-            return read_image(path, gray=gray, out_size=self.shape[1:],
+            return read_image(path, gray=gray, out_size=self.shape[1:], jpeg_decoder=self.jpeg_decoder,
                               place=lambda w, h: center_crop(w, h, self.shape[1:], self.eval_resize_ratio))
-        x = read_image(path, gray=gray)
+        x = read_image(path, gray=gray, jpeg_decoder=self.jpeg_decoder)
         if tuple(x.shape) != self.shape:  # headers were checked at build time: a file replaced since then
             raise UndecodableImage(f"it decodes to {_describe(x.shape)}, not the {_describe(self.shape)} its header "
                                    "said when the run began")
@@ -127,6 +129,7 @@ class RandomCropImageFolder(ImageFolderDataset):
     def read(self, j: int, i: int, attempt: int) -> torch.Tensor:
         rng = sample_generator(self.seed, self.epoch, i, attempt)
         return read_image(self.path(j), gray=self.shape[0] == 1, out_size=self.shape[1:],
+                          jpeg_decoder=self.jpeg_decoder,
                           place=lambda w, h: random_resized_crop(w, h, rng, self.crop_scale))
 
     def __repr__(self) -> str:
@@ -204,7 +207,10 @@ def folder_datasets(root: str, *, recipe: str, shape: Tuple[int, int, int], num_
         how = (f"widths {min(widths)}-{max(widths)} and heights {min(heights)}-{max(heights)} pixels: training on "
                f"random-resized crops "
                f"({data_key}.crop_scale=[{scale[0]},{scale[1]}]) and flips drawn anew each epoch, so the host loader "
-               f"serves them; evaluating on center crops (shorter side to {int(max(shape[1:]) / eval_resize_ratio)})")
+               f"serves them; evaluating on center crops (shorter side to {int(max(shape[1:]) / eval_resize_ratio)})"
+               + ("; JPEGs decoded by simplejpeg" if train.jpeg_decoder == "simplejpeg" else
+                  "; JPEGs decoded by Pillow (pip install -r requirements-images.txt: simplejpeg decodes the same "
+                  "pixels in less CPU)"))
     missing_classes = sorted(set(classes) - set(test_images))
     print_once(f"{data_key}.root={root}: {len(train)} images in train/ and {len(test)} in {test_dir}/ (the test split)"
                f", {len(classes)} classes, {how}"

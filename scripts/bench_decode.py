@@ -8,10 +8,10 @@ Each decoder produces what the training loader does: batches of ``--batch`` uint
 train/ (torchvision's RandomResizedCrop box and a flip, drawn per sample by recipes/image_crops.py), and is timed
 over one wall window from the end of its ``--warmup`` batches (for the loaders, after those their workers had in
 flight at the start: the steady state) to the end of its last:
-- ``pillow``: the repo's reader (recipes/image_folder.py RandomCropImageFolder: Pillow with ``Image.draft``, EXIF
-  orientation applied) in ``--workers`` DataLoader processes;
-- ``simplejpeg``: libjpeg-turbo through simplejpeg (its DCT scaling in place of draft, fast IDCT and upsampling;
-  EXIF orientation not read), the box then resized as the repo's reader does, in the same DataLoader;
+- ``pillow``: the repo's reader (recipes/image_folder.py RandomCropImageFolder: JPEGs decoded by Pillow at the DCT
+  scale the crop needs, EXIF orientation applied) in ``--workers`` DataLoader processes;
+- ``simplejpeg``: the same reader with the JPEGs' bodies decoded by simplejpeg (``jpeg_decoder="simplejpeg"``, what
+  training uses when it is installed: the same pixels), in the same DataLoader;
 - ``nvjpeg``: the files' bytes read by threads, decoded as one batch on the GPU by
   ``torchvision.io.decode_jpeg(device="cuda")``, each box cut and resized (bilinear, antialiased) on the GPU;
 - ``nvjpeg_decode``: the same decoding without the crops (what the GPU's decoder alone gives).
@@ -22,7 +22,6 @@ Prints a table and writes --output (JSON) with the commit, versions and GPU.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
@@ -39,34 +38,6 @@ from scripts.lib.refuse import refuse  # noqa: E402
 from trainer.metrics.results import markdown_table, write_json  # noqa: E402
 
 DECODERS = ("pillow", "simplejpeg", "nvjpeg", "nvjpeg_decode")
-
-
-class SimplejpegCrops:
-    """The same samples as ``RandomCropImageFolder``, decoded by simplejpeg at the smallest DCT scale that keeps
-    the box's pixels (a map-style dataset: DataLoader needs only len and getitem)."""
-
-    def __init__(self, folder):
-        self.folder = folder
-
-    def __len__(self) -> int:
-        return len(self.folder)
-
-    def __getitem__(self, i: int):
-        import simplejpeg
-
-        from recipes.image_crops import pixel_box, random_resized_crop, resized, sample_generator
-
-        f, size = self.folder, self.folder.shape[1:]
-        data = Path(f.path(i)).read_bytes()
-        width, height, _, _ = simplejpeg.decode_jpeg_header(data)
-        place = random_resized_crop(width, height, sample_generator(f.seed, f.epoch, i), f.crop_scale)
-        left, top, right, bottom = place.box
-        factor = max(size[1] / (right - left), size[0] / (bottom - top))
-        pixels = simplejpeg.decode_jpeg(data, colorspace="RGB", fastdct=True, fastupsample=True,
-                                        min_width=math.ceil(width * factor), min_height=math.ceil(height * factor))
-        sx, sy = pixels.shape[1] / width, pixels.shape[0] / height
-        box = pixel_box((left * sx, top * sy, right * sx, bottom * sy), (pixels.shape[1], pixels.shape[0]))
-        return resized(pixels[box[1]:box[3], box[0]:box[2]], size, place.flip), int(f.labels[i])
 
 
 PREFETCH = 4  # batches each worker keeps in flight (DataLoader's prefetch_factor)
@@ -242,8 +213,8 @@ def main(argv: Sequence[str] = None) -> int:
             rate = time_nvjpeg(folder, args.batch, args.batches, args.warmup, args.workers, crops=name == "nvjpeg")
             how = f"GPU, {args.workers} reader threads" + ("" if name == "nvjpeg" else ", decoding only (no crops)")
         else:
-            dataset = folder if name == "pillow" else SimplejpegCrops(folder)
-            rate = time_loader(dataset, args.batch, args.batches, args.warmup, args.workers)
+            folder.jpeg_decoder = name
+            rate = time_loader(folder, args.batch, args.batches, args.warmup, args.workers)
             how = f"{args.workers} DataLoader workers"
         rows.append({"decoder": name, "images_per_s": rate, "how": how, "version": installed(
             {"pillow": "pillow", "simplejpeg": "simplejpeg"}.get(name, "torchvision"))})

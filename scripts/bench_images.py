@@ -83,14 +83,15 @@ def train_images(root: Path) -> int:
     return sum(1 for f in (root / "train").rglob("*") if f.is_file())
 
 
-def epoch_end_note(root: Path, batch: int, steps: int) -> Optional[str]:
+def epoch_end_note(root: Path, batch: int, steps: int, drop_last: bool = False) -> Optional[str]:
     """Why a short folder's numbers are not the step's: each epoch's end falls inside this repo's runs, and with it a
-    tail step (a partial batch; under full_compiled the first compiles a step of its own, tens of seconds)."""
+    tail step (a partial batch; under full_compiled the first compiles a step of its own, tens of seconds), unless
+    ``drop_last`` (``recipe.data.drop_last=true``) drops it."""
     images = train_images(root)
-    per_epoch = math.ceil(images / batch)
+    per_epoch = images // batch if drop_last else math.ceil(images / batch)
     if per_epoch >= steps:
         return None
-    tail = images % batch
+    tail = 0 if drop_last else images % batch
     return (f"note: an epoch of {root} is {per_epoch} steps of {batch}"
             + (f" (the last a tail of {tail} images)" if tail else "") + f", fewer than a run's {steps}: its "
             f"steps hold {(steps - 1) // per_epoch} epoch end(s)" + (" and their tail steps (under "
@@ -143,7 +144,7 @@ def main(argv: Sequence[str] = None) -> int:
     parser.add_argument("--output", type=Path, default=ROOT / "scripts" / "results" / "images.json")
     parser.add_argument("--references", type=Path, default=None,
                         help="a folder holding torchvision's references/classification/train.py: run it too")
-    args, _ = script_config(parser, argv, defaults=DEFAULTS)  # composed once: a bad override is said before any run
+    args, cfg = script_config(parser, argv, defaults=DEFAULTS)  # composed once: a bad override is said before any run
     check_overrides(args.overrides, SETS, SCRIPT)
     if not (args.root / "train").is_dir():
         refuse(f"{SCRIPT}: --root {args.root} has no train/ folder: give an image folder (train/<class>/*.jpg and "
@@ -154,7 +155,7 @@ def main(argv: Sequence[str] = None) -> int:
     if args.steps < 30 or args.repeats < 1:
         parser.error("--steps must be at least 30 (the first are warm-up and capture) and --repeats at least 1")
     args.root = args.root.resolve()
-    note = epoch_end_note(args.root, args.batch, args.steps)
+    note = epoch_end_note(args.root, args.batch, args.steps, bool(cfg.recipe.data.get("drop_last", False)))
     if note:
         print(f"{SCRIPT}: {note}", flush=True)
     rows: List[Dict[str, Any]] = []

@@ -54,3 +54,5 @@ def test_a_folder_whose_epoch_is_shorter_than_a_run_is_said_with_its_tail(tmp_pa
                     "times the step alone")
     assert "tail" not in epoch_end_note(tmp_path, batch=5, steps=30)  # 2 whole steps an epoch
     assert epoch_end_note(tmp_path, batch=1, steps=10) is None  # an epoch of 10 steps holds a run of 10
+    dropped = epoch_end_note(tmp_path, batch=4, steps=30, drop_last=True)  # recipe.data.drop_last=true: no tail
+    assert "tail" not in dropped and "an epoch of" in dropped and "is 2 steps of 4" in dropped

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from helpers.availability import needs_extra
 from recipes.image_crops import (UndecodableImage, center_crop, random_resized_crop, read_image,
                                  sample_generator)
 from recipes.image_folder import folder_datasets
@@ -178,31 +179,90 @@ def test_a_box_is_resized_by_pillows_filter_within_one_level_and_rounded_to_whol
     assert pixel_box((-0.3, 59.8, 0.2, 60.4), (100, 60)) == (0, 59, 1, 60)  # inside the image, one pixel at least
 
 
+DECODERS = ["pillow", pytest.param("simplejpeg", marks=pytest.mark.extras)]
+# (crop scale, output size): boxes decoded at 1/8 down to 1 of the file's size, and enlarged
+CROPS = (((0.9, 1.0), (32, 32)), ((0.2, 0.5), (48, 40)), ((0.9, 1.0), (224, 224)), ((0.5, 1.0), (70, 64)),
+         ((0.08, 0.2), (24, 24)))
+
+
+def decoder_available(name: str) -> None:
+    if name == "simplejpeg":
+        needs_extra("simplejpeg")
+
+
 @pytest.mark.fast
+@pytest.mark.parametrize("decoder", DECODERS)
 @pytest.mark.parametrize("orientation", [1, 6])
 def test_a_large_jpeg_decodes_at_the_scale_its_crop_needs_and_gives_the_full_decodes_pixels(tmp_path, monkeypatch,
-                                                                                            orientation):
+                                                                                            orientation, decoder):
     from PIL import Image
 
     import recipes.image_crops as crops
 
+    decoder_available(decoder)
     y, x = np.mgrid[0:600, 0:800]
     photo = np.dstack([x * 255 // 799, y * 255 // 599, ((x // 40 + y // 40) % 2) * 200]).astype(np.uint8)
     exif = Image.Exif()
     exif[0x0112] = orientation  # 6: stored on its side, the crop drawn in the upright 600x800 image
     path = str(save(tmp_path / "photo.jpg", pil(photo), quality=92, exif=exif.tobytes()))
-    drafted = []
-    original = crops._draft
-    monkeypatch.setattr(crops, "_draft", lambda image, *args: (original(image, *args), drafted.append(image.size)))
+    scales = []
+    original = crops.dct_scale
+    monkeypatch.setattr(crops, "dct_scale", lambda *args: scales.append(original(*args)) or scales[-1])
 
     def crop(w, h):
         return random_resized_crop(w, h, sample_generator(0, 0, 1), (0.5, 1.0))
 
-    small = read_image(path, gray=False, out_size=(32, 32), place=crop)
-    assert drafted[-1][0] <= 200  # decoded at 1/4 or 1/8: the crop keeps >= 32 pixels a side
-    monkeypatch.setattr(crops, "_draft", lambda *args: None)
-    full = read_image(path, gray=False, out_size=(32, 32), place=crop)
+    small = read_image(path, gray=False, out_size=(32, 32), place=crop, jpeg_decoder=decoder)
+    assert scales[-1] >= 4  # decoded at 1/4 or 1/8: the crop keeps >= 32 pixels a side
+    monkeypatch.setattr(crops, "dct_scale", lambda *args: 1)
+    full = read_image(path, gray=False, out_size=(32, 32), place=crop, jpeg_decoder=decoder)
     assert (small.float() - full.float()).abs().mean() < 4  # what the model sees is the same picture
+
+
+@pytest.mark.extras
+def test_simplejpeg_gives_pillows_pixels_for_every_scale_mode_subsampling_and_orientation(tmp_path):
+    """The optional decoder is a speed-up only: on detail as fine as noise, every DCT scale (crops from the whole
+    image down to 1/8), gray and color output, gray/4:2:0/4:4:4/progressive files and all eight EXIF orientations,
+    its samples equal Pillow's bit for bit; a CMYK JPEG and a truncated one go to Pillow, which reads the first as
+    before and names the second."""
+    from PIL import Image
+
+    needs_extra("simplejpeg")
+    rng = np.random.default_rng(0)
+    noise = rng.integers(0, 256, (300, 440, 3), dtype=np.uint8)
+    smooth = np.repeat(np.repeat(noise[::20, ::20], 20, 0), 20, 1)[:300, :440]
+    photo = ((noise.astype(int) + 3 * smooth) // 4).astype(np.uint8)
+    files = {"420": dict(quality=90), "444": dict(quality=95, subsampling=0),
+             "progressive": dict(quality=80, progressive=True)}
+    paths = []
+    for orientation in range(1, 9):
+        exif = Image.Exif()
+        exif[0x0112] = orientation
+        for name, options in files.items():
+            paths.append(save(tmp_path / f"{name}-{orientation}.jpg", pil(photo), exif=exif.tobytes(), **options))
+        paths.append(save(tmp_path / f"gray-{orientation}.jpg", pil(photo[:, :, 0]), exif=exif.tobytes(),
+                          quality=90))
+    compared = 0
+    for path in paths:
+        for gray in (False, True):
+            whole = [read_image(str(path), gray=gray, jpeg_decoder=d) for d in ("pillow", "simplejpeg")]
+            assert torch.equal(*whole), path
+            for index, (scale, out) in enumerate(CROPS):
+                crops = [read_image(str(path), gray=gray, out_size=out, jpeg_decoder=d,
+                                    place=lambda w, h: random_resized_crop(w, h, sample_generator(0, 0, index), scale))
+                         for d in ("pillow", "simplejpeg")]
+                assert torch.equal(*crops), (path, gray, scale, out)
+                compared += 1
+    assert compared == len(paths) * 2 * len(CROPS)
+    from recipes.image_crops import dct_scale
+    assert {dct_scale((0, 0, 440, 300), out, 440, 300) for out in ((32, 32), (70, 64), (224, 224))} == {8, 4, 1}
+    cmyk = save(tmp_path / "c.jpg", Image.fromarray(photo).convert("CMYK"), quality=95)
+    assert torch.equal(read_image(str(cmyk), gray=False, jpeg_decoder="simplejpeg"),
+                       read_image(str(cmyk), gray=False, jpeg_decoder="pillow"))
+    broken = tmp_path / "broken.jpg"
+    broken.write_bytes(paths[0].read_bytes()[:2000])
+    with pytest.raises(UndecodableImage, match="(?i)truncated"):
+        read_image(str(broken), gray=False, jpeg_decoder="simplejpeg")
 
 
 # ---- undecodable files -------------------------------------------------------------------

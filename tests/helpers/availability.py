@@ -11,7 +11,8 @@ def cuda_count() -> int:
 
 # Optional extras: the module a test needs -> the requirements file that installs it. The README's set-up installs
 # requirements.txt alone, so a test that needs one of these skips without it, saying how to get it.
-EXTRAS = {"transformers": "requirements-hf.txt", "torchao": "requirements-float8.txt"}
+EXTRAS = {"transformers": "requirements-hf.txt", "torchao": "requirements-float8.txt",
+          "simplejpeg": "requirements-images.txt"}
 
 
 def needs_extra(module: str):
