@@ -4,9 +4,9 @@ Modes are converted as torchvision's references load images (Pillow's ``convert(
 for a gray recipe): palette and CMYK through Pillow's tables, alpha dropped (not composited onto a
 background), gray repeated into three channels. A 16-bit gray PNG (Pillow's ``I;16``, which
 ``convert`` would clip at 255) is scaled to 8 bits, ``round(value / 257)``; 16-bit color PNGs
-Pillow already reads as 8-bit (their high byte). EXIF orientation is applied
-(``ImageOps.exif_transpose``) before anything else, so crops are drawn in the image as a viewer
-shows it; torchvision's references do not apply it.
+Pillow already reads as 8-bit (their high byte). EXIF orientation is applied (the transposes of
+Pillow's ``ImageOps.exif_transpose``) before anything else, so crops are drawn in the image as a
+viewer shows it; torchvision's references do not apply it.
 
 Geometry, in the oriented image's pixels:
 - training, ``random_resized_crop``: torchvision's RandomResizedCrop rule (an area share drawn
@@ -38,7 +38,7 @@ Box = Tuple[float, float, float, float]  # left, top, right, bottom
 CROP_STREAM = 0x1C80  # keeps these draws apart from any other use of the run seed
 SIXTEEN_BIT_GRAY = ("I;16", "I;16L", "I;16B", "I;16N", "I")
 TURNED = (5, 6, 7, 8)  # EXIF orientations that swap width and height
-# What turns each EXIF orientation upright (Pillow's ImageOps.exif_transpose table, by name)
+# What turns each EXIF orientation upright (the table of Pillow's ImageOps.exif_transpose, by name)
 EXIF_TRANSPOSE = {2: "FLIP_LEFT_RIGHT", 3: "ROTATE_180", 4: "FLIP_TOP_BOTTOM", 5: "TRANSPOSE", 6: "ROTATE_270",
                   7: "TRANSVERSE", 8: "ROTATE_90"}
 RATIO = (3 / 4, 4 / 3)  # torchvision's RandomResizedCrop default
@@ -191,27 +191,26 @@ def _simplejpeg_pixels(data: bytes, gray: bool, scale: int, stored_size: Tuple[i
                                         min_width=-(-width // scale), min_height=-(-height // scale))
     except ValueError:
         return None
-    if gray:
-        pixels = pixels[:, :, 0]
-    if orientation in EXIF_TRANSPOSE:
-        from PIL import Image
-
-        pixels = np.array(Image.fromarray(pixels).transpose(Image.Transpose[EXIF_TRANSPOSE[orientation]]))
-    return pixels
+    return _upright(pixels[:, :, 0] if gray else pixels, orientation)
 
 
 def _pillow_pixels(image, gray: bool, scale: int, orientation: int) -> np.ndarray:
     """The file's pixels decoded by Pillow (a JPEG at 1/``scale``), turned upright, in mode "L" or "RGB", as an
     ``[H, W]`` or ``[H, W, 3]`` array."""
-    from PIL import ImageOps
-
     if image.format == "JPEG" and (gray or scale > 1):
         width, height = image.size
         image.draft("L" if gray else image.mode, (width // scale, height // scale) if scale > 1 else None)
     image.load()
-    if orientation in EXIF_TRANSPOSE:
-        ImageOps.exif_transpose(image, in_place=True)
-    return np.array(eight_bit(image, gray))
+    return _upright(np.array(eight_bit(image, gray)), orientation)
+
+
+def _upright(pixels: np.ndarray, orientation: int) -> np.ndarray:
+    """``pixels`` as stored, turned as their EXIF ``orientation`` says a viewer shows them (Pillow's transposes)."""
+    if orientation not in EXIF_TRANSPOSE:
+        return pixels
+    from PIL import Image
+
+    return np.array(Image.fromarray(pixels).transpose(Image.Transpose[EXIF_TRANSPOSE[orientation]]))
 
 
 def eight_bit(image, gray: bool):

@@ -82,8 +82,8 @@ def assert_all_ended(mark: str, pid_dir: Path) -> None:
 def past_its_timeout(run: Callable[[float, Path], T], tmp_path: Path) -> Tuple[T, float, Path]:
     """``run(timeout, pid_dir)``, a launch stopped by its timeout, tried again with a longer one where the
     ranks were not in their group before it (a loaded machine: beside the suite's other stream an 8 s try once
-    came too early, and a 4x second try made the test 44 s): only a stop that finds them running shows anything. Returns what
-    ``run`` did, its timeout and where the ranks wrote their pids."""
+    came too early, and a 4x second try made the test 44 s): only a stop that finds them running shows anything.
+    Returns what ``run`` did, its timeout and where the ranks wrote their pids."""
     for timeout in (TIMEOUT_S, 2 * TIMEOUT_S, 6 * TIMEOUT_S):
         pid_dir = tmp_path / f"ranks_{timeout}"
         pid_dir.mkdir()
